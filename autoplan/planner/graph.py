@@ -1,0 +1,62 @@
+"""The traced graph: an ATen-level torch.fx graph whose every node knows its shape, dtype,
+FLOPs, bytes, the module it came from and the parameters it reads."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What the planner knows about one fx node.
+
+    ``kind`` is one of ``"parameter"``, ``"buffer"``, ``"input"`` (a user input), ``"op"``
+    (a call_function) or ``"output"``. ``shape``/``dtype``/``itemsize`` describe the node's
+    first tensor output (``None``/``""``/0 when it produces no tensor). ``flops`` is the
+    forward FLOPs of the op (torch.utils.flop_counter; 0 for ops it does not count), ``bytes``
+    the bytes it reads plus writes. ``module`` is the qualified name of the innermost
+    nn.Module the op came from (``""`` for the root), ``module_type`` its class name.
+    ``params`` are the FQNs of parameters (and buffers) among the op's direct inputs;
+    ``fqn`` is the FQN of a parameter/buffer placeholder itself.
+    """
+
+    name: str
+    kind: str
+    target: str
+    shape: tuple[int, ...] | None
+    dtype: str
+    itemsize: int
+    flops: float
+    bytes: float
+    module: str
+    module_type: str
+    params: tuple[str, ...]
+    fqn: str | None = None
+
+
+@dataclass
+class TracedGraph:
+    """The traced model. ``graph_module`` computes ``(loss, *model_outputs)`` from
+    ``(*params_and_buffers, *user_inputs)`` as torch.export lifts them; ``nodes`` is in graph
+    order and keyed by fx node name. ``graph_hash`` identifies the graph (ops, shapes, dtypes)
+    so that a plan can be tied to it."""
+
+    graph_module: torch.fx.GraphModule
+    nodes: dict[str, NodeInfo]
+    graph_hash: str
+    input_names: list[str]  # placeholder names of the user inputs, in order
+    param_names: dict[str, str] = field(default_factory=dict)  # placeholder name -> FQN (params and buffers)
+    exported: Any = None  # the torch.export.ExportedProgram, when kept
+
+    def fx_node(self, name: str) -> torch.fx.Node:
+        for node in self.graph_module.graph.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(name)
+
+    @property
+    def total_flops(self) -> float:
+        return sum(n.flops for n in self.nodes.values())

@@ -1,0 +1,112 @@
+"""Sharding vocabulary shared by every pass: placements and sharding specs.
+
+A *placement* says what one mesh axis does with a tensor:
+
+- ``R``    replicated: every device on the axis holds the whole tensor;
+- ``S(d)`` sharded on tensor dim ``d`` (for a weight matrix ``S(0)`` is row-, ``S(1)`` column-sharded);
+- ``P``    partial sums: every device holds an addend, the value is their sum.
+
+A *sharding spec* is one placement per mesh axis, written like Alpa: ``S0R``, ``RS1``, ``PR``.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, order=True)
+class Placement:
+    kind: str  # "R", "S" or "P"
+    dim: int = -1  # tensor dim, for "S" only
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("R", "S", "P"):
+            raise ValueError(f"placement kind must be R, S or P, not {self.kind!r}")
+        if (self.kind == "S") != (self.dim >= 0):
+            raise ValueError(f"placement {self.kind} with dim {self.dim} is malformed")
+
+    @property
+    def is_shard(self) -> bool:
+        return self.kind == "S"
+
+    @property
+    def is_replicate(self) -> bool:
+        return self.kind == "R"
+
+    @property
+    def is_partial(self) -> bool:
+        return self.kind == "P"
+
+    def __str__(self) -> str:  # plan.json form
+        return f"S({self.dim})" if self.kind == "S" else self.kind
+
+    def short(self) -> str:  # Alpa-style form used inside spec names
+        return f"S{self.dim}" if self.kind == "S" else self.kind
+
+
+R = Placement("R")
+P = Placement("P")
+
+
+def S(dim: int) -> Placement:
+    return Placement("S", dim)
+
+
+ShardingSpec = tuple[Placement, ...]
+
+_PLACEMENT_RE = re.compile(r"^(R|P|S\((\d+)\)|S(\d+))$")
+
+
+def parse_placement(text: str) -> Placement:
+    """Parse ``"R"``, ``"P"``, ``"S(1)"`` or ``"S1"``."""
+    m = _PLACEMENT_RE.match(text.strip())
+    if not m:
+        raise ValueError(f"cannot read placement {text!r}: expected R, P or S(d)")
+    if m.group(1) in ("R", "P"):
+        return Placement(m.group(1))
+    return S(int(m.group(2) or m.group(3)))
+
+
+def spec_name(spec: ShardingSpec) -> str:
+    """Alpa-style name of a spec: ``S0R``, ``RS1``; a 0-axis spec is ``-``."""
+    return "".join(p.short() for p in spec) or "-"
+
+
+def spec_to_json(spec: ShardingSpec) -> list[str]:
+    return [str(p) for p in spec]
+
+
+def spec_from_json(items: list[str]) -> ShardingSpec:
+    return tuple(parse_placement(x) for x in items)
+
+
+def replicated(ndim_mesh: int) -> ShardingSpec:
+    return (R,) * ndim_mesh
+
+
+def shard_factor(spec: ShardingSpec, mesh_shape: tuple[int, ...], dim: int) -> int:
+    """How many pieces tensor dim ``dim`` is cut into by ``spec``."""
+    return math.prod(n for p, n in zip(spec, mesh_shape) if p.is_shard and p.dim == dim)
+
+
+def local_shape(shape: tuple[int, ...], spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Per-device shape of a tensor of global ``shape`` under ``spec`` (dims assumed divisible)."""
+    out = list(shape)
+    for p, n in zip(spec, mesh_shape):
+        if p.is_shard:
+            out[p.dim] //= n
+    return tuple(out)
+
+
+def is_valid(spec: ShardingSpec, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> bool:
+    """True when every sharded dim exists and is divided evenly by the mesh axes sharding it."""
+    for d in {p.dim for p in spec if p.is_shard}:
+        if d >= len(shape) or shape[d] % shard_factor(spec, mesh_shape, d) != 0:
+            return False
+    return True
+
+
+def num_elements_local(shape: tuple[int, ...], spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> int:
+    return math.prod(local_shape(shape, spec, mesh_shape))
