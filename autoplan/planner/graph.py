@@ -14,7 +14,8 @@ class NodeInfo:
     """What the planner knows about one fx node.
 
     ``kind`` is one of ``"parameter"``, ``"buffer"``, ``"input"`` (a user input), ``"op"``
-    (a call_function) or ``"output"``. ``shape``/``dtype``/``itemsize`` describe the node's
+    (a call_function) or ``"output"`` — or, rarely, ``"constant"`` (a tensor attribute that is
+    neither parameter nor buffer, which export lifts as an input). ``shape``/``dtype``/``itemsize`` describe the node's
     first tensor output (``None``/``""``/0 when it produces no tensor). ``flops`` is the
     forward FLOPs of the op (torch.utils.flop_counter; 0 for ops it does not count), ``bytes``
     the bytes it reads plus writes. ``module`` is the qualified name of the innermost
@@ -50,6 +51,11 @@ class TracedGraph:
     input_names: list[str]  # placeholder names of the user inputs, in order
     param_names: dict[str, str] = field(default_factory=dict)  # placeholder name -> FQN (params and buffers)
     exported: Any = None  # the torch.export.ExportedProgram, when kept
+    # Tied parameters: one tensor under several FQNs (GPT-2's lm_head.weight and
+    # transformer.wte.weight). Export keeps a placeholder per FQN but every use reads one of them;
+    # this maps each other FQN (whose placeholder has no users) to the FQN the graph reads.
+    # Count such a tensor once, and keep it one parameter after distribution.
+    tied: dict[str, str] = field(default_factory=dict)
 
     def fx_node(self, name: str) -> torch.fx.Node:
         for node in self.graph_module.graph.nodes:

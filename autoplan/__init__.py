@@ -1,0 +1,1 @@
+"""autoplan: an automatic parallelization planner for PyTorch."""

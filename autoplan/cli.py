@@ -1,0 +1,102 @@
+"""The ``autoplan`` command: ``autoplan model.py --devices 8``.
+
+Plans the model in ``model.py``, prints a summary (mesh, predicted step time and memory,
+the placement of every parameter, the strategy of every op, the collectives of a step) and
+writes ``plan.json`` into ``--out``. User errors print one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+from autoplan.cost_models import OptimizerSpec, parse_memory_size
+from autoplan.cost_models.presets import PRESET_NAMES
+from autoplan.errors import AutoplanError
+from autoplan.planner.api import make_options, plan_spec
+from autoplan.planner.load import load_model_file
+from autoplan.planner.meshes import parse_mesh
+from autoplan.planner.summary import summary_text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autoplan",
+        description="Plan how to parallelize a PyTorch model over many devices (intra-op sharding by ILP).",
+    )
+    parser.add_argument("model_file", help="a Python file defining `model` and `example_inputs` (optionally `loss_fn`)")
+    parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
+    parser.add_argument("--cluster", default="h100",
+                        help=f"a preset ({', '.join(PRESET_NAMES)}) or a TOML cluster file (default h100)")
+    parser.add_argument("--devices-per-node", type=int, default=None, help="override the cluster's devices per node")
+    parser.add_argument("--memory-per-device", default=None, help="override the device memory, e.g. 40GB or 38GiB")
+    parser.add_argument("--mesh", default=None, help="pin the logical mesh, e.g. 8 or 2x4 (default: try all)")
+    parser.add_argument("--model", default="model", help="name of the model in the file (default: model)")
+    parser.add_argument("--inputs", default="example_inputs", help="name of the inputs (default: example_inputs)")
+    parser.add_argument("--loss", default="loss_fn", help="name of the loss function (default: loss_fn, optional)")
+    parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or sgd-momentum (default adam)")
+    parser.add_argument("--mixed-precision", action="store_true", help="bf16 params/grads with fp32 optimizer state")
+    parser.add_argument("--solver", default="highs", choices=("highs", "cbc"), help="ILP solver (default highs)")
+    parser.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per mesh")
+    parser.add_argument("--out", default="autoplan_out", help="output folder for plan.json (default autoplan_out)")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
+    return parser
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def run(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.devices < 1:
+        raise AutoplanError(f"--devices must be at least 1, got {args.devices}")
+    memory = parse_memory_size(args.memory_per_device) if args.memory_per_device else None
+    mesh = parse_mesh(args.mesh, args.devices) if args.mesh else None
+    optimizer = OptimizerSpec(args.optimizer.lower(), args.mixed_precision)
+    optimizer.state_bytes_per_param(4)  # validates the name before the slow work
+    options = make_options(args.devices, args.cluster, mesh, memory, args.devices_per_node, optimizer,
+                           args.solver, args.time_limit)
+    import time
+
+    start = time.perf_counter()
+    spec = load_model_file(args.model_file, args.model, args.inputs, args.loss)
+    load_s = time.perf_counter() - start
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan, _graph = plan_spec(spec, options, {"load": load_s})
+    for w in caught:
+        if "autoplan" in type(w.message).__module__:
+            print(f"autoplan: warning: {w.message}", file=sys.stderr)
+    text = plan.to_json()
+    _write_atomically(Path(args.out) / "plan.json", text + "\n")
+    if args.json:
+        print(text)
+    else:
+        print(summary_text(plan))
+        print(f"\nwrote {Path(args.out) / 'plan.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        code = run(argv)
+    except AutoplanError as e:
+        print(f"autoplan: error: {e}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        print("autoplan: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,312 @@
+"""A cluster: identical devices grouped into nodes, a fast link inside a node and a slower one
+between nodes; which of the two each mesh axis uses; and the cluster's dict/TOML forms.
+
+TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` reads)::
+
+    name = "my-cluster"
+    preset = "h100"            # optional: start from a preset, the keys below override it
+    devices_per_node = 8
+    [device]
+    name = "h100"
+    memory_gb = 80             # decimal GB
+    memory_bandwidth_gbps = 3350   # GB/s
+    [device.peak_tflops]
+    float32 = 67
+    bfloat16 = 989
+    [intra_node]
+    bandwidth_gbps = 450       # GB/s
+    latency_us = 3
+    [inter_node]
+    bandwidth_gbps = 50
+    latency_us = 10
+
+Numbers are converted with decimal arithmetic, so ``to_toml`` followed by reading gives back
+exactly the same floats.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from autoplan.errors import AutoplanError
+
+from .hardware import DeviceSpec, LinkSpec
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``devices_per_node`` identical ``device``\\ s per node; ``intra_node`` links devices of
+    one node, ``inter_node`` devices of different nodes."""
+
+    name: str
+    device: DeviceSpec
+    devices_per_node: int
+    intra_node: LinkSpec
+    inter_node: LinkSpec
+
+    def with_overrides(
+        self, devices_per_node: int | None = None, memory_per_device: float | None = None
+    ) -> ClusterSpec:
+        """A copy with another node size and/or another memory per device (bytes)."""
+        out = self
+        if devices_per_node is not None:
+            if isinstance(devices_per_node, bool) or not isinstance(devices_per_node, int) or devices_per_node < 1:
+                raise AutoplanError(f"devices per node must be a positive integer, not {devices_per_node!r}")
+            out = replace(out, devices_per_node=devices_per_node)
+        if memory_per_device is not None:
+            if not memory_per_device > 0:
+                raise AutoplanError(f"memory per device must be positive, not {memory_per_device!r}")
+            out = replace(out, device=replace(out.device, memory_bytes=float(memory_per_device)))
+        return out
+
+    def mesh_links(self, mesh_shape: tuple[int, ...]) -> tuple[LinkSpec, ...]:
+        """The link each mesh axis communicates over.
+
+        Ranks are numbered row-major over the mesh and a node holds consecutive ranks
+        (node = rank // devices_per_node). An axis gets ``intra_node`` when every one of its
+        communication groups lies inside one node, else ``inter_node``.
+        """
+        if any(n < 1 for n in mesh_shape):
+            raise ValueError(f"mesh shape {mesh_shape} has an axis smaller than 1")
+        return tuple(
+            self.intra_node if _axis_within_nodes(mesh_shape, axis, self.devices_per_node) else self.inter_node
+            for axis in range(len(mesh_shape))
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able form in base units (bytes, bytes/s, FLOP/s, seconds)."""
+        return {
+            "name": self.name,
+            "devices_per_node": self.devices_per_node,
+            "device": {
+                "name": self.device.name,
+                "peak_flops": dict(self.device.peak_flops),
+                "memory_bandwidth": self.device.memory_bandwidth,
+                "memory_bytes": self.device.memory_bytes,
+            },
+            "intra_node": {"bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
+            "inter_node": {"bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> ClusterSpec:
+        """Inverse of :meth:`to_dict`."""
+        dev = data["device"]
+        return cls(
+            name=data["name"],
+            device=DeviceSpec(
+                name=dev["name"],
+                peak_flops={k: float(v) for k, v in dev["peak_flops"].items()},
+                memory_bandwidth=float(dev["memory_bandwidth"]),
+                memory_bytes=float(dev["memory_bytes"]),
+            ),
+            devices_per_node=int(data["devices_per_node"]),
+            intra_node=LinkSpec(float(data["intra_node"]["bandwidth"]), float(data["intra_node"]["latency"])),
+            inter_node=LinkSpec(float(data["inter_node"]["bandwidth"]), float(data["inter_node"]["latency"])),
+        )
+
+    def to_toml(self) -> str:
+        """The TOML form (GB, GB/s, TFLOP/s, microseconds); reads back to an equal spec."""
+        dev = self.device
+        lines = [
+            f"name = {_toml_str(self.name)}",
+            f"devices_per_node = {self.devices_per_node}",
+            "",
+            "[device]",
+            f"name = {_toml_str(dev.name)}",
+            f"memory_gb = {_to_unit(dev.memory_bytes, _GIGA)}",
+            f"memory_bandwidth_gbps = {_to_unit(dev.memory_bandwidth, _GIGA)}",
+            "",
+            "[device.peak_tflops]",
+            *(f"{_toml_key(k)} = {_to_unit(v, _TERA)}" for k, v in dev.peak_flops.items()),
+        ]
+        for section, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
+            lines += [
+                "",
+                f"[{section}]",
+                f"bandwidth_gbps = {_to_unit(link.bandwidth, _GIGA)}",
+                f"latency_us = {_to_unit(link.latency, _MICRO)}",
+            ]
+        return "\n".join(lines) + "\n"
+
+
+def _axis_within_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:
+    """True when every group of mesh axis ``axis`` ({base + k*stride}) sits inside one node."""
+    n = mesh_shape[axis]
+    stride = math.prod(mesh_shape[axis + 1 :])
+    block = n * stride
+    total = math.prod(mesh_shape)
+    for outer in range(0, total, block):
+        for inner in range(stride):
+            first = outer + inner
+            last = first + (n - 1) * stride  # ranks grow along the group, so nodes do too
+            if first // devices_per_node != last // devices_per_node:
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------------------------------
+# TOML reading and writing
+
+_GIGA, _TERA, _MICRO = 9, 12, -6  # decimal exponents of the TOML units
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml_str(text: str) -> str:
+    return json.dumps(text)  # a JSON string is a valid TOML basic string
+
+
+def _toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else _toml_str(key)
+
+
+def _to_unit(value: float, exponent: int) -> str:
+    """``value`` divided by 10**exponent, written exactly (shortest repr, shifted)."""
+    d = Decimal(repr(float(value))).scaleb(-exponent).normalize()
+    return format(d, "f")
+
+
+def cluster_from_toml(text: str, source: str, presets: Mapping[str, ClusterSpec]) -> ClusterSpec:
+    """Read the TOML form. ``source`` names the file in error messages; ``presets`` (keyed by
+    lower-case name) resolves the optional ``preset = "..."`` key. Problems raise a one-line
+    AutoplanError naming the file and the key."""
+    try:
+        data = tomllib.loads(text, parse_float=Decimal)
+    except tomllib.TOMLDecodeError as exc:
+        raise AutoplanError(f"cannot read cluster file {source}: {_one_line(str(exc))}") from None
+    return _TomlReader(source, presets).read(data)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+class _TomlReader:
+    """Turns parsed TOML into a ClusterSpec, reporting the first problem by file and key."""
+
+    _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
+    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "peak_tflops")
+    _LINK = ("bandwidth_gbps", "latency_us")
+
+    def __init__(self, source: str, presets: Mapping[str, ClusterSpec]) -> None:
+        self.source = source
+        self.presets = presets
+
+    def fail(self, key: str, problem: str) -> AutoplanError:
+        return AutoplanError(f"cluster file {self.source}: key '{key}': {problem}")
+
+    def read(self, data: dict[str, Any]) -> ClusterSpec:
+        self._check_keys(data, self._TOP, "")
+        base = self._preset(data)
+        name = self._string(data, "name", "name", base.name if base else Path(self.source).stem)
+        dpn = data.get("devices_per_node")
+        if dpn is None:
+            if base is None:
+                raise self.fail("devices_per_node", "missing")
+            dpn = base.devices_per_node
+        elif isinstance(dpn, bool) or not isinstance(dpn, int) or dpn < 1:
+            raise self.fail("devices_per_node", f"must be a positive integer, not {dpn!r}")
+        return ClusterSpec(
+            name=name,
+            device=self._device(self._table(data, "device", base is None), base.device if base else None),
+            devices_per_node=dpn,
+            intra_node=self._link(data, "intra_node", base.intra_node if base else None),
+            inter_node=self._link(data, "inter_node", base.inter_node if base else None),
+        )
+
+    def _preset(self, data: dict[str, Any]) -> ClusterSpec | None:
+        if "preset" not in data:
+            return None
+        name = self._string(data, "preset", "preset", None)
+        preset = self.presets.get(name.lower())
+        if preset is None:
+            raise self.fail("preset", f"unknown preset {name!r} (use one of {', '.join(self.presets)})")
+        return preset
+
+    def _device(self, table: dict[str, Any], base: DeviceSpec | None) -> DeviceSpec:
+        self._check_keys(table, self._DEVICE, "device.")
+        need = base is None
+        peaks_table = self._table(table, "peak_tflops", need, "device.peak_tflops")
+        peaks = dict(base.peak_flops) if base else {}
+        for dtype, value in peaks_table.items():
+            peaks[dtype] = self._number(peaks_table, dtype, f"device.peak_tflops.{dtype}", _TERA, positive=True)
+        if "float32" not in peaks:
+            raise self.fail("device.peak_tflops.float32", "missing")
+        return DeviceSpec(
+            name=self._string(table, "name", "device.name", base.name if base else "device"),
+            peak_flops=peaks,
+            memory_bandwidth=self._number(
+                table, "memory_bandwidth_gbps", "device.memory_bandwidth_gbps", _GIGA, True,
+                base.memory_bandwidth if base else None,
+            ),
+            memory_bytes=self._number(
+                table, "memory_gb", "device.memory_gb", _GIGA, True, base.memory_bytes if base else None
+            ),
+        )
+
+    def _link(self, data: dict[str, Any], section: str, base: LinkSpec | None) -> LinkSpec:
+        table = self._table(data, section, base is None)
+        self._check_keys(table, self._LINK, section + ".")
+        return LinkSpec(
+            bandwidth=self._number(
+                table, "bandwidth_gbps", f"{section}.bandwidth_gbps", _GIGA, True, base.bandwidth if base else None
+            ),
+            latency=self._number(
+                table, "latency_us", f"{section}.latency_us", _MICRO, False, base.latency if base else None
+            ),
+        )
+
+    def _check_keys(self, table: dict[str, Any], allowed: tuple[str, ...], prefix: str) -> None:
+        for key in table:
+            if key not in allowed:
+                raise self.fail(prefix + key, f"unknown key (expected one of {', '.join(allowed)})")
+
+    def _table(self, data: dict[str, Any], key: str, required: bool, dotted: str | None = None) -> dict[str, Any]:
+        dotted = dotted or key
+        if key not in data:
+            if required:
+                raise self.fail(dotted, "missing")
+            return {}
+        value = data[key]
+        if not isinstance(value, dict):
+            raise self.fail(dotted, "must be a table")
+        return value
+
+    def _string(self, data: dict[str, Any], key: str, dotted: str, default: str | None) -> str:
+        if key not in data:
+            if default is None:
+                raise self.fail(dotted, "missing")
+            return default
+        value = data[key]
+        if not isinstance(value, str) or not value:
+            raise self.fail(dotted, f"must be a non-empty string, not {value!r}")
+        return value
+
+    def _number(
+        self,
+        data: dict[str, Any],
+        key: str,
+        dotted: str,
+        exponent: int,
+        positive: bool,
+        default: float | None = None,
+    ) -> float:
+        if key not in data:
+            if default is None:
+                raise self.fail(dotted, "missing")
+            return default
+        value = data[key]
+        if isinstance(value, bool) or not isinstance(value, (int, Decimal)) or not Decimal(value).is_finite():
+            shown = str(value) if isinstance(value, Decimal) else repr(value)
+            raise self.fail(dotted, f"must be a number, not {shown}")
+        if (positive and value <= 0) or value < 0:
+            raise self.fail(dotted, f"must be {'positive' if positive else 'zero or more'}, not {value}")
+        return float(Decimal(value).scaleb(exponent))

@@ -1,0 +1,111 @@
+"""Hardware vocabulary: one accelerator (:class:`DeviceSpec`) and one link (:class:`LinkSpec`).
+
+Units everywhere in this package: FLOP/s, bytes, bytes/s and seconds (decimal SI, not GiB,
+unless a name says otherwise).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+from types import MappingProxyType
+
+from autoplan.errors import AutoplanError
+
+#: The dtype whose peak stands in for any dtype a device does not list.
+DEFAULT_DTYPE = "float32"
+
+_DTYPE_ALIASES = MappingProxyType(
+    {
+        "float": "float32",
+        "fp32": "float32",
+        "half": "float16",
+        "fp16": "float16",
+        "bf16": "bfloat16",
+        "double": "float64",
+        "fp64": "float64",
+        "long": "int64",
+        "int": "int32",
+    }
+)
+
+
+def dtype_name(dtype: object) -> str:
+    """Torch's short dtype name: ``torch.float32``, ``"torch.float32"`` and ``"fp32"`` all give
+    ``"float32"``."""
+    text = str(dtype).strip().removeprefix("torch.")
+    return _DTYPE_ALIASES.get(text, text)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator.
+
+    ``peak_flops`` maps a dtype name (``"float32"``, ``"bfloat16"``, ...) to the dense peak in
+    FLOP/s and must contain ``"float32"``; ``memory_bandwidth`` is the HBM/DRAM bandwidth in
+    bytes/s; ``memory_bytes`` the memory per device in bytes.
+    """
+
+    name: str
+    peak_flops: dict[str, float]
+    memory_bandwidth: float
+    memory_bytes: float
+
+    def __post_init__(self) -> None:
+        # Own a private copy so that mutating the caller's dict cannot change a frozen spec.
+        peaks = {dtype_name(k): float(v) for k, v in self.peak_flops.items()}
+        if DEFAULT_DTYPE not in peaks:
+            raise ValueError(f"device {self.name!r} needs a {DEFAULT_DTYPE} peak")
+        object.__setattr__(self, "peak_flops", peaks)
+
+    def __hash__(self) -> int:
+        return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.memory_bytes))
+
+    def peak(self, dtype: object) -> float:
+        """Peak FLOP/s for ``dtype``; a dtype the device does not list gets the float32 peak."""
+        return self.peak_flops.get(dtype_name(dtype), self.peak_flops[DEFAULT_DTYPE])
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link between devices: ``bandwidth`` in bytes/s per device, ``latency`` in seconds."""
+
+    bandwidth: float
+    latency: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory sizes written by people ("40GB", "38GiB")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNIT_POWERS = MappingProxyType(
+    {
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
+)
+
+
+def parse_memory_size(text: str) -> int:
+    """Bytes in a size such as ``"40GB"`` (10**9), ``"38GiB"`` (2**30), ``"512MB"``, ``"1.5TB"``
+    or plain integer bytes (``"1024"``). Anything else raises a one-line AutoplanError."""
+    m = _SIZE_RE.match(str(text))
+    error = AutoplanError(f"cannot read memory size {str(text)!r}: write it like 40GB or 38GiB")
+    if not m:
+        raise error
+    number, unit = m.group(1), m.group(2)
+    if unit is None and not number.isdigit():
+        raise error  # fractional bytes
+    try:
+        value = Decimal(number) * _UNIT_POWERS[(unit or "b").lower()]
+    except InvalidOperation:
+        raise error from None
+    return int(value.to_integral_value())

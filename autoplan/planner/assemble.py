@@ -1,0 +1,110 @@
+"""Turn the intra-op pass's choices into a :class:`Plan`: placements, the collectives the
+program will run per step, and the predicted step time and memory."""
+
+from __future__ import annotations
+
+from autoplan.cost_models import ClusterSpec, CollectiveStep
+from autoplan.planner.costing import CostContext, MemoryParts, edge_steps, steps_seconds
+from autoplan.planner.graph import TracedGraph
+from autoplan.planner.intra_op import IntraOpResult
+from autoplan.planner.layers import NodeClasses
+from autoplan.planner.plan import (
+    MemoryEstimate,
+    NodePlan,
+    PlannedCollective,
+    Prediction,
+    SolverStats,
+    StagePlan,
+)
+from autoplan.sharding import spec_to_json
+
+
+def _add(bucket: dict[tuple, PlannedCollective], kind: str, phase: str, axis: int, nbytes: float, where: str,
+         tensor: str, bucketed: bool = False) -> None:
+    key = (kind, phase, axis, nbytes, where, tensor, bucketed)
+    if key in bucket:
+        bucket[key].count += 1
+    else:
+        bucket[key] = PlannedCollective(kind, phase, axis, nbytes, 1, where, tensor, bucketed)
+
+
+def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult,
+                        ctx: CostContext) -> tuple[list[PlannedCollective], float]:
+    """Every collective of one training step, aggregated over repeated layers, and the
+    seconds they take."""
+    bucket: dict[tuple, PlannedCollective] = {}
+    seconds = 0.0
+    for name, strategy in result.chosen.items():
+        where_v = classes.representative(classes.class_of[name])
+        cost = result.node_costs[name]
+        seconds += cost.comm_s
+        for step in cost.backward_collectives:
+            _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "activation")
+        for step in cost.gradient_reductions:
+            _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "gradient", bucketed=True)
+        inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
+        for pos, inp in enumerate(inputs):
+            dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None
+            src_strategy = result.chosen[inp]
+            if dst is None or not src_strategy.output_specs:
+                continue
+            info = graph.nodes[inp]
+            forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), info.itemsize,
+                                           result.needs_grad[inp], ctx)
+            seconds += steps_seconds(forward, ctx) + steps_seconds(backward, ctx)
+            where = f"{classes.representative(classes.class_of[inp])} -> {where_v}"
+            moved = "parameter" if info.kind == "parameter" else "activation"
+            for step in forward:
+                _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved)
+            for step in backward:
+                _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where,
+                     "gradient" if moved == "parameter" else "activation")
+    order = {"forward": 0, "backward": 1, "optimizer": 2}
+    return sorted(bucket.values(), key=lambda c: (order[c.phase], c.where, c.kind)), seconds
+
+
+def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx: CostContext
+            ) -> tuple[Prediction, list[PlannedCollective]]:
+    """Predicted step time (compute, communication by kind) and memory of a result."""
+    collectives, _ = planned_collectives(graph, classes, result, ctx)
+    by_kind: dict[str, float] = {}
+    comm = 0.0
+    for c in collectives:
+        t = c.count * steps_seconds([CollectiveStep(c.kind, c.mesh_axis, c.bytes)], ctx, bucketed=c.bucketed)
+        by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
+        comm += t
+    compute = sum(cost.compute_s + cost.optimizer_s for cost in result.node_costs.values())
+    memory = MemoryParts()
+    for cost in result.node_costs.values():
+        memory = memory + cost.memory
+    estimate = MemoryEstimate(memory.params, memory.grads, memory.optimizer, memory.activations, memory.total)
+    return Prediction(compute + comm, compute, comm, estimate, by_kind), collectives
+
+
+def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:
+    return [NodePlan(name, graph.nodes[name].target, strategy.name, graph.nodes[name].module)
+            for name, strategy in result.chosen.items() if graph.nodes[name].kind == "op"]
+
+
+def placements(graph: TracedGraph, result: IntraOpResult, kinds: tuple[str, ...]) -> dict[str, list[str]]:
+    """Stored spec of every parameter/buffer (by FQN) or user input (by name)."""
+    out: dict[str, list[str]] = {}
+    for name, strategy in result.chosen.items():
+        info = graph.nodes[name]
+        if info.kind in kinds:
+            out[info.fqn or name] = spec_to_json(strategy.output_spec)
+    return out
+
+
+def solver_stats(result: IntraOpResult) -> SolverStats:
+    s = result.solution
+    return SolverStats(s.solver, s.status, s.gap, s.num_variables, s.num_constraints,
+                       len(result.problem.costs), result.num_nodes, s.solve_time_s)
+
+
+def single_stage(devices: int, mesh: tuple[int, ...], classes: NodeClasses) -> list[StagePlan]:
+    return [StagePlan(layers=list(classes.blocks) or ["all"], devices=list(range(devices)), mesh=list(mesh))]
+
+
+def cluster_summary(cluster: ClusterSpec) -> dict:
+    return cluster.to_dict()

@@ -1,0 +1,177 @@
+"""Costs of strategies for one training step on one logical mesh.
+
+A training step is forward + backward + optimizer step. Per node and strategy:
+
+- compute: a roofline of the node's FLOPs and bytes divided by the ways the work is split,
+  once for the forward and ``backward_factor`` times again for the backward (2: gradients
+  with respect to inputs and weights) when the node needs gradients;
+- communication the node performs itself: the all-reduce of every input gradient that the
+  backward leaves as partial sums (:attr:`Strategy.partial_grads`) — this is where the
+  gradient reduction of a parameter replicated over a batch-sharded mesh axis appears, and the
+  backward all-reduce of Megatron's column-parallel input. Parameter gradients are reduced in
+  buckets (as DDP and FSDP do), so they pay bandwidth but not a latency per parameter;
+- the optimizer step of a parameter (memory-bound over the local shard);
+- memory per device: parameters, gradients and optimizer state of the local shard, and the
+  activations the forward keeps for the backward.
+
+Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
+carries the gradient the other way (partial placements are read as replicated there: a
+partial gradient was already reduced by the consumer's own all-reduce).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from autoplan.cost_models import (
+    CollectiveStep,
+    DeviceSpec,
+    LinkSpec,
+    OptimizerSpec,
+    collective_time,
+    optimizer_step_time,
+    reshard_steps,
+    roofline_time,
+)
+from autoplan.planner.graph import NodeInfo
+from autoplan.planner.strategies import Strategy
+from autoplan.sharding import R, ShardingSpec, local_shape
+
+FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
+
+
+def is_floating(dtype: str) -> bool:
+    return dtype.replace("torch.", "") in FLOATING_DTYPES
+
+
+@dataclass(frozen=True)
+class MemoryParts:
+    """Bytes per device."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+    def __add__(self, other: MemoryParts) -> MemoryParts:
+        return MemoryParts(self.params + other.params, self.grads + other.grads,
+                           self.optimizer + other.optimizer, self.activations + other.activations)
+
+    def scaled(self, k: float) -> MemoryParts:
+        return MemoryParts(self.params * k, self.grads * k, self.optimizer * k, self.activations * k)
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Seconds per training step and bytes per device of one node under one strategy."""
+
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    optimizer_s: float = 0.0
+    memory: MemoryParts = field(default_factory=MemoryParts)
+    backward_collectives: tuple[CollectiveStep, ...] = ()  # on activation gradients
+    gradient_reductions: tuple[CollectiveStep, ...] = ()  # on parameter gradients (bucketed)
+
+    @property
+    def total_s(self) -> float:
+        return self.compute_s + self.comm_s + self.optimizer_s
+
+
+@dataclass
+class CostContext:
+    """Everything a cost needs to know about the mesh and the hardware. ``cache`` memoises
+    edge costs, which repeat across layers (keyed by specs, shape and dtype)."""
+
+    mesh_shape: tuple[int, ...]
+    links: tuple[LinkSpec, ...]
+    device: DeviceSpec
+    optimizer: OptimizerSpec
+    backward_factor: float = 2.0
+    cache: dict = field(default_factory=dict)
+
+
+def _local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
+    return float(math.prod(local_shape(shape, spec, mesh_shape))) * itemsize
+
+
+def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable: bool) -> NodeCost:
+    """A parameter, buffer or user input stored in ``spec``."""
+    shape = info.shape or ()
+    elements = float(math.prod(local_shape(shape, spec, ctx.mesh_shape)))
+    if info.kind == "parameter" and trainable:
+        param_b, grad_b, opt_b = ctx.optimizer.state_bytes_per_param(info.itemsize)
+        step = optimizer_step_time(elements, ctx.device, ctx.optimizer, info.itemsize)
+        return NodeCost(optimizer_s=step, memory=MemoryParts(elements * param_b, elements * grad_b, elements * opt_b))
+    if info.kind in ("parameter", "buffer"):
+        return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
+    return NodeCost(memory=MemoryParts(activations=elements * info.itemsize))
+
+
+def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inputs: list[bool],
+            needs_grad: bool, saves_output: bool, ctx: CostContext) -> NodeCost:
+    """An op node under ``strategy``. ``grad_inputs[i]`` says whether input i needs a gradient."""
+    shards = strategy.compute_shards
+    forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
+    compute = forward * (1.0 + (ctx.backward_factor if needs_grad else 0.0))
+    activation_steps, gradient_steps = [], []
+    for pos, axis in strategy.partial_grads:
+        if pos >= len(inputs) or not grad_inputs[pos]:
+            continue
+        inp = inputs[pos]
+        spec = strategy.input_specs[pos] or (R,) * len(ctx.mesh_shape)
+        nbytes = _local_bytes(inp.shape or (), inp.itemsize, spec, ctx.mesh_shape)
+        step = CollectiveStep("all_reduce", axis, nbytes)
+        (gradient_steps if inp.kind == "parameter" else activation_steps).append(step)
+    comm = steps_seconds(activation_steps, ctx) + steps_seconds(gradient_steps, ctx, bucketed=True)
+    activations = 0.0
+    if saves_output and info.shape is not None:
+        activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
+    return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations),
+                    backward_collectives=tuple(activation_steps), gradient_reductions=tuple(gradient_steps))
+
+
+def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
+    return tuple(R if p.is_partial else p for p in spec)
+
+
+def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
+               ctx: CostContext) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
+    """Forward and backward collectives of an edge whose producer emits ``src`` and whose
+    consumer reads ``dst``."""
+    forward = reshard_steps(src, dst, shape, itemsize, ctx.mesh_shape) if src != dst else []
+    backward: list[CollectiveStep] = []
+    if carries_grad:
+        g_dst, g_src = _as_gradient_spec(dst), _as_gradient_spec(src)
+        if g_dst != g_src:
+            backward = reshard_steps(g_dst, g_src, shape, itemsize, ctx.mesh_shape)
+    return forward, backward
+
+
+def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool = False) -> float:
+    """Seconds of ``steps``; ``bucketed`` collectives (gradient reductions) pay no latency."""
+    total = 0.0
+    for s in steps:
+        link = ctx.links[s.mesh_axis]
+        if bucketed:
+            link = LinkSpec(link.bandwidth, 0.0)
+        total += collective_time(s.kind, s.nbytes, ctx.mesh_shape[s.mesh_axis], link)
+    return total
+
+
+def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
+              ctx: CostContext) -> float:
+    """Seconds per step spent resharding along an edge (forward + backward), memoised."""
+    if src == dst:
+        return 0.0
+    key = (src, dst, shape, itemsize, carries_grad)
+    cached = ctx.cache.get(key)
+    if cached is None:
+        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx)
+        cached = steps_seconds(forward, ctx) + steps_seconds(backward, ctx)
+        ctx.cache[key] = cached
+    return cached

@@ -1,0 +1,328 @@
+"""The intra-op pass on one logical mesh: strategies per node, costs, the ILP, and the
+chosen strategy of every node.
+
+To keep the ILP small, nodes share decision variables in three ways before it is built:
+
+1. *repeated layers* (:mod:`autoplan.planner.layers`): corresponding nodes of every copy of
+   a block form one class and get one strategy;
+2. *followers*: a node with a single tensor input (element-wise, view, ``getitem``) whose
+   strategies can take each of its producer's outputs without resharding follows the
+   producer — the producer's choice fixes its strategy;
+3. *storage*: a parameter or input read by one consumer is stored in the spec that consumer
+   asks for.
+
+Each ILP *group* is then a root class plus the classes that follow it, with a map from the
+group's choice to each member class's strategy. The ILP (see :mod:`autoplan.solvers.intra_op`)
+sees only groups, their summed costs, and edge matrices between groups.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from autoplan.planner.costing import CostContext, MemoryParts, NodeCost, edge_cost, is_floating, op_cost, storage_cost
+from autoplan.planner.graph import NodeInfo, TracedGraph
+from autoplan.planner.index_maps import index_map_for, op_name
+from autoplan.planner.layers import NodeClasses
+from autoplan.planner.strategies import (
+    Strategy,
+    enumerate_strategies,
+    replicated_strategy,
+    storage_strategies,
+    strategy_name,
+)
+from autoplan.sharding import R, ShardingSpec
+from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, solve_intra_op
+
+VIEW_OPS = frozenset(
+    """view _unsafe_view reshape flatten unflatten expand expand_as view_as transpose permute t
+    unsqueeze squeeze alias detach slice select split split_with_sizes chunk unbind getitem
+    contiguous""".split()
+)
+
+
+class UnknownOpWarning(UserWarning):
+    """An op without a sharding rule: it is planned replicated."""
+
+
+@dataclass
+class ClassStrategies:
+    """The strategies of one class (computed on its representative node)."""
+
+    kind: str  # "storage", "op", "fallback", "getitem", "output"
+    strategies: list[Strategy]
+    costs: list[NodeCost]
+
+
+@dataclass
+class Grouping:
+    """Classes merged into ILP groups: ``group_of[c]`` and ``choice_map[c][i]`` (the strategy
+    index class ``c`` takes when its group picks choice ``i``)."""
+
+    group_of: list[int]
+    choice_map: list[list[int]]
+    roots: list[int]  # root class of each group
+
+    def strategy_index(self, cls: int, group_choices: list[int]) -> int:
+        return self.choice_map[cls][group_choices[self.group_of[cls]]]
+
+
+@dataclass
+class IntraOpResult:
+    """The outcome of the intra-op pass on one mesh."""
+
+    mesh_shape: tuple[int, ...]
+    chosen: dict[str, Strategy]  # node name -> strategy
+    node_costs: dict[str, NodeCost]
+    solution: IntraOpSolution
+    problem: IntraOpProblem
+    num_classes: int
+    num_nodes: int
+    input_names: dict[str, list[str]]  # node -> its tensor inputs, in the order of Strategy.input_specs
+    needs_grad: dict[str, bool]
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass
+class _GraphView:
+    """Read-only facts about the graph that every step below needs."""
+
+    graph: TracedGraph
+    fx_nodes: dict[str, fx.Node]
+    inputs: dict[str, list[str]]  # node -> tensor input names, positional
+    users: dict[str, list[str]]
+    needs_grad: dict[str, bool]
+    loss_name: str
+
+    @classmethod
+    def of(cls, graph: TracedGraph) -> _GraphView:
+        fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+        inputs: dict[str, list[str]] = {}
+        users: dict[str, list[str]] = {name: [] for name in fx_nodes}
+        for name, node in fx_nodes.items():
+            names = [n.name for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
+            if node.target is operator.getitem:
+                names = [node.args[0].name]  # the multi-output producer it picks from
+            if node.op == "output":
+                names = names[:1]  # only the loss must be materialised; other outputs stay as computed
+            inputs[name] = names
+            for inp in names:
+                users[inp].append(name)
+        needs_grad: dict[str, bool] = {}
+        for name, node in fx_nodes.items():
+            info = graph.nodes.get(name)
+            if info is None or info.kind == "output":
+                needs_grad[name] = False
+            elif info.kind == "parameter":
+                needs_grad[name] = is_floating(info.dtype)
+            elif info.kind in ("buffer", "input"):
+                needs_grad[name] = False
+            else:
+                needs_grad[name] = is_floating(info.dtype) and any(needs_grad.get(i, False) for i in inputs[name])
+        output = next(n for n in fx_nodes.values() if n.op == "output")
+        loss = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
+        return cls(graph, fx_nodes, inputs, users, needs_grad, loss.name)
+
+
+def _output_class_strategies(mesh_ndim: int) -> ClassStrategies:
+    rep = (R,) * mesh_ndim
+    return ClassStrategies("output", [Strategy(strategy_name((rep,), ()), (rep,), (), 1)], [NodeCost()])
+
+
+def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
+                      producer: ClassStrategies | None, warn: Callable[[str], None]) -> ClassStrategies:
+    info = view.graph.nodes[name]
+    node = view.fx_nodes[name]
+    if info.kind == "output":
+        return _output_class_strategies(len(mesh_shape))
+    if info.kind in ("parameter", "buffer", "input"):
+        strategies = storage_strategies(info.shape or (), mesh_shape)
+        costs = [storage_cost(info, s.output_spec, ctx, trainable=view.needs_grad[name]) for s in strategies]
+        return ClassStrategies("storage", strategies, costs)
+    input_names = view.inputs[name]
+    input_infos = [view.graph.nodes[i] for i in input_names]
+    grad_inputs = [view.needs_grad[i] for i in input_names]
+    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS
+    if node.target is operator.getitem and producer is not None:
+        index = node.args[1]
+        strategies = [
+            Strategy(strategy_name((p.output_specs[0],), (p.output_specs[index],)), (p.output_specs[index],),
+                     (p.output_specs[index],), 1)
+            for p in producer.strategies
+        ]
+        costs = [NodeCost() for _ in strategies]
+        return ClassStrategies("getitem", strategies, costs)
+    imap = index_map_for(node) if info.shape is not None or node.meta.get("val") is not None else None
+    if imap is None:
+        warn(f"no sharding rule for {info.target}: planned replicated")
+        strategies = [replicated_strategy(len(input_names), 1, len(mesh_shape))]
+        kind = "fallback"
+    else:
+        differentiable = frozenset(i for i, g in zip(input_names, grad_inputs) if g)
+        strategies = enumerate_strategies(imap, input_names, mesh_shape, differentiable,
+                                          allow_partial=is_floating(info.dtype))
+        kind = "op"
+        if not strategies:
+            strategies = [replicated_strategy(len(input_names), len(imap.outputs), len(mesh_shape))]
+    costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx) for s in strategies]
+    return ClassStrategies(kind, strategies, costs)
+
+
+def _class_edges(view: _GraphView, classes: NodeClasses) -> dict[tuple[int, int, int], int]:
+    """(producer class, consumer class, input position) -> how many graph edges it stands for."""
+    edges: dict[tuple[int, int, int], int] = {}
+    for name, input_names in view.inputs.items():
+        v = classes.class_of.get(name)
+        if v is None or view.fx_nodes[name].target is operator.getitem:
+            continue  # a getitem always follows its producer: no resharding between them
+        for pos, inp in enumerate(input_names):
+            key = (classes.class_of[inp], v, pos)
+            edges[key] = edges.get(key, 0) + 1
+    return edges
+
+
+def _consistent_producer(view: _GraphView, classes: NodeClasses, cls: int, pos: int) -> int | None:
+    """The class feeding input ``pos`` of every member of ``cls``, if it is one class."""
+    producers = {classes.class_of[view.inputs[m][pos]] for m in classes.members[cls] if len(view.inputs[m]) > pos}
+    return producers.pop() if len(producers) == 1 else None
+
+
+def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies]) -> Grouping:
+    n = classes.num_classes
+    group_of = list(range(n))
+    choice_map = [list(range(len(strat[c].strategies))) for c in range(n)]
+
+    def attach(cls: int, target: int, pick: Callable[[int], int | None]) -> bool:
+        """Make ``cls`` follow ``target``'s group, taking strategy pick(target strategy)."""
+        root = group_of[target]
+        mapping = []
+        for target_index in choice_map[target]:
+            chosen = pick(target_index)
+            if chosen is None:
+                return False
+            mapping.append(chosen)
+        group_of[cls] = root
+        choice_map[cls] = mapping
+        return True
+
+    # followers, in graph order so that a producer's own grouping is final first
+    for cls in range(n):
+        rep = classes.representative(cls)
+        cs = strat[cls]
+        if cs.kind not in ("op", "getitem") or len(view.inputs[rep]) != 1:
+            continue
+        producer = _consistent_producer(view, classes, cls, 0)
+        if producer is None or producer == cls:
+            continue
+        if cs.kind == "getitem":
+            attach(cls, producer, lambda i: i)
+            continue
+        wanted: dict[ShardingSpec, int] = {}
+        for j, s in enumerate(cs.strategies):
+            spec = s.input_specs[0]
+            if spec is not None and (spec not in wanted or cs.costs[j].total_s < cs.costs[wanted[spec]].total_s):
+                wanted[spec] = j
+        attach(cls, producer, lambda i: wanted.get(strat[producer].strategies[i].output_spec))
+
+    # storage read by a single consumer class takes the spec that consumer asks for
+    for cls in range(n):
+        if strat[cls].kind != "storage":
+            continue
+        consumers = {(classes.class_of[u], view.inputs[u].index(m)) for m in classes.members[cls]
+                     for u in view.users[m]}
+        per_member = all(len(view.users[m]) == 1 for m in classes.members[cls])
+        if len(consumers) != 1 or not per_member:
+            continue
+        consumer, pos = consumers.pop()
+        index = {s.output_spec: i for i, s in enumerate(strat[cls].strategies)}
+        attach(cls, consumer, lambda i: index.get(strat[consumer].strategies[i].input_specs[pos]))
+
+    roots = sorted({group_of[c] for c in range(n)})
+    renumber = {r: g for g, r in enumerate(roots)}
+    return Grouping([renumber[group_of[c]] for c in range(n)], choice_map, roots)
+
+
+def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
+                   ctx: CostContext, memory_budget: float | None) -> IntraOpProblem:
+    num_groups = len(grouping.roots)
+    sizes = [len(grouping.choice_map[root]) for root in grouping.roots]
+    costs = [[0.0] * k for k in sizes]
+    memory = [[0.0] * k for k in sizes]
+    for cls in range(classes.num_classes):
+        g = grouping.group_of[cls]
+        count = len(classes.members[cls])
+        for i, j in enumerate(grouping.choice_map[cls]):
+            cost = strat[cls].costs[j]
+            costs[g][i] += count * cost.total_s
+            memory[g][i] += count * cost.memory.total
+    edges: list[Edge] = []
+    for (u, v, pos), count in _class_edges(view, classes).items():
+        src_info = view.graph.nodes[classes.representative(u)]
+        shape, itemsize = src_info.shape or (), src_info.itemsize
+        grad = view.needs_grad[classes.representative(u)]
+        gu, gv = grouping.group_of[u], grouping.group_of[v]
+        src_specs = [strat[u].strategies[j].output_spec for j in grouping.choice_map[u]]
+        dst_specs = [strat[v].strategies[j].input_specs[pos] for j in grouping.choice_map[v]]
+        matrix = [[0.0 if dst is None else count * edge_cost(src, dst, shape, itemsize, grad, ctx)
+                   for dst in dst_specs] for src in src_specs]
+        if any(any(row) for row in matrix):
+            edges.append(Edge(gu, gv, matrix))
+    names = [classes.representative(root) for root in grouping.roots]
+    choice_names = [[strat[root].strategies[j].name for j in grouping.choice_map[root]] for root in grouping.roots]
+    assert len(names) == num_groups
+    return IntraOpProblem(costs, memory, edges, memory_budget, names, choice_names)
+
+
+def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
+                  memory_budget: float | None, solver: str = "highs",
+                  time_limit_s: float | None = None) -> IntraOpResult:
+    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``."""
+    view = _GraphView.of(graph)
+    messages: list[str] = []
+
+    def warn(message: str) -> None:
+        if message not in messages:
+            messages.append(message)
+
+    strat: list[ClassStrategies] = []
+    for cls in range(classes.num_classes):
+        rep = classes.representative(cls)
+        node = view.fx_nodes[rep]
+        producer = None
+        if node.target is operator.getitem:
+            producer = strat[classes.class_of[node.args[0].name]]
+        strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn))
+    grouping = _group(view, classes, strat)
+    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
+    solution = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s)
+    chosen: dict[str, Strategy] = {}
+    node_costs: dict[str, NodeCost] = {}
+    for cls in range(classes.num_classes):
+        j = grouping.strategy_index(cls, solution.choices)
+        for member in classes.members[cls]:
+            chosen[member] = strat[cls].strategies[j]
+            node_costs[member] = strat[cls].costs[j]
+    return IntraOpResult(mesh_shape, chosen, node_costs, solution, problem, classes.num_classes,
+                         len(graph.nodes), view.inputs, view.needs_grad, messages)
+
+
+def emit_warnings(messages: list[str]) -> None:
+    for message in messages:
+        warnings.warn(message, UnknownOpWarning, stacklevel=3)
+
+
+def node_infos(graph: TracedGraph, names: list[str]) -> list[NodeInfo]:
+    return [graph.nodes[n] for n in names]
+
+
+def total_memory(costs: dict[str, NodeCost]) -> MemoryParts:
+    total = MemoryParts()
+    for cost in costs.values():
+        total = total + cost.memory
+    return total

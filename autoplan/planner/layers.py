@@ -1,0 +1,107 @@
+"""Repeated layers: find the blocks of a model that repeat (a transformer's ``h.0``, ``h.1``, …)
+and pair up their nodes, so that the intra-op ILP solves one block and shares the answer.
+
+Nodes are put in *classes*: a node outside any repeated block is a class of its own; the
+i-th node of every copy of a block whose op sequence and wiring match the first copy's
+share a class. Every member of a class gets the same strategy.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from autoplan.planner.graph import TracedGraph
+
+_INDEX = re.compile(r"^\d+$")
+
+
+@dataclass
+class NodeClasses:
+    """``members[c]`` are the node names of class ``c`` (the first is its representative);
+    ``class_of`` inverts it. ``blocks`` names the repeated blocks found (``"h.0"``, …)."""
+
+    class_of: dict[str, int]
+    members: list[list[str]]
+    blocks: list[str]
+
+    def representative(self, cls: int) -> str:
+        return self.members[cls][0]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.members)
+
+
+def _block_of(path: str) -> tuple[str, int] | None:
+    """``("transformer.h", 3)`` for ``"transformer.h.3.attn.c_attn"``; ``None`` outside blocks."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if _INDEX.match(part):
+            return ".".join(parts[:i]), int(part)
+    return None
+
+
+def _node_block(graph: TracedGraph, name: str) -> tuple[str, int] | None:
+    info = graph.nodes[name]
+    if info.kind in ("parameter", "buffer") and info.fqn:
+        return _block_of(info.fqn.rsplit(".", 1)[0])
+    if info.kind == "op":
+        return _block_of(info.module)
+    return None
+
+
+def _signatures(graph: TracedGraph, names: list[str], fx_nodes: dict) -> list[tuple]:
+    position = {n: i for i, n in enumerate(names)}
+    sigs = []
+    for name in names:
+        info = graph.nodes[name]
+        fx_node = fx_nodes[name]
+        wiring = tuple(position.get(inp.name, -1) for inp in fx_node.all_input_nodes)
+        consts = tuple(repr(a) for a in fx_node.args if not hasattr(a, "op"))
+        sigs.append((info.kind, info.target, info.shape, info.dtype, wiring, consts))
+    return sigs
+
+
+def find_classes(graph: TracedGraph) -> NodeClasses:
+    """Group the graph's nodes into classes of corresponding nodes of repeated blocks."""
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    blocks: dict[tuple[str, int], list[str]] = {}
+    for name in graph.nodes:
+        key = _node_block(graph, name)
+        if key is not None:
+            blocks.setdefault(key, []).append(name)
+
+    by_prefix: dict[str, list[int]] = {}
+    for prefix, index in blocks:
+        by_prefix.setdefault(prefix, []).append(index)
+
+    partner: dict[str, str] = {}  # node -> representative node of its class
+    repeated: list[str] = []
+    for prefix, indices in by_prefix.items():
+        indices.sort()
+        if len(indices) < 2:
+            continue
+        reference = blocks[(prefix, indices[0])]
+        ref_sigs = _signatures(graph, reference, fx_nodes)
+        matched = False
+        for index in indices[1:]:
+            names = blocks[(prefix, index)]
+            if len(names) == len(reference) and _signatures(graph, names, fx_nodes) == ref_sigs:
+                partner.update(zip(names, reference))
+                matched = True
+        if matched:
+            repeated.extend(f"{prefix}.{i}" if prefix else str(i) for i in indices)
+
+    class_of: dict[str, int] = {}
+    members: list[list[str]] = []
+    for name in graph.nodes:
+        rep = partner.get(name)
+        if rep is None:
+            class_of[name] = len(members)
+            members.append([name])
+        else:
+            cls = class_of[rep]
+            class_of[name] = cls
+            members[cls].append(name)
+    return NodeClasses(class_of, members, repeated)

@@ -1,0 +1,233 @@
+"""Loading what the user wants planned: a model, example inputs and a loss function.
+
+A user's ``model.py`` defines ``model`` (an ``nn.Module`` or a zero-argument function returning
+one), ``example_inputs`` (a tensor, a tuple of tensors, or a zero-argument function returning one
+of those) and optionally ``loss_fn(output, *inputs) -> scalar tensor``. Build big models under
+``torch.device("meta")``: planning never needs the weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import types
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from autoplan.errors import AutoplanError
+
+__all__ = ["ModelSpec", "default_loss", "make_model_spec", "load_model_file", "import_file"]
+
+
+@dataclass
+class ModelSpec:
+    """A model to plan: ``loss_fn(module(*example_inputs), *example_inputs)`` is the scalar
+    whose gradient a training step follows."""
+
+    module: torch.nn.Module
+    example_inputs: tuple[torch.Tensor, ...]
+    loss_fn: Callable[..., torch.Tensor]
+    name: str
+
+
+def _first_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, dict):  # includes transformers' ModelOutput
+        values = list(output.values())
+    elif isinstance(output, (tuple, list)):
+        values = list(output)
+    else:
+        return None
+    for value in values:
+        found = _first_tensor(value)
+        if found is not None:
+            return found
+    return None
+
+
+def default_loss(output: Any, *inputs: torch.Tensor) -> torch.Tensor:
+    """The loss used when the user gives none: ``output.loss`` when the output has one that is
+    not None (a transformers ModelOutput computed with labels), else the mean of the output's
+    first tensor (a tensor, tuple/list or dict), as float."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+        return output["loss"]
+    tensor = _first_tensor(output)
+    if tensor is None:
+        raise AutoplanError(
+            f"the model returned {type(output).__name__} with no tensor in it: "
+            "return a tensor (or a tuple/dict of tensors), or define loss_fn(output, *inputs)"
+        )
+    return tensor.float().mean()
+
+
+def _type_name(value: Any) -> str:
+    return type(value).__name__
+
+
+def _resolve_module(model: Any, where: str, label: str = "model") -> torch.nn.Module:
+    if isinstance(model, torch.nn.Module):
+        return model
+    if callable(model):  # a builder function (or a class constructible without arguments)
+        try:
+            built = model()
+        except AutoplanError:
+            raise
+        except Exception as e:  # the user's builder failed
+            raise AutoplanError(
+                f"{where}{label}() raised {_type_name(e)}: {_first_line(e)}"
+            ) from e
+        if isinstance(built, torch.nn.Module):
+            return built
+        raise AutoplanError(
+            f"{where}{label}() must return an nn.Module, got {_type_name(built)}"
+        )
+    raise AutoplanError(
+        f"{where}{label} must be an nn.Module or a function returning one, got {_type_name(model)}"
+    )
+
+
+def _as_input_tuple(value: Any, where: str, label: str = "example_inputs") -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)):
+        if not value:
+            raise AutoplanError(f"{where}{label} is empty: give at least one tensor")
+        bad = [i for i, v in enumerate(value) if not isinstance(v, torch.Tensor)]
+        if bad:
+            raise AutoplanError(
+                f"{where}{label} must be a tensor or a tuple of tensors, "
+                f"but item {bad[0]} is {_type_name(value[bad[0]])}"
+            )
+        return tuple(value)
+    raise AutoplanError(
+        f"{where}{label} must be a tensor or a tuple of tensors, got {_type_name(value)}"
+    )
+
+
+def _resolve_inputs(example_inputs: Any, where: str, label: str = "example_inputs") -> tuple[torch.Tensor, ...]:
+    if not isinstance(example_inputs, (torch.Tensor, tuple, list)) and callable(example_inputs):
+        try:
+            example_inputs = example_inputs()
+        except AutoplanError:
+            raise
+        except Exception as e:
+            raise AutoplanError(
+                f"{where}{label}() raised {_type_name(e)}: {_first_line(e)}"
+            ) from e
+    return _as_input_tuple(example_inputs, where, label)
+
+
+def make_model_spec(
+    model: Any,
+    example_inputs: Any,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    name: str = "model",
+    *,
+    _where: str = "",
+    _labels: tuple[str, str, str] = ("model", "example_inputs", "loss_fn"),
+) -> ModelSpec:
+    """A ModelSpec from a module (or a zero-argument function building one), example inputs
+    (a tensor, a tuple/list of tensors, or a zero-argument function returning one of those)
+    and an optional ``loss_fn(output, *inputs)`` (default: :func:`default_loss`)."""
+    module = _resolve_module(model, _where, _labels[0])
+    inputs = _resolve_inputs(example_inputs, _where, _labels[1])
+    if loss_fn is None:
+        loss_fn = default_loss
+    elif not callable(loss_fn):
+        raise AutoplanError(
+            f"{_where}{_labels[2]} must be a function {_labels[2]}(output, *inputs) returning a scalar "
+            f"tensor, got {_type_name(loss_fn)}"
+        )
+    return ModelSpec(module=module, example_inputs=inputs, loss_fn=loss_fn, name=name)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    line = text.splitlines()[0].strip() if text else ""
+    if len(line) > 200:
+        line = line[:197] + "..."
+    return line or "(no message)"
+
+
+def import_file(path: str) -> types.ModuleType:
+    """Imports a Python file as a fresh module (its folder on sys.path while importing).
+    Errors are one-line AutoplanErrors."""
+    if not os.path.exists(path):
+        raise AutoplanError(f"{path} not found: give the path of a Python file that defines model")
+    if os.path.isdir(path):
+        raise AutoplanError(f"{path} is a folder: give the path of a Python file that defines model")
+    folder = os.path.dirname(os.path.abspath(path))
+    stem = os.path.splitext(os.path.basename(path))[0]
+    mod_name = f"autoplan_user_{stem}_{abs(hash(os.path.abspath(path))):x}"
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise AutoplanError(f"{path} cannot be imported: give the path of a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, folder)
+    sys.modules[mod_name] = module  # dataclasses and pickling look the module up
+    try:
+        spec.loader.exec_module(module)
+    except AutoplanError:
+        sys.modules.pop(mod_name, None)
+        raise
+    except BaseException as e:
+        sys.modules.pop(mod_name, None)
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        if isinstance(e, SyntaxError):
+            where = f" (line {e.lineno})" if e.lineno else ""
+            raise AutoplanError(
+                f"{path} has a syntax error{where}: {e.msg}"
+            ) from e
+        raise AutoplanError(
+            f"{path} raised {_type_name(e)} while loading: {_first_line(e)}"
+        ) from e
+    finally:
+        try:
+            sys.path.remove(folder)
+        except ValueError:
+            pass
+    return module
+
+
+def load_model_file(
+    path: str,
+    model_name: str = "model",
+    inputs_name: str = "example_inputs",
+    loss_name: str = "loss_fn",
+) -> ModelSpec:
+    """Imports ``path`` and returns the ModelSpec of its ``model``, ``example_inputs`` and
+    (optional) ``loss_fn``. Every problem is a one-line AutoplanError."""
+    module = import_file(path)
+    if not hasattr(module, model_name):
+        raise AutoplanError(
+            f"{path} defines no {model_name!r}: define {model_name} = ... "
+            "(an nn.Module or a function returning one), or pass --model NAME"
+        )
+    if not hasattr(module, inputs_name):
+        raise AutoplanError(
+            f"{path} defines no {inputs_name!r}: define {inputs_name} = ... "
+            "(a tensor, a tuple of tensors, or a function returning one), or pass --inputs NAME"
+        )
+    loss_fn = getattr(module, loss_name, None)
+    if loss_fn is not None and not callable(loss_fn):
+        raise AutoplanError(
+            f"{path}: {loss_name} must be a function {loss_name}(output, *inputs) returning a scalar "
+            f"tensor, got {_type_name(loss_fn)}"
+        )
+    name = os.path.splitext(os.path.basename(path))[0]
+    return make_model_spec(
+        getattr(module, model_name),
+        getattr(module, inputs_name),
+        loss_fn,
+        name=name,
+        _where=f"{path}: ",
+        _labels=(model_name, inputs_name, loss_name),
+    )

@@ -1,0 +1,35 @@
+"""Logical device meshes for N devices: (N,) and every (a, b) with a·b = N."""
+
+from __future__ import annotations
+
+import re
+
+from autoplan.errors import AutoplanError
+
+
+def candidate_meshes(devices: int) -> list[tuple[int, ...]]:
+    """(N,) first, then the 2-D meshes (a, b), a, b ≥ 2, in increasing a."""
+    if devices < 1:
+        raise AutoplanError(f"--devices must be at least 1, got {devices}")
+    meshes: list[tuple[int, ...]] = [(devices,)]
+    meshes += [(a, devices // a) for a in range(2, devices) if devices % a == 0 and devices // a >= 2]
+    return meshes
+
+
+def parse_mesh(text: str, devices: int) -> tuple[int, ...]:
+    """``"8"`` → (8,), ``"2x4"`` → (2, 4); the product must equal ``devices``."""
+    if not re.fullmatch(r"\s*\d+(\s*[xX,]\s*\d+)?\s*", text):
+        raise AutoplanError(f"cannot read mesh {text!r}: write it like 8 or 2x4")
+    shape = tuple(int(x) for x in re.split(r"[xX,]", text))
+    if any(x < 1 for x in shape):
+        raise AutoplanError(f"mesh {text!r} has an empty axis: every axis needs at least one device")
+    product = 1
+    for x in shape:
+        product *= x
+    if product != devices:
+        raise AutoplanError(f"mesh {text} holds {product} devices but --devices is {devices}: make them agree")
+    return shape
+
+
+def mesh_label(shape: tuple[int, ...] | list[int]) -> str:
+    return "x".join(str(x) for x in shape)

@@ -1,0 +1,182 @@
+"""The plan: the single object every later stage reads. A dataclass with a versioned JSON
+round trip, tied to the traced graph by its hash."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoplan.errors import AutoplanError
+
+PLAN_FORMAT = "autoplan.plan/1"
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+PHASES = ("forward", "backward", "optimizer")
+
+
+@dataclass
+class PlannedCollective:
+    """A collective the program performs ``count`` times per training step."""
+
+    kind: str
+    phase: str
+    mesh_axis: int
+    bytes: float
+    count: int
+    where: str = ""  # the edge or node that needs it, e.g. "linear_1 -> sub"
+    tensor: str = "activation"  # what it moves: "activation", "parameter", "gradient" (of a parameter)
+    bucketed: bool = False  # a gradient reduction done in buckets: no latency per parameter
+
+
+@dataclass
+class MemoryEstimate:
+    """Bytes per device."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    peak: float
+
+
+@dataclass
+class Prediction:
+    """What one training step is predicted to cost."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    memory_bytes: MemoryEstimate
+    comm_by_kind_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class StagePlan:
+    layers: list[str]
+    devices: list[int]
+    mesh: list[int]
+
+
+@dataclass
+class NodePlan:
+    name: str
+    op: str
+    strategy: str
+    module: str = ""
+
+
+@dataclass
+class Alternative:
+    """Another plan costed for comparison (``predicted`` is None when it is infeasible)."""
+
+    name: str
+    mesh: list[int]
+    predicted: Prediction | None
+    reason: str = ""
+
+
+@dataclass
+class SolverStats:
+    solver: str
+    status: str
+    gap: float | None
+    num_variables: int
+    num_constraints: int
+    num_groups: int
+    num_nodes: int
+    solve_time_s: float
+
+
+@dataclass
+class Plan:
+    """A parallelization plan. ``params`` and ``inputs`` map names to one placement per mesh
+    axis (``"R"``, ``"S(d)"``); ``nodes`` gives every traced op's strategy."""
+
+    graph_hash: str
+    devices: int
+    cluster: dict[str, Any]
+    mesh: list[int]
+    stages: list[StagePlan]
+    microbatches: int
+    schedule: str
+    params: dict[str, list[str]]
+    inputs: dict[str, list[str]]
+    nodes: list[NodePlan]
+    collectives: list[PlannedCollective]
+    predicted: Prediction
+    alternatives: list[Alternative] = field(default_factory=list)
+    solver: SolverStats | None = None
+    timings_s: dict[str, float] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    model: str = ""
+    format: str = PLAN_FORMAT
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        return {"format": data.pop("format"), **data}
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        fmt = data.get("format")
+        if fmt != PLAN_FORMAT:
+            raise AutoplanError(f"plan format {fmt!r} is not supported (this autoplan reads {PLAN_FORMAT}): "
+                                f"plan again with this version")
+        try:
+            return cls(
+                graph_hash=data["graph_hash"],
+                devices=int(data["devices"]),
+                cluster=dict(data["cluster"]),
+                mesh=list(data["mesh"]),
+                stages=[StagePlan(**s) for s in data["stages"]],
+                microbatches=int(data["microbatches"]),
+                schedule=str(data["schedule"]),
+                params={k: list(v) for k, v in data["params"].items()},
+                inputs={k: list(v) for k, v in data.get("inputs", {}).items()},
+                nodes=[NodePlan(**n) for n in data["nodes"]],
+                collectives=[PlannedCollective(**c) for c in data["collectives"]],
+                predicted=_prediction(data["predicted"]),
+                alternatives=[Alternative(a["name"], list(a["mesh"]),
+                                          _prediction(a["predicted"]) if a.get("predicted") else None,
+                                          a.get("reason", "")) for a in data.get("alternatives", [])],
+                solver=SolverStats(**data["solver"]) if data.get("solver") else None,
+                timings_s=dict(data.get("timings_s", {})),
+                warnings=list(data.get("warnings", [])),
+                model=str(data.get("model", "")),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AutoplanError(f"plan is not valid JSON ({e}): plan again") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Plan:
+        p = Path(path)
+        if not p.is_file():
+            raise AutoplanError(f"no plan at {p}: run autoplan on the model first")
+        return cls.from_json(p.read_text())
+
+    def collectives_in(self, phase: str) -> list[PlannedCollective]:
+        return [c for c in self.collectives if c.phase == phase]
+
+
+def _prediction(data: dict[str, Any]) -> Prediction:
+    return Prediction(
+        step_time_s=float(data["step_time_s"]),
+        compute_s=float(data["compute_s"]),
+        comm_s=float(data["comm_s"]),
+        memory_bytes=MemoryEstimate(**data["memory_bytes"]),
+        comm_by_kind_s=dict(data.get("comm_by_kind_s", {})),
+    )

@@ -1,0 +1,166 @@
+"""Candidate sharding strategies per node on a device mesh.
+
+A strategy assigns to every mesh axis one *letter* of the op's index map (see
+:mod:`autoplan.planner.index_maps`), or nothing (the axis replicates the op), or — for linear
+ops — ``P`` (partial sums flow through). From that assignment follow the spec each input must
+arrive in, the spec of each output, how many ways the work is split, and which input
+gradients come out as partial sums in the backward (an axis sharded on a letter that the
+input lacks: the input was replicated over devices that each used it for a different slice of
+the work). Strategies whose shapes the mesh does not divide are absent, never "infinitely
+expensive".
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+from torch import fx
+
+from autoplan.planner.index_maps import IndexMap, Letters
+from autoplan.sharding import P, Placement, R, S, ShardingSpec, is_valid, spec_name
+
+NO_LETTER = ""
+PARTIAL = "+"
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to run one node.
+
+    ``input_specs[i]`` is the spec the node's i-th tensor input must arrive in (``None``:
+    the value is not read, any spec will do); ``output_specs`` one spec per tensor output.
+    ``compute_shards`` is how many ways the work is split. ``partial_grads`` lists
+    ``(input position, mesh axis)`` pairs whose gradient leaves the backward as partial sums
+    and must be all-reduced (the dual of using a replicated input for sharded work).
+    """
+
+    name: str
+    input_specs: tuple[ShardingSpec | None, ...]
+    output_specs: tuple[ShardingSpec, ...]
+    compute_shards: int
+    partial_grads: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def output_spec(self) -> ShardingSpec:
+        return self.output_specs[0]
+
+
+def _placement(letter: str, letters: Letters, partial_if_reduced: bool, imap: IndexMap) -> Placement:
+    if letter == PARTIAL:
+        return P
+    if letter == NO_LETTER:
+        return R
+    if letter in letters:
+        return S(letters.index(letter))
+    if partial_if_reduced and letter in imap.reducible:
+        return P
+    return R
+
+
+def _spec(assignment: tuple[str, ...], letters: Letters, partial_if_reduced: bool, imap: IndexMap) -> ShardingSpec:
+    """The spec of a tensor with ``letters``; outputs (and addends, which join the output's
+    sum) are partial on axes sharding a reduced letter."""
+    return tuple(_placement(a, letters, partial_if_reduced, imap) for a in assignment)
+
+
+def _shape_of(letters: Letters, imap: IndexMap) -> tuple[int, ...]:
+    return tuple(imap.sizes.get(x, 1) for x in letters)
+
+
+def strategy_name(inputs: tuple[ShardingSpec | None, ...], outputs: tuple[ShardingSpec, ...]) -> str:
+    """Alpa-style readable name: ``RS0 = RR x S0R`` (output = inputs), with ``(P @ axes)``
+    when the output holds partial sums awaiting a reduction."""
+    ins = " x ".join(spec_name(s) if s is not None else "*" for s in inputs) or "()"
+    name = f"{spec_name(outputs[0]) if outputs else '-'} = {ins}"
+    partial_axes = [str(i) for i, p in enumerate(outputs[0]) if p.is_partial] if outputs else []
+    if partial_axes:
+        name += f" (P @ {','.join(partial_axes)})"
+    return name
+
+
+def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tuple[int, ...],
+                         differentiable_inputs: frozenset[str] = frozenset(),
+                         allow_partial: bool = True) -> list[Strategy]:
+    """Every valid strategy of an op with index map ``imap`` on a mesh of ``mesh_shape``.
+
+    ``input_names`` fixes the order of ``Strategy.input_specs``. Each mesh axis gets a
+    distinct shardable letter, no letter, or (linear ops on floating values, when
+    ``allow_partial``) partial sums.
+    """
+    options = [NO_LETTER] + imap.shardable_letters() + ([PARTIAL] if imap.linear and allow_partial else [])
+    strategies: list[Strategy] = []
+    seen: set[tuple] = set()
+    for assignment in itertools.product(options, repeat=len(mesh_shape)):
+        real = [a for a in assignment if a not in (NO_LETTER, PARTIAL)]
+        if len(real) != len(set(real)):
+            continue
+        in_specs: list[ShardingSpec | None] = []
+        valid = True
+        for name in input_names:
+            if name not in imap.inputs:  # read but not described: keep it whole
+                in_specs.append((R,) * len(mesh_shape))
+                continue
+            letters = imap.inputs[name]
+            if letters is None:
+                in_specs.append(None)
+                continue
+            spec = _spec(assignment, letters, name in imap.addends, imap)
+            if not is_valid(spec, _shape_of(letters, imap), mesh_shape):
+                valid = False
+                break
+            in_specs.append(spec)
+        if not valid:
+            continue
+        out_specs = tuple(_spec(assignment, letters, True, imap) for letters in imap.outputs)
+        if not all(is_valid(s, _shape_of(l, imap), mesh_shape) for s, l in zip(out_specs, imap.outputs)):
+            continue
+        key = (tuple(in_specs), out_specs)
+        if key in seen:
+            continue
+        seen.add(key)
+        shards = math.prod(n for a, n in zip(assignment, mesh_shape) if a not in (NO_LETTER, PARTIAL))
+        partial_grads = tuple(
+            (pos, axis)
+            for pos, name in enumerate(input_names)
+            if name in differentiable_inputs and imap.inputs.get(name) is not None
+            for axis, a in enumerate(assignment)
+            if a not in (NO_LETTER, PARTIAL) and a not in imap.inputs[name]
+            and not (name in imap.addends and a in imap.reducible)  # an addend's gradient is whole
+        )
+        strategies.append(Strategy(strategy_name(tuple(in_specs), out_specs), tuple(in_specs), out_specs,
+                                   shards, partial_grads))
+    return strategies
+
+
+def replicated_strategy(num_inputs: int, num_outputs: int, mesh_ndim: int) -> Strategy:
+    """The fallback for an op without a rule: everything replicated."""
+    rep = (R,) * mesh_ndim
+    ins = tuple(rep for _ in range(num_inputs))
+    outs = tuple(rep for _ in range(max(num_outputs, 1)))
+    return Strategy(strategy_name(ins, outs), ins, outs, 1)
+
+
+def tensor_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
+    """Every valid spec of a stored tensor (parameter, buffer, user input): per mesh axis
+    replicated or sharded on a dim no other axis shards."""
+    options: list[Placement] = [R] + [S(d) for d in range(len(shape)) if shape[d] > 1]
+    specs = []
+    for spec in itertools.product(options, repeat=len(mesh_shape)):
+        dims = [p.dim for p in spec if p.is_shard]
+        if len(dims) == len(set(dims)) and is_valid(spec, shape, mesh_shape):
+            specs.append(tuple(spec))
+    return specs
+
+
+def storage_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Strategy]:
+    """Strategies of a placeholder: one per spec it may be stored in."""
+    return [Strategy(spec_name(spec), (), (spec,), 1) for spec in tensor_specs(shape, mesh_shape)]
+
+
+def tensor_input_nodes(node: fx.Node) -> list[fx.Node]:
+    """The node's inputs that carry a tensor, in first-use order."""
+    import torch
+
+    return [n for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]

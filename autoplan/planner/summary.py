@@ -1,0 +1,66 @@
+"""A readable text summary of a plan: what was chosen, what it costs, and why."""
+
+from __future__ import annotations
+
+from autoplan.planner.meshes import mesh_label
+from autoplan.planner.plan import Plan, Prediction
+from autoplan.solvers import format_bytes, format_seconds
+
+
+def _table(rows: list[list[str]], header: list[str]) -> list[str]:
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    line = "  ".join(h.ljust(w) for h, w in zip(header, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return out
+
+
+def _prediction_line(p: Prediction) -> str:
+    return (f"{format_seconds(p.step_time_s)} per step (compute {format_seconds(p.compute_s)}, "
+            f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device")
+
+
+def summary_text(plan: Plan, max_nodes: int = 60) -> str:
+    m = plan.predicted.memory_bytes
+    budget = plan.cluster.get("device", {}).get("memory_bytes")
+    lines = [
+        f"autoplan: {plan.model or 'model'} on {plan.devices} x {plan.cluster.get('device', {}).get('name', '?')}"
+        f" ({plan.cluster.get('name', '')}), mesh {mesh_label(plan.mesh)}",
+        f"predicted: {_prediction_line(plan.predicted)}",
+        f"memory per device: params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, "
+        f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}"
+        + (f" (budget {format_bytes(budget)})" if budget else ""),
+    ]
+    if plan.solver:
+        s = plan.solver
+        gap = "" if s.status == "optimal" else f", gap {s.gap if s.gap is not None else 'unknown'}"
+        lines.append(f"solver: {s.solver}, {s.status}{gap}; {s.num_nodes} nodes in {s.num_groups} groups, "
+                     f"{s.num_variables} variables, {s.num_constraints} constraints, {format_seconds(s.solve_time_s)}")
+    if plan.timings_s:
+        lines.append("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items()))
+    lines += ["", "parameters:"]
+    lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.params.items()],
+                                       ["parameter", "placement"])]
+    if plan.inputs:
+        lines += ["", "inputs:"]
+        lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.inputs.items()],
+                                           ["input", "placement"])]
+    shown = [n for n in plan.nodes][:max_nodes]
+    lines += ["", f"ops ({len(plan.nodes)}{', first ' + str(max_nodes) if len(plan.nodes) > max_nodes else ''}):"]
+    lines += ["  " + r for r in _table([[n.name, n.op, n.module, n.strategy] for n in shown],
+                                       ["node", "op", "module", "strategy (out = inputs)"])]
+    lines += ["", "collectives per step:"]
+    if plan.collectives:
+        rows = [[c.phase, c.kind, str(c.mesh_axis), format_bytes(c.bytes), str(c.count), c.tensor, c.where]
+                for c in plan.collectives]
+        lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "count", "tensor", "where"])]
+    else:
+        lines.append("  none")
+    if plan.alternatives:
+        lines += ["", "alternatives (why not these):"]
+        for a in plan.alternatives:
+            what = _prediction_line(a.predicted) if a.predicted else f"infeasible: {a.reason}"
+            lines.append(f"  {a.name}: {what}")
+    for w in plan.warnings:
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)

@@ -1,0 +1,453 @@
+"""Tests for autoplan.cost_models: collectives, resharding, cluster specs and TOML, memory."""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import autoplan.cost_models as cm
+from autoplan.cost_models import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    COLLECTIVE_KINDS,
+    PRESET_NAMES,
+    REDUCE_SCATTER,
+    SEND_RECV,
+    ClusterSpec,
+    CollectiveStep,
+    DeviceSpec,
+    LinkSpec,
+    OptimizerSpec,
+    bytes_moved_per_device,
+    collective_time,
+    load_cluster,
+    optimizer_step_time,
+    parse_memory_size,
+    preset_table,
+    reshard_steps,
+    reshard_time,
+    roofline_time,
+    steps_time,
+)
+from autoplan.errors import AutoplanError
+from autoplan.sharding import P, R, S, is_valid
+
+LINK = LinkSpec(bandwidth=1e9, latency=1e-6)
+
+
+def single_line(exc: pytest.ExceptionInfo) -> str:
+    text = str(exc.value)
+    assert text and "\n" not in text, repr(text)
+    return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Ring collectives
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+def test_ring_bytes_moved(n: int) -> None:
+    b = 1e6
+    assert bytes_moved_per_device(ALL_REDUCE, b, n) == pytest.approx(2 * (n - 1) / n * b)
+    assert bytes_moved_per_device(ALL_GATHER, b, n) == pytest.approx((n - 1) / n * b)
+    assert bytes_moved_per_device(REDUCE_SCATTER, b, n) == pytest.approx((n - 1) / n * b)
+    assert bytes_moved_per_device(ALL_TO_ALL, b, n) == pytest.approx((n - 1) / n * b)
+    assert bytes_moved_per_device(SEND_RECV, b, n) == pytest.approx(b)
+    # A ring all-reduce is a reduce-scatter followed by an all-gather.
+    assert bytes_moved_per_device(ALL_REDUCE, b, n) == pytest.approx(
+        bytes_moved_per_device(REDUCE_SCATTER, b, n) + bytes_moved_per_device(ALL_GATHER, b, n)
+    )
+
+
+def test_collective_time_formulas() -> None:
+    b, n = 8e6, 4
+    assert collective_time(ALL_REDUCE, b, n, LINK) == pytest.approx(2 * 3 / 4 * b / 1e9 + 2 * 3 * 1e-6)
+    assert collective_time(ALL_GATHER, b, n, LINK) == pytest.approx(3 / 4 * b / 1e9 + 3 * 1e-6)
+    assert collective_time(REDUCE_SCATTER, b, n, LINK) == pytest.approx(3 / 4 * b / 1e9 + 3 * 1e-6)
+    assert collective_time(ALL_TO_ALL, b, n, LINK) == pytest.approx(3 / 4 * b / 1e9 + 3 * 1e-6)
+    assert collective_time(SEND_RECV, b, n, LINK) == pytest.approx(b / 1e9 + 1e-6)
+
+
+def test_latency_terms_alone() -> None:
+    slow = LinkSpec(bandwidth=1e12, latency=1e-3)
+    assert collective_time(ALL_REDUCE, 0, 8, slow) == pytest.approx(14e-3)
+    assert collective_time(ALL_GATHER, 0, 8, slow) == pytest.approx(7e-3)
+    assert collective_time(REDUCE_SCATTER, 0, 8, slow) == pytest.approx(7e-3)
+    assert collective_time(ALL_TO_ALL, 0, 8, slow) == pytest.approx(7e-3)
+    assert collective_time(SEND_RECV, 0, 8, slow) == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVE_KINDS)
+def test_one_device_is_free(kind: str) -> None:
+    assert collective_time(kind, 1e9, 1, LINK) == 0
+    assert bytes_moved_per_device(kind, 1e9, 1) == 0
+
+
+def test_unknown_collective_rejected() -> None:
+    with pytest.raises(ValueError):
+        collective_time("broadcast", 1.0, 4, LINK)
+
+
+# ---------------------------------------------------------------------------------------------
+# Resharding
+
+SHAPE = (8, 16)  # 128 elements
+ITEM = 4  # bytes
+FULL = 8 * 16 * ITEM  # 512 bytes
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        (R, R, []),
+        (R, S(0), []),
+        (R, P, []),
+        (S(0), P, []),
+        (P, P, []),
+        (S(1), S(1), []),
+        (S(0), R, [(ALL_GATHER, 0, FULL)]),
+        (S(1), R, [(ALL_GATHER, 0, FULL)]),
+        (S(0), S(1), [(ALL_TO_ALL, 0, FULL / 4)]),
+        (P, R, [(ALL_REDUCE, 0, FULL)]),
+        (P, S(1), [(REDUCE_SCATTER, 0, FULL)]),
+    ],
+)
+def test_reshard_steps_1d(src, dst, expected) -> None:
+    steps = reshard_steps((src,), (dst,), SHAPE, ITEM, (4,))
+    assert [(s.kind, s.mesh_axis, s.nbytes) for s in steps] == expected
+
+
+@pytest.mark.parametrize(
+    "src, dst, expected",
+    [
+        ((S(0), S(1)), (R, R), [(ALL_GATHER, 0, FULL / 4), (ALL_GATHER, 1, FULL)]),
+        ((P, R), (S(0), R), [(REDUCE_SCATTER, 0, FULL)]),
+        ((S(0), R), (S(1), R), [(ALL_TO_ALL, 0, FULL / 2)]),
+        ((R, R), (S(0), S(1)), []),
+        ((R, R), (P, S(0)), []),
+        ((P, P), (R, R), [(ALL_REDUCE, 0, FULL), (ALL_REDUCE, 1, FULL)]),
+        # reduce-scatter on axis 0 shrinks the buffer the second one reads
+        ((P, P), (S(0), S(1)), [(REDUCE_SCATTER, 0, FULL), (REDUCE_SCATTER, 1, FULL / 2)]),
+        # reduce-scatters run before all-reduces, so the all-reduce moves a quarter
+        ((P, P), (R, S(1)), [(REDUCE_SCATTER, 1, FULL), (ALL_REDUCE, 0, FULL / 4)]),
+        # all-reduce on the sharded buffer, then gather to the full tensor
+        ((P, S(1)), (R, R), [(ALL_REDUCE, 0, FULL / 4), (ALL_GATHER, 1, FULL)]),
+        # gather before all-to-all
+        ((S(0), S(1)), (S(1), R), [(ALL_GATHER, 1, FULL / 2), (ALL_TO_ALL, 0, FULL / 2)]),
+        ((S(1), S(0)), (S(0), S(1)), [(ALL_TO_ALL, 0, FULL / 8), (ALL_TO_ALL, 1, FULL / 8)]),
+        ((S(0), R), (S(0), P), []),
+    ],
+)
+def test_reshard_steps_2d(src, dst, expected) -> None:
+    steps = reshard_steps(src, dst, SHAPE, ITEM, (2, 4))
+    assert [(s.kind, s.mesh_axis, s.nbytes) for s in steps] == expected
+
+
+def test_reshard_size_one_axis_needs_nothing() -> None:
+    assert reshard_steps((P, S(0)), (R, S(0)), SHAPE, ITEM, (1, 4)) == []
+
+
+def test_reshard_rejects_mismatched_specs() -> None:
+    with pytest.raises(ValueError):
+        reshard_steps((R,), (R, R), SHAPE, ITEM, (2, 4))
+
+
+def test_reshard_time_uses_each_axis_link() -> None:
+    slow, fast = LinkSpec(1e9, 1e-5), LinkSpec(1e11, 1e-6)
+    mesh = (2, 4)
+    t = reshard_time((S(0), S(1)), (R, R), SHAPE, ITEM, mesh, (slow, fast))
+    expected = collective_time(ALL_GATHER, FULL / 4, 2, slow) + collective_time(ALL_GATHER, FULL, 4, fast)
+    assert t == pytest.approx(expected)
+    steps = [CollectiveStep(ALL_REDUCE, 1, 1e6), CollectiveStep(ALL_GATHER, 0, 2e6)]
+    assert steps_time(steps, mesh, (slow, fast)) == pytest.approx(
+        collective_time(ALL_REDUCE, 1e6, 4, fast) + collective_time(ALL_GATHER, 2e6, 2, slow)
+    )
+    assert reshard_time((R, R), (R, R), SHAPE, ITEM, mesh, (slow, fast)) == 0
+
+
+_PLACEMENTS = st.sampled_from([R, P, S(0), S(1)])
+
+
+@settings(max_examples=200, deadline=None)
+@given(src=st.tuples(_PLACEMENTS, _PLACEMENTS), dst=st.tuples(_PLACEMENTS, _PLACEMENTS))
+def test_reshard_steps_follow_per_axis_rules(src, dst) -> None:
+    mesh, shape = (2, 4), (16, 16)
+    steps = reshard_steps(src, dst, shape, 2, mesh)
+    expected_kind = {}
+    for axis, (a, b) in enumerate(zip(src, dst)):
+        if a == b or a.is_replicate or b.is_partial:
+            continue
+        if a.is_partial:
+            expected_kind[axis] = ALL_REDUCE if b.is_replicate else REDUCE_SCATTER
+        else:
+            expected_kind[axis] = ALL_GATHER if b.is_replicate else ALL_TO_ALL
+    assert {s.mesh_axis: s.kind for s in steps} == expected_kind
+    assert len(steps) == len(expected_kind)
+    full = 16 * 16 * 2
+    for s in steps:
+        assert 0 < s.nbytes <= full
+    if is_valid(src, shape, mesh) and is_valid(dst, shape, mesh):
+        assert reshard_steps(src, src, shape, 2, mesh) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Clusters: mesh links
+
+
+def _cluster(dpn: int) -> ClusterSpec:
+    return load_cluster("h100", devices_per_node=dpn)
+
+
+@pytest.mark.parametrize(
+    "mesh, dpn, expected",
+    [
+        ((2, 8), 8, ("inter", "intra")),
+        ((8,), 8, ("intra",)),
+        ((16,), 8, ("inter",)),
+        ((4, 4), 8, ("inter", "intra")),
+        ((2, 4), 4, ("inter", "intra")),
+        ((4, 2), 4, ("inter", "intra")),
+        ((2, 4), 8, ("intra", "intra")),
+        ((1, 16), 8, ("intra", "inter")),
+        # not powers of two
+        ((2, 3), 3, ("inter", "intra")),
+        ((3, 2), 6, ("intra", "intra")),
+        ((3, 4), 6, ("inter", "inter")),  # axis 1 group {4,5,6,7} straddles nodes 0 and 1
+        ((2, 3, 2), 6, ("inter", "intra", "intra")),
+        ((6,), 4, ("inter",)),
+    ],
+)
+def test_mesh_links(mesh, dpn, expected) -> None:
+    cluster = _cluster(dpn)
+    names = {cluster.intra_node: "intra", cluster.inter_node: "inter"}
+    assert tuple(names[link] for link in cluster.mesh_links(mesh)) == expected
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets, TOML, overrides
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_every_preset_loads(name: str) -> None:
+    cluster = load_cluster(name)
+    assert cluster == load_cluster(name.upper())
+    assert cluster.device.memory_bytes > 0 and cluster.device.memory_bandwidth > 0
+    assert cluster.intra_node.bandwidth >= cluster.inter_node.bandwidth
+    assert cluster.devices_per_node == (64 if name == "cpu" else 8)
+
+
+def test_preset_figures() -> None:
+    h100 = load_cluster("h100")
+    assert h100.device.peak("bfloat16") == 989e12
+    assert h100.device.peak("torch.bfloat16") == 989e12
+    assert h100.device.peak("int64") == 67e12  # unknown dtype: the float32 peak
+    assert h100.intra_node == LinkSpec(450e9, 3e-6) and h100.inter_node == LinkSpec(50e9, 10e-6)
+    assert load_cluster("h200").device.memory_bytes == 141e9
+    assert load_cluster("a100-40g").device.memory_bandwidth == 1.555e12
+    v100 = load_cluster("v100-16g").device
+    assert v100.peak("bfloat16") == v100.peak("float32") == 15.7e12
+    assert v100.peak("float16") == 125e12
+
+
+def test_preset_table_is_fresh() -> None:
+    table = preset_table()
+    table.clear()
+    assert set(preset_table()) == set(PRESET_NAMES)
+
+
+def test_device_spec_is_frozen_and_owns_its_peaks() -> None:
+    peaks = {"float32": 1e12}
+    dev = DeviceSpec("x", peaks, 1e12, 1e9)
+    peaks["float32"] = 5.0
+    assert dev.peak("float32") == 1e12
+    assert hash(dev) == hash(DeviceSpec("x", {"float32": 1e12}, 1e12, 1e9))
+    with pytest.raises(Exception):
+        dev.name = "y"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", PRESET_NAMES)
+def test_toml_round_trip(tmp_path: Path, name: str) -> None:
+    cluster = load_cluster(name)
+    path = tmp_path / "cluster.toml"
+    path.write_text(cluster.to_toml())
+    assert load_cluster(str(path)) == cluster
+
+
+def test_toml_round_trip_odd_numbers(tmp_path: Path) -> None:
+    cluster = ClusterSpec(
+        "odd name \"quoted\"",
+        DeviceSpec("dev", {"float32": 1.234567e13, "bfloat16": 3.3e14, "float8_e4m3fn": 1.1e15}, 1.1e12, 23.7e9),
+        6,
+        LinkSpec(123.456e9, 2.5e-6),
+        LinkSpec(3.125e9, 0.0),
+    )
+    path = tmp_path / "odd.toml"
+    path.write_text(cluster.to_toml())
+    assert load_cluster(str(path)) == cluster
+
+
+def test_dict_round_trip_through_json() -> None:
+    for name in PRESET_NAMES:
+        cluster = load_cluster(name)
+        assert ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+
+
+def test_toml_preset_override(tmp_path: Path) -> None:
+    path = tmp_path / "mine.toml"
+    path.write_text(
+        'name = "mine"\npreset = "H100"\n'
+        "[device]\nmemory_gb = 40\n"
+        "[device.peak_tflops]\nbfloat16 = 500\n"
+        "[inter_node]\nbandwidth_gbps = 100\n"
+    )
+    cluster = load_cluster(str(path))
+    h100 = load_cluster("h100")
+    assert cluster.name == "mine"
+    assert cluster.device.memory_bytes == 40e9
+    assert cluster.device.peak("bfloat16") == 500e12
+    assert cluster.device.peak("float32") == 67e12  # kept from the preset
+    assert cluster.device.memory_bandwidth == h100.device.memory_bandwidth
+    assert cluster.inter_node == LinkSpec(100e9, 10e-6)
+    assert cluster.intra_node == h100.intra_node
+    assert cluster.devices_per_node == 8
+
+
+def test_load_overrides() -> None:
+    cluster = load_cluster("a100-80g", devices_per_node=4, memory_per_device=40e9)
+    assert cluster.devices_per_node == 4
+    assert cluster.device.memory_bytes == 40e9
+    assert cluster.device.peak("bfloat16") == 312e12
+    with pytest.raises(AutoplanError) as exc:
+        load_cluster("h100", devices_per_node=0)
+    single_line(exc)
+    with pytest.raises(AutoplanError):
+        load_cluster("h100", memory_per_device=-1)
+
+
+def test_unknown_cluster_message() -> None:
+    with pytest.raises(AutoplanError) as exc:
+        load_cluster("h10")
+    text = single_line(exc)
+    assert "'h10'" in text
+    for name in PRESET_NAMES:
+        assert name in text
+    with pytest.raises(AutoplanError):
+        load_cluster("no/such/file.toml")
+
+
+def test_broken_toml_message(tmp_path: Path) -> None:
+    path = tmp_path / "broken.toml"
+    path.write_text('name = "x"\ndevices_per_node = \n[device\n')
+    with pytest.raises(AutoplanError) as exc:
+        load_cluster(str(path))
+    assert str(path) in single_line(exc)
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        # no preset, so every key is required
+        (
+            'name = "x"\ndevices_per_node = 8\n[device]\nmemory_bandwidth_gbps = 1\n'
+            "[device.peak_tflops]\nfloat32 = 1\n"
+            "[intra_node]\nbandwidth_gbps = 1\nlatency_us = 1\n[inter_node]\nbandwidth_gbps = 1\nlatency_us = 1\n",
+            "device.memory_gb",
+        ),
+        ('name = "x"\ndevices_per_node = 8\n', "device"),
+        ('preset = "h100"\n[inter_node]\nlatency_us = "fast"\n', "inter_node.latency_us"),
+        ('preset = "h100"\n[device]\nmemory_gb = -3\n', "device.memory_gb"),
+        ('preset = "h100"\ndevices_per_node = 0\n', "devices_per_node"),
+        ('preset = "h100"\n[device]\nmemory_gib = 3\n', "device.memory_gib"),
+        ('preset = "h1000"\n', "preset"),
+    ],
+)
+def test_bad_toml_names_file_and_key(tmp_path: Path, text: str, key: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(AutoplanError) as exc:
+        load_cluster(str(path))
+    message = single_line(exc)
+    assert str(path) in message
+    assert f"'{key}'" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory sizes
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("40GB", 40 * 10**9),
+        ("40GiB", 40 * 2**30),
+        ("512MB", 512 * 10**6),
+        ("512MiB", 512 * 2**20),
+        ("1TB", 10**12),
+        ("1.5GB", 1_500_000_000),
+        ("38 GiB", 38 * 2**30),
+        ("40gb", 40 * 10**9),
+        ("1024", 1024),
+    ],
+)
+def test_parse_memory_size(text: str, expected: int) -> None:
+    assert parse_memory_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["40 gigs", "", "GB", "-1GB", "1.5", "40GBB", "4e9"])
+def test_parse_memory_size_rejects(text: str) -> None:
+    with pytest.raises(AutoplanError) as exc:
+        parse_memory_size(text)
+    message = single_line(exc)
+    assert repr(text) in message and "40GB" in message
+
+
+# ---------------------------------------------------------------------------------------------
+# Compute and memory
+
+
+def test_roofline_picks_the_bound() -> None:
+    dev = DeviceSpec("d", {"float32": 1e12, "bfloat16": 4e12}, memory_bandwidth=1e11, memory_bytes=1e9)
+    assert roofline_time(1e12, 1e9, dev, "float32") == pytest.approx(1.0)  # compute bound
+    assert roofline_time(1e12, 1e9, dev, "bfloat16") == pytest.approx(0.25)
+    assert roofline_time(1e9, 1e11, dev, "float32") == pytest.approx(1.0)  # memory bound
+    assert roofline_time(1e12, 1e9, dev, "torch.bfloat16") == pytest.approx(0.25)
+
+
+def test_optimizer_state_bytes() -> None:
+    assert OptimizerSpec("adam").state_bytes_per_param(4) == (4, 4, 8)
+    mixed = OptimizerSpec("adam", mixed_precision=True)
+    assert mixed.state_bytes_per_param(2) == (2, 2, 12)
+    assert sum(mixed.state_bytes_per_param(2)) == 16
+    assert OptimizerSpec("sgd").state_bytes_per_param(4) == (4, 4, 0)
+    assert OptimizerSpec("sgd-momentum").state_bytes_per_param(4) == (4, 4, 4)
+    assert OptimizerSpec("AdamW") == OptimizerSpec("adamw")
+    with pytest.raises(AutoplanError) as exc:
+        OptimizerSpec("lion")
+    single_line(exc)
+
+
+def test_optimizer_step_time() -> None:
+    dev = load_cluster("h100").device
+    t = optimizer_step_time(1e9, dev, OptimizerSpec("adam"), 4)
+    assert t == pytest.approx(1e9 * (2 * 4 + 4 + 2 * 8) / 3.35e12)
+    t_mixed = optimizer_step_time(1e9, dev, OptimizerSpec("adam", mixed_precision=True), 2)
+    assert t_mixed == pytest.approx(1e9 * (2 * 2 + 2 + 2 * 12) / 3.35e12)
+
+
+def test_package_does_not_import_torch() -> None:
+    package = Path(cm.__file__).parent
+    for source in package.glob("*.py"):
+        tree = ast.parse(source.read_text())
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            assert not any(n == "torch" or n.startswith("torch.") for n in names), source.name
