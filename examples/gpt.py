@@ -9,14 +9,16 @@ its weights."""
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-# Presets for benchmarks, as keyword arguments of ``build`` (use device="meta" for the big ones).
-GPT_124M = dict(hidden=768, layers=12, heads=12, seq=1024, vocab=50304, batch=8)
-GPT_39B = dict(hidden=8192, layers=48, heads=64, seq=1024, vocab=51200, batch=64)
+# Presets for benchmarks, read-only keyword arguments of ``build``:
+# ``build(**GPT_39B, device="meta")`` (use the meta device for the big ones).
+GPT_124M = MappingProxyType(dict(hidden=768, layers=12, heads=12, seq=1024, vocab=50304, batch=8))
+GPT_39B = MappingProxyType(dict(hidden=8192, layers=48, heads=64, seq=1024, vocab=51200, batch=64))
 
 
 class CausalSelfAttention(nn.Module):

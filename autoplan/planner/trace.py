@@ -31,7 +31,7 @@ from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autoplan.errors import AutoplanError
 from autoplan.planner.graph import NodeInfo, TracedGraph
-from autoplan.planner.load import ModelSpec
+from autoplan.planner.load import ModelSpec, _first_line
 
 __all__ = ["trace", "WRAPPER_PREFIX"]
 
@@ -146,14 +146,6 @@ def _export_mode(module: torch.nn.Module) -> Iterator[None]:
             m.training = mode
         for config, value in configs.values():
             config.use_cache = value
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    line = text.splitlines()[0].strip() if text else ""
-    if len(line) > 240:
-        line = line[:237] + "..."
-    return line or "(no message)"
 
 
 def _export(spec: ModelSpec) -> torch.export.ExportedProgram:
@@ -571,43 +563,27 @@ def trace(spec: ModelSpec) -> TracedGraph:
         input_names=input_names,
         param_names=param_names,
         exported=exported,
-        tied=_tied_parameters(gm, param_names),
+        tied=_tied_parameters(gm, param_names, root),
     )
 
 
-def _tied_parameters(gm: torch.fx.GraphModule, param_names: dict[str, str]) -> dict[str, str]:
+def _tied_parameters(
+    gm: torch.fx.GraphModule, param_names: dict[str, str], root: torch.nn.Module
+) -> dict[str, str]:
     """Parameters that are one tensor under several names (GPT-2's ``lm_head.weight`` is
     ``transformer.wte.weight``). Export gives each name a placeholder but routes every use
     through one of them; maps each other name to the FQN of the placeholder the graph reads."""
-    used: dict[str, str] = {}
-    unused: list[str] = []
-    for node in gm.graph.nodes:
-        if node.op != "placeholder" or node.name not in param_names:
-            continue
-        if node.users:
-            used[node.name] = param_names[node.name]
-        else:
-            unused.append(node.name)
-    if not unused:
-        return {}
-    by_storage: dict[Any, str] = {}
-    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
-    for name, fqn in used.items():
-        key = _storage_key(phs[name].meta.get("val"))
-        if key is not None:
-            by_storage.setdefault(key, fqn)
+    tensors: dict[str, torch.Tensor] = dict(root.named_parameters(remove_duplicate=False))
+    tensors.update(root.named_buffers(remove_duplicate=False))
+    read = {param_names[n.name] for n in gm.graph.nodes if n.op == "placeholder" and n.users
+            and n.name in param_names}
+    groups: dict[int, list[str]] = {}
+    for fqn in param_names.values():
+        if fqn in tensors:
+            groups.setdefault(id(tensors[fqn]), []).append(fqn)
     tied: dict[str, str] = {}
-    for name in unused:
-        key = _storage_key(phs[name].meta.get("val"))
-        if key is not None and key in by_storage:
-            tied[param_names[name]] = by_storage[key]
+    for fqns in groups.values():
+        if len(fqns) > 1:
+            canonical = next((f for f in fqns if f in read), fqns[0])
+            tied.update({f: canonical for f in fqns if f != canonical})
     return tied
-
-
-def _storage_key(t: Any) -> Any:
-    if not isinstance(t, torch.Tensor):
-        return None
-    try:
-        return (t.untyped_storage()._cdata, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
-    except Exception:
-        return None

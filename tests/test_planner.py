@@ -1,0 +1,152 @@
+"""End-to-end planning: the intra-op ILP on traced models picks the sharding a person would."""
+
+from __future__ import annotations
+
+import warnings
+
+import mlp
+import pytest
+import torch
+
+import autoplan
+from autoplan.errors import AutoplanError, MemoryInfeasibleError
+from autoplan.planner.api import make_options, plan_traced
+from autoplan.planner.layers import find_classes
+from autoplan.planner.load import make_model_spec
+from autoplan.planner.meshes import candidate_meshes, parse_mesh
+from autoplan.planner.plan import Plan
+from autoplan.planner.trace import trace
+
+
+def _mlp_graph(hidden: int, rows: int):
+    model, x = mlp.build(hidden=hidden, batch=rows // 128, seq=128, device="meta")
+    return trace(make_model_spec(model, x, mlp.loss_fn))
+
+
+def _activation_forward(plan: Plan) -> list:
+    """Forward collectives on activations, without the reduction of the scalar loss."""
+    return [c for c in plan.collectives_in("forward") if c.tensor == "activation" and c.bytes > 8]
+
+
+@pytest.fixture(scope="module")
+def megatron_plan() -> Plan:
+    return plan_traced(_mlp_graph(4096, 8 * 128), make_options(8, "h100", mesh=(8,)))
+
+
+@pytest.fixture(scope="module")
+def small_mlp_graph():
+    return _mlp_graph(256, 16384)
+
+
+def test_megatron_mlp_is_column_then_row_sharded(megatron_plan: Plan) -> None:
+    assert megatron_plan.params["up.weight"] == ["S(0)"]
+    assert megatron_plan.params["down.weight"] == ["S(1)"]
+    forward = _activation_forward(megatron_plan)
+    assert len(forward) == 1 and forward[0].count == 1
+    assert forward[0].kind in ("all_reduce", "reduce_scatter")
+    # the only other forward collective is the reduction of the scalar loss
+    rest = [c for c in megatron_plan.collectives_in("forward") if c not in forward]
+    assert all(c.kind == "all_reduce" and c.bytes <= 8 for c in rest)
+
+
+def test_wide_batch_small_mlp_is_data_parallel(small_mlp_graph) -> None:
+    plan = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,)))
+    assert all(p == ["R"] for p in plan.params.values()), plan.params
+    assert _activation_forward(plan) == []
+    grads = [c for c in plan.collectives_in("backward") if c.tensor == "gradient"]
+    assert {c.kind for c in grads} == {"all_reduce"}
+    assert sum(c.bytes * c.count for c in grads) == pytest.approx(sum(
+        torch.Size(s).numel() * 4 for s in [(1024, 256), (1024,), (256, 1024), (256,)]))
+
+
+def test_memory_budget_forces_sharded_weights(small_mlp_graph) -> None:
+    free = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,)))
+    replicated_state = free.predicted.memory_bytes.params * 4  # params + grads + 2 Adam moments
+    budget = free.predicted.memory_bytes.peak - replicated_state / 2
+    tight = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,), memory_per_device=budget))
+    assert tight.predicted.memory_bytes.peak <= budget
+    assert any(p != ["R"] for p in tight.params.values())
+    assert tight.predicted.step_time_s >= free.predicted.step_time_s
+
+
+def test_memory_below_the_least_gives_one_line_error(small_mlp_graph) -> None:
+    with pytest.raises(MemoryInfeasibleError) as info:
+        plan_traced(small_mlp_graph, make_options(8, "h100", memory_per_device=1e6))
+    message = str(info.value)
+    assert "\n" not in message and "the least any plan needs is" in message
+    assert info.value.least_memory_bytes > 1e6
+
+
+def test_python_api_plans_a_module_and_round_trips() -> None:
+    model, x = mlp.build(hidden=64, batch=2, seq=16)
+    plan = autoplan.plan(model, x, devices=4, cluster="a100-80g", loss_fn=mlp.loss_fn)
+    assert plan.devices == 4 and plan.mesh in ([4], [2, 2])
+    assert set(plan.params) == {"up.weight", "up.bias", "down.weight", "down.bias"}
+    assert Plan.from_json(plan.to_json()) == plan
+    data = plan.to_dict()
+    for key in ("format", "graph_hash", "devices", "cluster", "mesh", "stages", "microbatches", "schedule",
+                "params", "nodes", "collectives", "predicted", "alternatives"):
+        assert key in data
+    assert {a["name"] for a in data["alternatives"]} == {"mesh 2x2", "mesh 4"} - {f"mesh {'x'.join(map(str, plan.mesh))}"}
+
+
+def test_plan_rejects_another_format() -> None:
+    model, x = mlp.build(hidden=32, batch=1, seq=8)
+    data = autoplan.plan(model, x, devices=2).to_dict()
+    data["format"] = "autoplan.plan/99"
+    with pytest.raises(AutoplanError, match="not supported"):
+        Plan.from_dict(data)
+
+
+def test_unknown_op_is_replicated_with_a_warning() -> None:
+    class Odd(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.logcumsumexp(self.lin(x), dim=0)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoplan.plan(Odd(), torch.randn(8, 16), devices=2)
+    messages = [str(w.message) for w in caught if "sharding rule" in str(w.message)]
+    assert messages == ["no sharding rule for aten.logcumsumexp.default: planned replicated"]
+    node = next(n for n in plan.nodes if "logcumsumexp" in n.op)
+    assert node.strategy == "R = R"
+
+
+def test_mesh_enumeration_and_parsing() -> None:
+    assert candidate_meshes(8) == [(8,), (2, 4), (4, 2)]
+    assert candidate_meshes(7) == [(7,)]
+    assert parse_mesh("2x4", 8) == (2, 4)
+    assert parse_mesh("8", 8) == (8,)
+    with pytest.raises(AutoplanError, match="holds 6 devices"):
+        parse_mesh("2x3", 8)
+    with pytest.raises(AutoplanError, match="cannot read mesh"):
+        parse_mesh("two", 8)
+
+
+def test_repeated_layers_share_one_strategy() -> None:
+    import gpt
+
+    model, inputs = gpt.build(hidden=64, layers=4, heads=4, seq=32, vocab=256, batch=8, device="meta")
+    graph = trace(make_model_spec(model, inputs, gpt.loss_fn))
+    classes = find_classes(graph)
+    assert len(classes.blocks) == 4
+    assert classes.num_classes < len(graph.nodes) / 2
+    plan = plan_traced(graph, make_options(4, "h100", mesh=(2, 2)))
+    by_layer = {}
+    for name, spec in plan.params.items():
+        if name.startswith("h."):
+            layer, rest = name.split(".", 2)[1:]
+            by_layer.setdefault(rest, set()).add(tuple(spec))
+    assert by_layer and all(len(specs) == 1 for specs in by_layer.values())
+    assert plan.solver.num_groups < classes.num_classes
+
+
+def test_mesh_choice_keeps_the_cheapest() -> None:
+    plan = plan_traced(_mlp_graph(1024, 4096), make_options(8, "h100"))
+    costs = [a.predicted.step_time_s for a in plan.alternatives if a.predicted]
+    assert len(plan.alternatives) == 2
+    assert all(plan.predicted.step_time_s <= c + 1e-12 for c in costs)
