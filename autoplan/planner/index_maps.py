@@ -45,6 +45,8 @@ class IndexMap:
     linear: bool = False
     sizes: dict[str, int] = field(default_factory=dict)  # letter -> size, filled by finish()
     addends: frozenset[str] = frozenset()  # inputs added to a contraction's result (biases)
+    input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # filled by finish()
+    output_shapes: tuple[tuple[int, ...], ...] = ()  # filled by finish()
 
     def shardable_letters(self) -> list[str]:
         """Letters that may be sharded, in a deterministic order."""
@@ -133,15 +135,16 @@ def _finish(imap: IndexMap, node: fx.Node) -> IndexMap:
         if letters is not None and shape is not None:
             pairs.append((letters, shape))
     pairs.extend(zip(imap.outputs, _output_shapes(node)))
-    fixed = set(imap.fixed)
     for letters, shape in pairs:
         if len(letters) != len(shape):
             raise ValueError(f"index map of {node.name} has {len(letters)} letters for shape {shape}")
         for letter, size in zip(letters, shape):
-            if letter in sizes and sizes[letter] != size:
-                fixed.add(letter)  # the same letter with two sizes: never shard it
+            # a view's leading letter spans dims of different sizes; every tensor's own shape
+            # is checked for divisibility when strategies are enumerated
             sizes[letter] = max(size, sizes.get(letter, 0))
-    return IndexMap(imap.inputs, imap.outputs, imap.reducible, frozenset(fixed), imap.linear, sizes, imap.addends)
+    shapes = {name: _shape(_find_input(node, name)) for name in imap.inputs}
+    return IndexMap(imap.inputs, imap.outputs, imap.reducible, imap.fixed, imap.linear, sizes, imap.addends,
+                    {k: v for k, v in shapes.items() if v is not None}, tuple(_output_shapes(node)))
 
 
 def _find_input(node: fx.Node, name: str) -> fx.Node | None:

@@ -65,10 +65,6 @@ def _spec(assignment: tuple[str, ...], letters: Letters, partial_if_reduced: boo
     return tuple(_placement(a, letters, partial_if_reduced, imap) for a in assignment)
 
 
-def _shape_of(letters: Letters, imap: IndexMap) -> tuple[int, ...]:
-    return tuple(imap.sizes.get(x, 1) for x in letters)
-
-
 def strategy_name(inputs: tuple[ShardingSpec | None, ...], outputs: tuple[ShardingSpec, ...]) -> str:
     """Alpa-style readable name: ``RS0 = RR x S0R`` (output = inputs), with ``(P @ axes)``
     when the output holds partial sums awaiting a reduction."""
@@ -107,14 +103,14 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
                 in_specs.append(None)
                 continue
             spec = _spec(assignment, letters, name in imap.addends, imap)
-            if not is_valid(spec, _shape_of(letters, imap), mesh_shape):
+            if not is_valid(spec, imap.input_shapes[name], mesh_shape):
                 valid = False
                 break
             in_specs.append(spec)
         if not valid:
             continue
         out_specs = tuple(_spec(assignment, letters, True, imap) for letters in imap.outputs)
-        if not all(is_valid(s, _shape_of(l, imap), mesh_shape) for s, l in zip(out_specs, imap.outputs)):
+        if not all(is_valid(s, shape, mesh_shape) for s, shape in zip(out_specs, imap.output_shapes)):
             continue
         key = (tuple(in_specs), out_specs)
         if key in seen:

@@ -1,0 +1,92 @@
+"""Strategy rules: contractions, followers, reductions, norms, attention, divisibility."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+from autoplan.planner.index_maps import index_map_for
+from autoplan.planner.strategies import enumerate_strategies, tensor_input_nodes, tensor_specs
+from autoplan.sharding import P, R, S
+
+
+def _node(fn, *inputs: torch.Tensor, target: str) -> fx.Node:
+    class Wrap(torch.nn.Module):
+        def forward(self, *xs):
+            return fn(*xs)
+
+    ep = torch.export.export(Wrap(), inputs, strict=False)
+    return next(n for n in ep.graph.nodes if n.op == "call_function" and target in str(n.target))
+
+
+def _strategies(node: fx.Node, mesh: tuple[int, ...]):
+    names = [n.name for n in tensor_input_nodes(node)]
+    return enumerate_strategies(index_map_for(node), names, mesh, frozenset(names))
+
+
+def test_linear_on_a_1d_mesh_has_batch_row_column_and_partial() -> None:
+    node = _node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    specs = {(s.input_specs, s.output_spec) for s in _strategies(node, (4,))}
+    assert ((((R,), (R,)), (R,))) in specs                  # replicated
+    assert ((((S(0),), (R,)), (S(0),))) in specs            # batch (data parallel)
+    assert ((((R,), (S(0),)), (S(1),))) in specs            # column: weight rows sharded
+    assert ((((S(1),), (S(1),)), (P,))) in specs            # row: contraction -> partial sums
+    assert len(specs) == 4
+
+
+def test_a_dim_the_mesh_does_not_divide_is_absent() -> None:
+    node = _node(lambda x, w: F.linear(x, w), torch.randn(6, 16), torch.randn(32, 16), target="linear")
+    outs = {s.output_spec for s in _strategies(node, (4,))}
+    assert (S(0),) not in outs  # 6 rows over 4 devices
+    assert (S(1),) in outs
+
+
+def test_column_parallel_input_gradient_is_partial() -> None:
+    node = _node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    column = next(s for s in _strategies(node, (4,)) if s.output_spec == (S(1),))
+    assert column.partial_grads == ((0, 0),)  # x's gradient is all-reduced over axis 0
+    batch = next(s for s in _strategies(node, (4,)) if s.output_spec == (S(0),))
+    assert batch.partial_grads == ((1, 0),)  # the weight's gradient: data-parallel reduction
+
+
+def test_2d_mesh_combines_letters() -> None:
+    node = _node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    names = {s.name for s in _strategies(node, (2, 2))}
+    assert "S0S1 = S0R x RS0" in names  # batch on axis 0, columns on axis 1
+
+
+def test_softmax_dim_and_layer_norm_dims_stay_whole() -> None:
+    node = _node(lambda x: torch.softmax(x, -1), torch.randn(8, 16), target="softmax")
+    assert {s.output_spec for s in _strategies(node, (2,))} == {(R,), (S(0),)}
+    ln = _node(lambda x, w, b: F.layer_norm(x, (16,), w, b), torch.randn(8, 4, 16), torch.randn(16),
+               torch.randn(16), target="layer_norm")
+    assert {s.output_spec for s in _strategies(ln, (2,))} == {(R,), (S(0),), (S(1),)}
+
+
+def test_view_merging_dims_keeps_the_leading_shard() -> None:
+    node = _node(lambda x: x.reshape(32, 16), torch.randn(8, 4, 16), target="reshape")
+    pairs = {(s.input_specs[0], s.output_spec) for s in _strategies(node, (2,))}
+    assert ((S(0),), (S(0),)) in pairs and ((S(2),), (S(1),)) in pairs
+    assert all(inp != (S(1),) for inp, _ in pairs)  # the inner merged dim cannot carry the shard
+
+
+def test_attention_shards_batch_and_heads_only() -> None:
+    q = torch.randn(2, 4, 8, 16)
+    node = _node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q.clone(), q.clone(),
+                 target="scaled_dot_product_attention")
+    assert {s.output_spec for s in _strategies(node, (2,))} == {(R,), (S(0),), (S(1),)}
+
+
+def test_sum_of_a_sharded_dim_is_partial_and_max_is_not() -> None:
+    s = _node(lambda x: x.sum(0), torch.randn(8, 16), target="sum")
+    assert (P,) in {st.output_spec for st in _strategies(s, (2,))}
+    m = _node(lambda x: x.amax(0), torch.randn(8, 16), target="amax")
+    assert (P,) not in {st.output_spec for st in _strategies(m, (2,))}
+
+
+def test_stored_tensor_specs_use_distinct_dims_per_axis() -> None:
+    specs = tensor_specs((8, 6), (2, 2))
+    assert (S(0), S(1)) in specs and (S(1), S(0)) in specs
+    assert (S(0), S(0)) not in specs
+    assert all(len(s) == 2 for s in specs)
