@@ -93,6 +93,9 @@ def placements(graph: TracedGraph, result: IntraOpResult, kinds: tuple[str, ...]
         info = graph.nodes[name]
         if info.kind in kinds:
             out[info.fqn or name] = spec_to_json(strategy.output_spec)
+    for alias, used in graph.tied.items():  # a tied weight is one parameter: report the used name's spec
+        if alias in out and used in out:
+            out[alias] = out[used]
     return out
 
 

@@ -107,7 +107,7 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
         param_b, grad_b, opt_b = ctx.optimizer.state_bytes_per_param(info.itemsize)
         step = optimizer_step_time(elements, ctx.device, ctx.optimizer, info.itemsize)
         return NodeCost(optimizer_s=step, memory=MemoryParts(elements * param_b, elements * grad_b, elements * opt_b))
-    if info.kind in ("parameter", "buffer"):
+    if info.kind in ("parameter", "buffer", "constant"):
         return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
     return NodeCost(memory=MemoryParts(activations=elements * info.itemsize))
 

@@ -47,6 +47,9 @@ VIEW_OPS = frozenset(
 )
 
 
+STORED_KINDS = ("parameter", "buffer", "input", "constant")
+
+
 class UnknownOpWarning(UserWarning):
     """An op without a sharding rule: it is planned replicated."""
 
@@ -121,7 +124,7 @@ class _GraphView:
                 needs_grad[name] = False
             elif info.kind == "parameter":
                 needs_grad[name] = is_floating(info.dtype)
-            elif info.kind in ("buffer", "input"):
+            elif info.kind in ("buffer", "input", "constant"):
                 needs_grad[name] = False
             else:
                 needs_grad[name] = is_floating(info.dtype) and any(needs_grad.get(i, False) for i in inputs[name])
@@ -141,8 +144,10 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
     node = view.fx_nodes[name]
     if info.kind == "output":
         return _output_class_strategies(len(mesh_shape))
-    if info.kind in ("parameter", "buffer", "input"):
+    if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape)
+        if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
+            return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
         costs = [storage_cost(info, s.output_spec, ctx, trainable=view.needs_grad[name]) for s in strategies]
         return ClassStrategies("storage", strategies, costs)
     input_names = view.inputs[name]
