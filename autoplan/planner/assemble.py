@@ -82,7 +82,9 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
 
 
 def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:
-    return [NodePlan(name, graph.nodes[name].target, strategy.name, graph.nodes[name].module)
+    return [NodePlan(name, graph.nodes[name].target, strategy.name, graph.nodes[name].module,
+                     [spec_to_json(s) if s is not None else None for s in strategy.input_specs],
+                     [spec_to_json(s) for s in strategy.output_specs])
             for name, strategy in result.chosen.items() if graph.nodes[name].kind == "op"]
 
 

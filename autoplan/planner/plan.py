@@ -60,10 +60,15 @@ class StagePlan:
 
 @dataclass
 class NodePlan:
+    """The strategy of one op: ``inputs[i]`` is the spec its i-th tensor input must arrive in
+    (``None``: not read), ``outputs`` one spec per tensor output."""
+
     name: str
     op: str
     strategy: str
     module: str = ""
+    inputs: list[list[str] | None] = field(default_factory=list)
+    outputs: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
