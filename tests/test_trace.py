@@ -10,7 +10,6 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from autoplan.errors import AutoplanError
 from autoplan.planner.graph import TracedGraph

@@ -16,7 +16,6 @@ Ops are named by their ATen overload packet (``"aten.linear"``); an op missing f
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 

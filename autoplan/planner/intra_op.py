@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autoplan.planner.costing import CostContext, MemoryParts, NodeCost, edge_cost, is_floating, op_cost, storage_cost
-from autoplan.planner.graph import NodeInfo, TracedGraph
+from autoplan.planner.costing import CostContext, NodeCost, edge_cost, is_floating, op_cost, storage_cost
+from autoplan.planner.graph import TracedGraph
 from autoplan.planner.index_maps import index_map_for, op_name
 from autoplan.planner.layers import NodeClasses
 from autoplan.planner.strategies import (
@@ -320,14 +320,3 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
 def emit_warnings(messages: list[str]) -> None:
     for message in messages:
         warnings.warn(message, UnknownOpWarning, stacklevel=3)
-
-
-def node_infos(graph: TracedGraph, names: list[str]) -> list[NodeInfo]:
-    return [graph.nodes[n] for n in names]
-
-
-def total_memory(costs: dict[str, NodeCost]) -> MemoryParts:
-    total = MemoryParts()
-    for cost in costs.values():
-        total = total + cost.memory
-    return total
