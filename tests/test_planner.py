@@ -150,3 +150,19 @@ def test_mesh_choice_keeps_the_cheapest() -> None:
     costs = [a.predicted.step_time_s for a in plan.alternatives if a.predicted]
     assert len(plan.alternatives) == 2
     assert all(plan.predicted.step_time_s <= c + 1e-12 for c in costs)
+
+
+def test_two_v100_nodes_get_tensor_parallel_inside_and_data_parallel_across() -> None:
+    """With 25 Gbit/s between nodes, Megatron sharding stays on the NVLink axis (8 GPUs of a
+    node) and only data parallelism crosses nodes."""
+    import gpt
+
+    model, inputs = gpt.build(hidden=1024, layers=4, heads=16, seq=1024, vocab=8192, batch=16, device="meta")
+    graph = trace(make_model_spec(model, inputs, gpt.loss_fn))
+    plan = plan_traced(graph, make_options(16, "v100-16g"))
+    assert plan.mesh == [2, 8]
+    assert plan.params["h.0.mlp.c_fc.weight"] == ["R", "S(0)"]
+    assert plan.params["h.0.mlp.c_proj.weight"] == ["R", "S(1)"]
+    assert plan.inputs["idx"][0] == "S(0)"  # the batch is split across the nodes
+    cross_node = [c for c in plan.collectives_in("forward") if c.mesh_axis == 0 and c.bytes > 8]
+    assert cross_node == []  # no activation resharding over the slow links

@@ -1,0 +1,335 @@
+"""Execute a :class:`Plan` with DTensor: the traced ATen graph, run node by node on DTensors.
+
+``build_program(graph, plan, mesh, params)`` gives a :class:`ShardedProgram` (an ``nn.Module``)
+that holds the model's parameters distributed with the plan's placements and whose forward
+runs the traced graph with an ``fx.Interpreter``: before each op, every DTensor input is
+redistributed to the placement the plan chose for that op, so the collectives happen where the
+plan put them (plus any DTensor's own sharding propagation adds; see
+:func:`executed_collectives`).
+
+Conventions:
+
+- ``program(*inputs)`` takes the GLOBAL batch: every rank passes the same full user inputs, and
+  each rank keeps only its slice (no communication). It returns ``(loss, *model_outputs)`` as
+  DTensors (``.full_tensor()`` gives the global value).
+- Parameters are ``nn.Parameter(DTensor)`` under their FQN (dots become ``__`` in the module's
+  own attribute names; :meth:`ShardedProgram.named_plan_parameters` gives them by FQN). A tied
+  weight is one parameter, reachable under every FQN it has.
+- Buffers become DTensor buffers (not parameters), so in-place updates such as BatchNorm's
+  ``num_batches_tracked.add_(1)`` work.
+
+The traps the exported graph sets for DTensor (see DESIGN.md) are handled here:
+``_assert_tensor_metadata`` nodes are dropped, tensors created inside the graph (``arange``)
+become replicated DTensors, attention runs with the math SDPA backend (the CPU flash-attention
+backward has no DTensor rule), and tied weights stay one parameter.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.placement_types import Placement as DPlacement
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from autoplan.errors import AutoplanError
+from autoplan.planner.graph import TracedGraph
+from autoplan.planner.plan import NodePlan, Plan
+from autoplan.sharding import parse_placement
+
+__all__ = [
+    "ShardedProgram",
+    "build_program",
+    "executed_collectives",
+    "planned_collectives",
+    "shard_batch",
+    "to_dtensor_placements",
+]
+
+# Ops with no DTensor rule that only check metadata: skipped.
+_SKIPPED_OPS = {
+    torch.ops.aten._assert_tensor_metadata.default,
+}
+_SKIPPED_NAMES = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
+
+
+def to_dtensor_placements(specs: Sequence[str]) -> tuple[DPlacement, ...]:
+    """Plan placement strings (``"R"``, ``"S(1)"``, ``"P"``) → DTensor placements."""
+    out: list[DPlacement] = []
+    for text in specs:
+        p = parse_placement(text)
+        if p.is_replicate:
+            out.append(Replicate())
+        elif p.is_shard:
+            out.append(Shard(p.dim))
+        else:
+            out.append(Partial())
+    return tuple(out)
+
+
+def shard_batch(tensor: torch.Tensor, placements: Sequence[str | DPlacement], mesh: DeviceMesh) -> torch.Tensor:
+    """This rank's piece of a global ``tensor`` under ``placements`` (no communication).
+
+    ``placements`` are plan strings or DTensor placements, one per mesh axis; the tensor is cut
+    like ``distribute_tensor`` cuts it (``torch.chunk`` order over the mesh axes)."""
+    dplacements = to_dtensor_placements(placements) if placements and isinstance(placements[0], str) \
+        else tuple(placements)  # type: ignore[arg-type]
+    if any(isinstance(p, Partial) for p in dplacements):
+        raise AutoplanError("a batch cannot be cut into partial sums: give R or S(d) placements")
+    return distribute_tensor(tensor.detach(), mesh, dplacements, src_data_rank=None).to_local()
+
+
+def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
+    return to_dtensor_placements(placements)
+
+
+def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
+    """Bring one op input to the placements the plan chose for it."""
+    if specs is None or not isinstance(value, torch.Tensor):
+        return value
+    target = list(_target(specs))
+    if not isinstance(value, DTensor):
+        # A tensor made inside the graph (arange, zeros, a lifted constant): the same on every
+        # rank, so it is replicated; cutting it to a shard needs no communication.
+        value = DTensor.from_local(value, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    current = value.placements
+    if len(target) != len(current):
+        raise AutoplanError(f"plan gives {len(target)} placements for a value on a {mesh.ndim}-D mesh")
+    # "P" in the plan means "partial, any reduction": keep a Partial DTensor's own reduce op (a
+    # mean's Partial("avg") must not be read as a sum). Integer tensors have no partial form.
+    for i, (cur, tgt) in enumerate(zip(current, target)):
+        if isinstance(tgt, Partial):
+            if isinstance(cur, Partial):
+                target[i] = cur
+            elif not value.dtype.is_floating_point and not value.dtype.is_complex:
+                target[i] = Replicate()
+    if tuple(target) == tuple(current):
+        return value
+    to_partial = [i for i, (c, t) in enumerate(zip(current, target))
+                  if isinstance(t, Partial) and not isinstance(c, Partial)]
+    if not to_partial:
+        return value.redistribute(mesh, target)
+    # DTensor's public redistribute refuses to make a Partial. Go to Replicate on those axes
+    # (the others to their target), then split the value into n addends of value / n.
+    mid = [Replicate() if i in to_partial else t for i, t in enumerate(target)]
+    if tuple(mid) != tuple(current):
+        value = value.redistribute(mesh, mid)
+    return _replicate_to_partial(value, to_partial, target, mesh)
+
+
+def _replicate_to_partial(value: DTensor, axes: list[int], target: Sequence[DPlacement],
+                          mesh: DeviceMesh) -> DTensor:
+    """Replicate → Partial(sum) on ``axes``: each rank holds value / n.
+
+    Autograd: the gradient that reaches the replicated value is the (replicated) gradient of the
+    partial one; in local terms each rank's local gradient is 1/n of it, so ``to_local`` declares
+    the local gradient Partial on those axes and DTensor sums it."""
+    n = 1
+    for i in axes:
+        n *= mesh.size(i)
+    grad_placements = [Partial() if i in axes else p for i, p in enumerate(value.placements)]
+    local = value.to_local(grad_placements=grad_placements)
+    return DTensor.from_local(local / n, mesh, list(target), run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+class _PlanInterpreter(torch.fx.Interpreter):
+    """Runs the traced graph on DTensors, redistributing each op's inputs as the plan says."""
+
+    def __init__(self, program: ShardedProgram) -> None:
+        super().__init__(program.graph_module, garbage_collect_values=True)
+        self.program = program
+        self._placeholder_values: dict[str, Any] = {}
+
+    def run_with(self, placeholder_values: dict[str, Any]) -> Any:
+        self._placeholder_values = placeholder_values
+        try:
+            return self.run()
+        finally:
+            self._placeholder_values = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        if n.op == "placeholder":
+            return self._placeholder_values[n.name]
+        if n.op == "call_function":
+            name = getattr(n.target, "__name__", str(n.target))
+            if n.target in _SKIPPED_OPS or any(s in name for s in _SKIPPED_NAMES):
+                return None
+            node_plan = self.program.node_plans.get(n.name)
+            if node_plan is not None and n.target is not operator.getitem:
+                return self._call_planned(n, node_plan)
+        return super().run_node(n)
+
+    def _call_planned(self, n: torch.fx.Node, node_plan: NodePlan) -> Any:
+        tensor_inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if len(node_plan.inputs) != len(tensor_inputs):
+            raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph "
+                                f"has {len(tensor_inputs)}: the plan is not for this graph")
+        mesh = self.program.mesh
+        arrived = {a: _redistribute(self.env[a], specs, mesh) for a, specs in zip(tensor_inputs, node_plan.inputs)}
+        args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived.get(a, self.env[a]))
+        return getattr(self, n.op)(n.target, args, kwargs)
+
+
+class ShardedProgram(torch.nn.Module):
+    """The traced model distributed by a plan. See the module docstring for the conventions.
+
+    ``forward(*inputs)`` takes the GLOBAL user inputs (the same on every rank) and returns
+    ``(loss, *model_outputs)`` as DTensors."""
+
+    def __init__(self, graph: TracedGraph, plan: Plan, mesh: DeviceMesh, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        if plan.graph_hash != graph.graph_hash:
+            raise AutoplanError("the plan was made for another graph (graph_hash differs): plan this model again")
+        if tuple(mesh.shape) != tuple(plan.mesh):
+            raise AutoplanError(f"the plan is for mesh {plan.mesh}, the device mesh is {list(mesh.shape)}")
+        self.mesh = mesh
+        self.plan = plan
+        self.graph_module = graph.graph_module
+        self.input_names = list(graph.input_names)
+        self.node_plans = {np_.name: np_ for np_ in plan.nodes}
+        self.tied = dict(graph.tied)
+        # placeholder name -> FQN, every FQN resolved to the one the graph reads
+        self.placeholder_fqn = {name: self.tied.get(fqn, fqn) for name, fqn in graph.param_names.items()}
+        buffer_fqns = {info.fqn for info in graph.nodes.values() if info.kind == "buffer" and info.fqn}
+        self._fqn_to_attr: dict[str, str] = {}
+        for fqn in dict.fromkeys(self.placeholder_fqn.values()):
+            if fqn not in params:
+                raise AutoplanError(f"no tensor given for {fqn}: pass model.named_parameters() and named_buffers()")
+            tensor = params[fqn].detach()
+            specs = plan.params.get(fqn, ["R"] * mesh.ndim)
+            placements = to_dtensor_placements(specs)
+            if any(isinstance(p, Partial) for p in placements):
+                raise AutoplanError(f"plan stores {fqn} as partial sums ({specs}): a parameter must be R or S(d)")
+            dt = distribute_tensor(tensor.clone(), mesh, placements, src_data_rank=None)
+            attr = fqn.replace(".", "__")
+            if fqn in buffer_fqns or not tensor.is_floating_point():
+                self.register_buffer(attr, dt)
+            else:
+                self.register_parameter(attr, torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad))
+            self._fqn_to_attr[fqn] = attr
+        self._constants = self._lifted_constants(graph)
+        self._interpreter = _PlanInterpreter(self)
+
+    @staticmethod
+    def _lifted_constants(graph: TracedGraph) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        ep = graph.exported
+        consts = {}
+        if ep is not None:
+            consts = dict(getattr(ep, "constants", {}) or {})
+            for spec in ep.graph_signature.input_specs:
+                if spec.target in consts:
+                    out[spec.arg.name] = consts[spec.target]
+        return out
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        """The distributed parameter (or buffer) under ``fqn`` (a tied FQN gives the shared one)."""
+        fqn = self.tied.get(fqn, fqn)
+        return getattr(self, self._fqn_to_attr[fqn])
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by the model's FQN, tied FQNs included (they give the same object)."""
+        out = {fqn: self.tensor(fqn) for fqn in self._fqn_to_attr}
+        out.update({fqn: self.tensor(used) for fqn, used in self.tied.items() if used in self._fqn_to_attr})
+        return {k: v for k, v in out.items() if isinstance(v, torch.nn.Parameter)}
+
+    def distribute_inputs(self, inputs: Sequence[Any]) -> list[Any]:
+        """Global user inputs → DTensors with the plan's input placements (local slicing only)."""
+        if len(inputs) != len(self.input_names):
+            raise AutoplanError(f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                                f"got {len(inputs)}")
+        out = []
+        for name, value in zip(self.input_names, inputs):
+            if isinstance(value, DTensor) or not isinstance(value, torch.Tensor):
+                out.append(value)
+                continue
+            placements = to_dtensor_placements(self.plan.inputs.get(name, ["R"] * self.mesh.ndim))
+            local = shard_batch(value, placements, self.mesh)
+            out.append(DTensor.from_local(local, self.mesh, placements, run_check=False,
+                                          shape=value.shape, stride=value.stride()))
+        return out
+
+    def forward(self, *inputs: Any) -> tuple[Any, ...]:
+        values: dict[str, Any] = {}
+        user = iter(self.distribute_inputs(inputs))
+        for node in self.graph_module.graph.nodes:
+            if node.op != "placeholder":
+                continue
+            if node.name in self.placeholder_fqn:
+                values[node.name] = self.tensor(self.placeholder_fqn[node.name])
+            elif node.name in self.input_names:
+                values[node.name] = next(user)
+            elif node.name in self._constants:
+                values[node.name] = self._constants[node.name]
+            else:
+                raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
+        # implicit_replication: plain tensors that ops create inside DTensor dispatch (masks in the
+        # math attention) mix with DTensors as replicated ones.
+        with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
+            out = self._interpreter.run_with(values)
+        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+
+
+def build_program(graph: TracedGraph, plan: Plan, mesh: DeviceMesh, params: dict[str, torch.Tensor]) -> ShardedProgram:
+    """A :class:`ShardedProgram` executing ``plan`` for ``graph`` on ``mesh``.
+
+    ``params`` are the model's parameters and buffers by FQN (``dict(model.named_parameters())``
+    plus ``named_buffers()``), the same on every rank; each rank keeps its own shard."""
+    return ShardedProgram(graph, plan, mesh, params)
+
+
+_KIND_OF = {
+    "all_reduce": "all_reduce",
+    "allreduce": "all_reduce",
+    "all_gather": "all_gather",
+    "allgather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "all_to_all": "all_to_all",
+    "alltoall": "all_to_all",
+    "broadcast": "broadcast",
+    "scatter": "scatter",
+    "send": "send_recv",
+    "recv": "send_recv",
+}
+
+
+def _kind(op: Any) -> str:
+    name = str(op).lower()
+    for key, kind in _KIND_OF.items():
+        if key in name:
+            return kind
+    return name
+
+
+def executed_collectives(program: ShardedProgram, inputs: Sequence[Any]) -> dict[str, int]:
+    """Run the program's forward once under ``CommDebugMode`` and count the collectives it
+    executes by kind (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) —
+    to set beside ``plan.collectives_in("forward")`` (:func:`planned_collectives`). Autograd
+    stays on, as in a training step; the backward is not run."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        program(*inputs)
+    counts: Counter[str] = Counter()
+    for op, n in mode.get_comm_counts().items():
+        counts[_kind(op)] += n
+    return dict(counts)
+
+
+def planned_collectives(plan: Plan, phase: str = "forward") -> dict[str, int]:
+    """The plan's collectives in ``phase``, counted by kind (the same keys as
+    :func:`executed_collectives`)."""
+    counts: Counter[str] = Counter()
+    for c in plan.collectives_in(phase):
+        counts[c.kind] += c.count
+    return dict(counts)
