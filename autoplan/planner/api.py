@@ -30,7 +30,7 @@ from autoplan.planner.load import ModelSpec, make_model_spec
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.plan import Alternative, Plan
 from autoplan.planner.trace import trace
-from autoplan.solvers import format_bytes
+from autoplan.solvers import explain, format_bytes
 
 
 @dataclass(frozen=True)
@@ -119,6 +119,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         timings_s=timings,
         warnings=list(result.warnings),
         model=model_name,
+        explanation=explain(result.problem, result.solution, top=8),
     )
 
 

@@ -115,6 +115,7 @@ class Plan:
     timings_s: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     model: str = ""
+    explanation: str = ""  # the largest cost terms and memory holders of the chosen plan
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,6 +155,7 @@ class Plan:
                 timings_s=dict(data.get("timings_s", {})),
                 warnings=list(data.get("warnings", [])),
                 model=str(data.get("model", "")),
+                explanation=str(data.get("explanation", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None

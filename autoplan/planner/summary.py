@@ -56,6 +56,9 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         lines += ["  " + r for r in _table(rows, ["phase", "kind", "axis", "bytes", "count", "tensor", "where"])]
     else:
         lines.append("  none")
+    if plan.explanation:
+        lines += ["", "why: " + plan.explanation.splitlines()[0]]
+        lines += ["  " + line.strip() if not line.startswith(" ") else line for line in plan.explanation.splitlines()[1:]]
     if plan.alternatives:
         lines += ["", "alternatives (why not these):"]
         for a in plan.alternatives:
