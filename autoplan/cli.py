@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -19,7 +20,8 @@ from autoplan.cost_models.presets import PRESET_NAMES
 from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.planner.load import load_model_file
-from autoplan.planner.meshes import parse_mesh
+from autoplan.codegen.script import render_train_script
+from autoplan.planner.meshes import mesh_label, parse_mesh
 from autoplan.planner.summary import summary_text
 
 
@@ -44,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per mesh")
     parser.add_argument("--out", default="autoplan_out", help="output folder for plan.json (default autoplan_out)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
+    parser.add_argument("--run", action="store_true",
+                        help="launch the emitted train.py on this machine (torch.distributed.run, one process per device)")
+    parser.add_argument("--check", action="store_true",
+                        help="with --run: compare outputs, loss, gradients and collectives with one device")
+    parser.add_argument("--steps", type=int, default=3, help="training steps for --run / --check (default 3)")
     return parser
 
 
@@ -57,6 +64,8 @@ def _write_atomically(path: Path, text: str) -> None:
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.steps < 1:
+        raise AutoplanError(f"--steps must be at least 1, got {args.steps}")
     if args.devices < 1:
         raise AutoplanError(f"--devices must be at least 1, got {args.devices}")
     memory = parse_memory_size(args.memory_per_device) if args.memory_per_device else None
@@ -77,13 +86,29 @@ def run(argv: list[str] | None = None) -> int:
         if "autoplan" in type(w.message).__module__:
             print(f"autoplan: warning: {w.message}", file=sys.stderr)
     text = plan.to_json()
-    _write_atomically(Path(args.out) / "plan.json", text + "\n")
+    out = Path(args.out)
+    script = out / "train.py"
+    train_text = render_train_script(args.model_file, args.model, args.inputs, args.loss, plan.devices,
+                                     plan.model or Path(args.model_file).stem,
+                                     f"mesh {mesh_label(plan.mesh)}", str(script))
+    _write_atomically(out / "plan.json", text + "\n")
+    _write_atomically(script, train_text)
     if args.json:
         print(text)
     else:
         print(summary_text(plan))
-        print(f"\nwrote {Path(args.out) / 'plan.json'}")
+        print(f"\nwrote {out / 'plan.json'} and {script}")
+    if args.run or args.check:
+        return launch(script, plan.devices, args.steps, args.check)
     return 0
+
+
+def launch(script: Path, devices: int, steps: int, check: bool) -> int:
+    """Run train.py under torch.distributed.run with one process per planned device."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
+               str(script), "--steps", str(steps)] + (["--check"] if check else [])
+    print("running: " + " ".join(command[2:]), flush=True)
+    return subprocess.run(command, check=False).returncode
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -58,6 +64,12 @@ _SKIPPED_OPS = {
     torch.ops.aten._assert_tensor_metadata.default,
 }
 _SKIPPED_NAMES = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
+# The tracer drops ``.contiguous()`` nodes (their presence depends on the tracing device), so a
+# ``view`` may meet a non-contiguous tensor (after a transpose): run it as ``reshape``, which is a
+# view whenever one is possible and has the same DTensor sharding rule.
+_REPLACED_OPS = {
+    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+}
 
 
 def to_dtensor_placements(specs: Sequence[str]) -> tuple[DPlacement, ...]:
@@ -112,6 +124,12 @@ def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
                 target[i] = Replicate()
     if tuple(target) == tuple(current):
         return value
+    # Shard → Partial needs no communication: each rank holds its shard in place, zeros elsewhere
+    # (DTensor itself would all-gather first).
+    for i, (c, t) in enumerate(zip(current, target)):
+        if isinstance(t, Partial) and isinstance(c, Shard) and _can_pad(value, i, mesh):
+            value = _shard_to_partial(value, i, mesh)
+    current = value.placements
     to_partial = [i for i, (c, t) in enumerate(zip(current, target))
                   if isinstance(t, Partial) and not isinstance(c, Partial)]
     if not to_partial:
@@ -122,6 +140,30 @@ def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
     if tuple(mid) != tuple(current):
         value = value.redistribute(mesh, mid)
     return _replicate_to_partial(value, to_partial, target, mesh)
+
+
+def _can_pad(value: DTensor, axis: int, mesh: DeviceMesh) -> bool:
+    dim = value.placements[axis].dim
+    alone = all(not (isinstance(p, Shard) and p.dim == dim) for j, p in enumerate(value.placements) if j != axis)
+    return alone and value.shape[dim] % mesh.size(axis) == 0
+
+
+def _shard_to_partial(value: DTensor, axis: int, mesh: DeviceMesh) -> DTensor:
+    """Shard(d) → Partial(sum) on mesh axis ``axis``, locally: the shard padded with zeros to the
+    full size of dim d. Its gradient is the slice of the (replicated) gradient."""
+    dim = value.placements[axis].dim
+    n, coord = mesh.size(axis), mesh.get_local_rank(axis)
+    local = value.to_local()
+    size = local.shape[dim]
+    before = list(local.shape)
+    before[dim] = coord * size
+    after = list(local.shape)
+    after[dim] = (n - 1 - coord) * size
+    padded = torch.cat([local.new_zeros(before), local, local.new_zeros(after)], dim=dim)
+    placements = list(value.placements)
+    placements[axis] = Partial()
+    return DTensor.from_local(padded, mesh, placements, run_check=False, shape=value.shape,
+                              stride=torch.empty(value.shape, device="meta").stride())
 
 
 def _replicate_to_partial(value: DTensor, axes: list[int], target: Sequence[DPlacement],
@@ -138,6 +180,10 @@ def _replicate_to_partial(value: DTensor, axes: list[int], target: Sequence[DPla
     local = value.to_local(grad_placements=grad_placements)
     return DTensor.from_local(local / n, mesh, list(target), run_check=False,
                               shape=value.shape, stride=value.stride())
+
+
+def _spec_text(placements: Sequence[DPlacement]) -> str:
+    return "".join("R" if p.is_replicate() else f"S{p.dim}" if p.is_shard() else "P" for p in placements)
 
 
 class _PlanInterpreter(torch.fx.Interpreter):
@@ -173,10 +219,19 @@ class _PlanInterpreter(torch.fx.Interpreter):
             raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph "
                                 f"has {len(tensor_inputs)}: the plan is not for this graph")
         mesh = self.program.mesh
-        arrived = {a: _redistribute(self.env[a], specs, mesh) for a, specs in zip(tensor_inputs, node_plan.inputs)}
+        arrived = {}
+        for a, specs in zip(tensor_inputs, node_plan.inputs):
+            before = self.env[a]
+            arrived[a] = after = _redistribute(before, specs, mesh)
+            if after is not before and isinstance(before, DTensor):
+                self.program.redistributions.append(
+                    (f"{a.name} -> {n.name}", _spec_text(before.placements), _spec_text(after.placements)))
         args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived.get(a, self.env[a]))
         return getattr(self, n.op)(n.target, args, kwargs)
+
+    def call_function(self, target, args, kwargs):
+        return _REPLACED_OPS.get(target, target)(*args, **kwargs)
 
 
 class ShardedProgram(torch.nn.Module):
@@ -217,6 +272,9 @@ class ShardedProgram(torch.nn.Module):
                 self.register_parameter(attr, torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad))
             self._fqn_to_attr[fqn] = attr
         self._constants = self._lifted_constants(graph)
+        # (edge, from, to) of every redistribution the last forward did, to see where
+        # collectives come from
+        self.redistributions: list[tuple[str, str, str]] = []
         self._interpreter = _PlanInterpreter(self)
 
     @staticmethod
@@ -259,6 +317,7 @@ class ShardedProgram(torch.nn.Module):
         return out
 
     def forward(self, *inputs: Any) -> tuple[Any, ...]:
+        self.redistributions = []
         values: dict[str, Any] = {}
         user = iter(self.distribute_inputs(inputs))
         for node in self.graph_module.graph.nodes:
@@ -276,7 +335,14 @@ class ShardedProgram(torch.nn.Module):
         # math attention) mix with DTensors as replicated ones.
         with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
             out = self._interpreter.run_with(values)
-        return tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        # The plan materialises the loss replicated (its "-> output" collective); the model's
+        # other outputs stay as computed (call .full_tensor() to gather them).
+        loss = out[0]
+        if isinstance(loss, DTensor) and any(not p.is_replicate() for p in loss.placements):
+            loss = loss.redistribute(self.mesh, [Replicate()] * self.mesh.ndim)
+            self.redistributions.append(("loss -> output", _spec_text(out[0].placements), _spec_text(loss.placements)))
+        return (loss, *out[1:])
 
 
 def build_program(graph: TracedGraph, plan: Plan, mesh: DeviceMesh, params: dict[str, torch.Tensor]) -> ShardedProgram:

@@ -1,5 +1,19 @@
 """Solvers: pure mathematics (numbers in, choices out, no torch)."""
 
+from autoplan.solvers.inter_op import (
+    InterOpInfeasibleError,
+    InterOpProblem,
+    InterOpSolution,
+    StageAssignment,
+    StageCost,
+    StageCostFn,
+    SubMesh,
+    brute_force_inter_op,
+    candidate_submeshes,
+    explain_inter_op,
+    pipeline_step_time,
+    solve_inter_op,
+)
 from autoplan.solvers.intra_op import (
     Edge,
     IntraOpProblem,
@@ -14,13 +28,25 @@ from autoplan.solvers.units import format_bytes, format_seconds
 
 __all__ = [
     "Edge",
+    "InterOpInfeasibleError",
+    "InterOpProblem",
+    "InterOpSolution",
     "IntraOpProblem",
     "IntraOpSolution",
     "SolverTimeoutError",
+    "StageAssignment",
+    "StageCost",
+    "StageCostFn",
+    "SubMesh",
     "brute_force",
+    "brute_force_inter_op",
+    "candidate_submeshes",
     "evaluate",
     "explain",
+    "explain_inter_op",
     "format_bytes",
     "format_seconds",
+    "pipeline_step_time",
+    "solve_inter_op",
     "solve_intra_op",
 ]

@@ -1,0 +1,182 @@
+"""``autoplan.parallelize``: the planned program as a module a user trains with an ordinary loop.
+
+Call it in every process of a ``torchrun`` job::
+
+    pm = autoplan.parallelize(model, example_inputs, devices=world_size, loss_fn=loss_fn)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
+    for batch in data:                      # each rank passes the same GLOBAL batch
+        loss = pm(*batch).loss              # the planned forward, loss included
+        loss.backward()
+        opt.step(); opt.zero_grad()
+
+Every rank plans for itself: planning is deterministic (same graph, same costs, same solver),
+and :func:`parallelize` checks that all ranks reached the same decisions before it builds
+anything. Each rank passes the *global* batch; the program keeps its own slice of it without
+communication (:func:`autoplan.codegen.dtensor_program.shard_batch` cuts one by hand).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from autoplan.codegen.dtensor_program import ShardedProgram, build_program
+from autoplan.errors import AutoplanError
+from autoplan.planner.api import make_options, plan_traced
+from autoplan.planner.graph import TracedGraph
+from autoplan.planner.load import ModelSpec, make_model_spec
+from autoplan.planner.plan import Plan
+from autoplan.planner.trace import trace
+
+
+@dataclass(frozen=True)
+class DistContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device_type: str  # "cuda" or "cpu"
+
+
+def init_distributed() -> DistContext:
+    """Join the job torchrun started (NCCL with one GPU per local rank where CUDA is available,
+    gloo on CPUs); a no-op when the process group exists already."""
+    use_cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if not dist.is_initialized():
+        if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+            raise AutoplanError("no distributed job: launch with torchrun --nproc-per-node N, "
+                                "or call torch.distributed.init_process_group first")
+        if use_cuda:
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    backend = dist.get_backend()
+    device_type = "cuda" if use_cuda and backend == "nccl" else "cpu"
+    return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device_type)
+
+
+class ParallelOutput(NamedTuple):
+    """What the planned program returns: the replicated scalar ``loss`` (call ``.backward()``)
+    and the model's ``outputs`` as DTensors (``.full_tensor()`` gathers one)."""
+
+    loss: torch.Tensor
+    outputs: tuple[Any, ...]
+
+
+class ParallelModule(torch.nn.Module):
+    """The model parallelized by ``plan``. ``pm(*global_inputs)`` → :class:`ParallelOutput`."""
+
+    def __init__(self, program: ShardedProgram, plan: Plan, device_type: str) -> None:
+        super().__init__()
+        self.program = program
+        self.plan = plan
+        self.device_type = device_type
+        for param in {id(p): p for p in program.parameters()}.values():
+            param.register_post_accumulate_grad_hook(_reduce_gradient)
+
+    @property
+    def mesh(self) -> DeviceMesh:
+        return self.program.mesh
+
+    def forward(self, *inputs: Any) -> ParallelOutput:
+        if self.device_type != "cpu":
+            inputs = tuple(x.to(self.device_type) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+                           else x for x in inputs)
+        loss, *outputs = self.program(*inputs)
+        return ParallelOutput(loss, tuple(outputs))
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Parameters by the model's own names (tied names give the same object)."""
+        return self.program.named_plan_parameters()
+
+
+def _reduce_gradient(param: torch.Tensor) -> None:
+    """The planned gradient reduction, in the backward as DDP does it: a gradient left as
+    partial sums (a parameter replicated over a batch-sharded mesh axis) is reduced into the
+    parameter's own placement as soon as it is accumulated, so that the optimizer and the
+    user see finished gradients."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
+def decision_digest(plan: Plan) -> str:
+    """A hash of what a plan decides (mesh, placements, strategies), not of how long it took."""
+    decided = {"mesh": plan.mesh, "params": plan.params, "inputs": plan.inputs,
+               "nodes": [(n.name, n.inputs, n.outputs) for n in plan.nodes], "graph": plan.graph_hash}
+    return hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()
+
+
+def check_plan_fits(plan: Plan, graph: TracedGraph, world_size: int) -> None:
+    """One-line errors for a plan that does not belong to this model or this job."""
+    if plan.graph_hash != graph.graph_hash:
+        raise AutoplanError(f"plan.json was made for another model (graph hash {plan.graph_hash}, this model "
+                            f"{graph.graph_hash}): plan this model again")
+    if plan.devices != world_size:
+        more = "more" if plan.devices > world_size else "fewer"
+        raise AutoplanError(f"the plan is for {plan.devices} devices but this job has {world_size} processes "
+                            f"({more} devices planned than launched): launch with --nproc-per-node "
+                            f"{plan.devices} or plan again with --devices {world_size}")
+
+
+def _agree_across_ranks(plan: Plan) -> None:
+    digests: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, decision_digest(plan))
+    if len(set(digests)) != 1:
+        raise AutoplanError("ranks planned differently (non-deterministic planning): pass the same plan= to "
+                            "every rank")
+
+
+def _real_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(dict(model.named_buffers(remove_duplicate=False)))
+    meta = [name for name, t in tensors.items() if t.is_meta]
+    if meta:
+        raise AutoplanError(f"{meta[0]} is on the meta device: build the model with real weights to run it "
+                            f"(meta models can only be planned)")
+    return tensors
+
+
+def parallelize_spec(spec: ModelSpec, plan: Plan | None = None, devices: int | None = None,
+                     mesh: DeviceMesh | None = None, cluster: str = "h100",
+                     graph: TracedGraph | None = None) -> ParallelModule:
+    """:func:`parallelize` for a loaded :class:`ModelSpec`."""
+    ctx = init_distributed()
+    if mesh is not None:
+        devices = mesh.size()
+    devices = devices or (plan.devices if plan else ctx.world_size)
+    if devices != ctx.world_size:
+        raise AutoplanError(f"devices={devices} but this job has {ctx.world_size} processes: they must agree")
+    graph = graph or trace(spec)
+    if plan is None:
+        pinned = tuple(mesh.shape) if mesh is not None else None
+        plan = plan_traced(graph, make_options(devices, cluster, mesh=pinned), spec.name)
+    check_plan_fits(plan, graph, ctx.world_size)
+    _agree_across_ranks(plan)
+    if mesh is None:
+        mesh = init_device_mesh(ctx.device_type, tuple(plan.mesh))
+    elif tuple(mesh.shape) != tuple(plan.mesh):
+        raise AutoplanError(f"the plan is for mesh {plan.mesh} but the given mesh is {list(mesh.shape)}")
+    program = build_program(graph, plan, mesh, _real_tensors(spec.module))
+    return ParallelModule(program, plan, ctx.device_type)
+
+
+def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int | None = None,
+                mesh: DeviceMesh | None = None, plan: Plan | None = None,
+                loss_fn: Callable[..., torch.Tensor] | None = None, cluster: str = "h100") -> ParallelModule:
+    """Parallelize ``model`` for the running torchrun job; see the module docstring.
+
+    ``example_inputs`` is one global batch (shapes are planned for it); ``plan`` reuses a saved
+    plan (it must be for this model and this number of processes), otherwise every rank plans
+    for ``devices`` (default: the world size) or for the given ``mesh``.
+    """
+    spec = make_model_spec(model, example_inputs, loss_fn)
+    return parallelize_spec(spec, plan, devices, mesh, cluster)
