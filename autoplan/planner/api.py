@@ -43,6 +43,7 @@ class PlannerOptions:
     optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
     solver: str = "highs"
     time_limit_s: float | None = None
+    pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
 
     @property
     def memory_budget(self) -> float:
@@ -63,7 +64,7 @@ def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...],
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer)
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
-                               options.time_limit_s)
+                               options.time_limit_s, options.pick)
     except MemoryInfeasibleError as e:
         return MeshOutcome(mesh, None, None, str(e), e.least_memory_bytes)
     return MeshOutcome(mesh, result, ctx)

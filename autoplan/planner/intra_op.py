@@ -38,7 +38,7 @@ from autoplan.planner.strategies import (
     strategy_name,
 )
 from autoplan.sharding import R, ShardingSpec
-from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, solve_intra_op
+from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 
 VIEW_OPS = frozenset(
     """view _unsafe_view reshape flatten unflatten expand expand_as view_as transpose permute t
@@ -285,9 +285,12 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
 
 
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
-                  memory_budget: float | None, solver: str = "highs",
-                  time_limit_s: float | None = None) -> IntraOpResult:
-    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``."""
+                  memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
+                  pick: Callable[[int, list[str]], int] | None = None) -> IntraOpResult:
+    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
+
+    ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (manual
+    plans, and tests that run arbitrary valid assignments); every pick is a valid plan."""
     view = _GraphView.of(graph)
     messages: list[str] = []
 
@@ -305,7 +308,12 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
         strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn))
     grouping = _group(view, classes, strat)
     problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
-    solution = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s)
+    if pick is None:
+        solution = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s)
+    else:
+        choices = [pick(g, problem.choice_names[g]) for g in range(len(problem.costs))]
+        objective, memory = evaluate(problem, choices)
+        solution = IntraOpSolution(choices, objective, memory, "picked", None, "pick", 0.0, 0, 0)
     chosen: dict[str, Strategy] = {}
     node_costs: dict[str, NodeCost] = {}
     for cls in range(classes.num_classes):

@@ -420,7 +420,7 @@ class _StageDP:
 
     def _backtrack(self, F: np.ndarray, pick: np.ndarray) -> list[int] | None:
         if self.track_stages:
-            s = self.allowed[-1]
+            s = min(self.allowed, key=lambda c: (F[c, 0, self.N], c))
         else:
             s = 0
         if not math.isfinite(F[s, 0, self.N]):
