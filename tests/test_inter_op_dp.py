@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import math
 import random
 from collections import Counter
@@ -69,7 +70,7 @@ def check_valid(problem: InterOpProblem, solution: InterOpSolution) -> None:
     step time equal to equation (0) of the chosen stages."""
     stages = solution.stages
     assert stages[0].start == 0 and stages[-1].end == problem.num_layers
-    assert all(a.end == b.start for a, b in zip(stages, stages[1:]))
+    assert all(a.end == b.start for a, b in itertools.pairwise(stages))
     assert all(s.start < s.end for s in stages)
     assert sum(s.sub_mesh.size for s in stages) == problem.num_devices
     meshes = candidate_submeshes(problem.num_nodes, problem.devices_per_node)

@@ -120,6 +120,10 @@ def check_plan_fits(plan: Plan, graph: TracedGraph, world_size: int) -> None:
     if plan.graph_hash != graph.graph_hash:
         raise AutoplanError(f"plan.json was made for another model (graph hash {plan.graph_hash}, this model "
                             f"{graph.graph_hash}): plan this model again")
+    check_plan_devices(plan, world_size)
+
+
+def check_plan_devices(plan: Plan, world_size: int) -> None:
     if plan.devices != world_size:
         more = "more" if plan.devices > world_size else "fewer"
         raise AutoplanError(f"the plan is for {plan.devices} devices but this job has {world_size} processes "
@@ -150,9 +154,12 @@ def parallelize_spec(spec: ModelSpec, plan: Plan | None = None, devices: int | N
                      graph: TracedGraph | None = None) -> ParallelModule:
     """:func:`parallelize` for a loaded :class:`ModelSpec`."""
     ctx = init_distributed()
+    if plan is not None:
+        check_plan_devices(plan, ctx.world_size)
+        devices = plan.devices
     if mesh is not None:
         devices = mesh.size()
-    devices = devices or (plan.devices if plan else ctx.world_size)
+    devices = devices or ctx.world_size
     if devices != ctx.world_size:
         raise AutoplanError(f"devices={devices} but this job has {ctx.world_size} processes: they must agree")
     graph = graph or trace(spec)

@@ -21,6 +21,7 @@ batch; the program keeps its own slice.
 """
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -72,7 +73,8 @@ if __name__ == "__main__":
     try:
         sys.exit(main())
     except AutoplanError as e:
-        print(f"autoplan: error: {{e}}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # one line, not one per process
+            print(f"autoplan: error: {{e}}", file=sys.stderr, flush=True)
         sys.exit(2)
 '''
 

@@ -548,12 +548,12 @@ def brute_force_inter_op(problem: InterOpProblem, cost_fn: StageCostFn) -> Inter
 
 def explain_inter_op(solution: InterOpSolution) -> str:
     """The pipeline as text: one line for the whole, one per stage."""
-    lines = [
+    lines = [(
         f"pipeline of {len(solution.stages)} stage(s): step {format_seconds(solution.step_time_s)}"
         f" (slowest stage {format_seconds(solution.t_max_s)}; "
         f"{solution.num_candidates_evaluated} stage costs evaluated, "
         f"{solution.num_dp_passes} DP passes, {solution.solve_time_s:.2f} s)"
-    ]
+    )]
     for s, stage in enumerate(solution.stages):
         logical = ("" if not stage.cost.logical_mesh
                    else f" (logical mesh {'x'.join(map(str, stage.cost.logical_mesh))})")
