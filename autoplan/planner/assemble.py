@@ -107,8 +107,11 @@ def solver_stats(result: IntraOpResult) -> SolverStats:
                        len(result.problem.costs), result.num_nodes, s.solve_time_s)
 
 
-def single_stage(devices: int, mesh: tuple[int, ...], classes: NodeClasses) -> list[StagePlan]:
-    return [StagePlan(layers=list(classes.blocks) or ["all"], devices=list(range(devices)), mesh=list(mesh))]
+def single_stage(graph: TracedGraph, devices: int, mesh: tuple[int, ...], classes: NodeClasses) -> list[StagePlan]:
+    ops = [name for name, info in graph.nodes.items() if info.kind == "op"]
+    params = [info.fqn for info in graph.nodes.values() if info.kind in ("parameter", "buffer") and info.fqn]
+    return [StagePlan(layers=list(classes.blocks) or ["all"], devices=list(range(devices)), mesh=list(mesh),
+                      nodes=ops, params=params)]
 
 
 def cluster_summary(cluster: ClusterSpec) -> dict:

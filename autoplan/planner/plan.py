@@ -53,9 +53,15 @@ class Prediction:
 
 @dataclass
 class StagePlan:
+    """One pipeline stage: the layers it runs, the global ranks of its sub-mesh, the logical
+    mesh over them, the op nodes it executes (graph order) and the parameters it holds. The
+    specs of those nodes and parameters in :class:`Plan` refer to this stage's mesh."""
+
     layers: list[str]
     devices: list[int]
     mesh: list[int]
+    nodes: list[str] = field(default_factory=list)
+    params: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -96,7 +102,12 @@ class SolverStats:
 @dataclass
 class Plan:
     """A parallelization plan. ``params`` and ``inputs`` map names to one placement per mesh
-    axis (``"R"``, ``"S(d)"``); ``nodes`` gives every traced op's strategy."""
+    axis (``"R"``, ``"S(d)"``); ``nodes`` gives every traced op's strategy.
+
+    With a pipeline (``len(stages) > 1``) the graph was traced for ONE microbatch (each user
+    input cut into ``microbatches`` equal pieces along dim 0, see
+    :func:`autoplan.planner.microbatch.microbatch_inputs`), ``graph_hash`` is that graph's, and
+    the top-level ``mesh`` is the shape shared by every stage's logical mesh."""
 
     graph_hash: str
     devices: int
