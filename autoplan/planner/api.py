@@ -96,7 +96,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         if o is best:
             continue
         if o.result is None:
-            alternatives.append(Alternative(f"mesh {mesh_label(o.mesh)}", list(o.mesh), None, o.error))
+            alternatives.append(Alternative(f"mesh {mesh_label(o.mesh)}", list(o.mesh), None, f"infeasible: {o.error}"))
         else:
             alternatives.append(Alternative(f"mesh {mesh_label(o.mesh)}", list(o.mesh), predictions[o.mesh][0]))
     prediction, collectives = predictions[best.mesh]

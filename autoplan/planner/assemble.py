@@ -20,12 +20,12 @@ from autoplan.sharding import spec_to_json
 
 
 def _add(bucket: dict[tuple, PlannedCollective], kind: str, phase: str, axis: int, nbytes: float, where: str,
-         tensor: str, bucketed: bool = False) -> None:
+         tensor: str, bucketed: bool = False, times: int = 1) -> None:
     key = (kind, phase, axis, nbytes, where, tensor, bucketed)
     if key in bucket:
-        bucket[key].count += 1
+        bucket[key].count += times
     else:
-        bucket[key] = PlannedCollective(kind, phase, axis, nbytes, 1, where, tensor, bucketed)
+        bucket[key] = PlannedCollective(kind, phase, axis, nbytes, times, where, tensor, bucketed)
 
 
 def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult,
@@ -39,7 +39,8 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
         cost = result.node_costs[name]
         seconds += cost.comm_s
         for step in cost.backward_collectives:
-            _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "activation")
+            _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "activation",
+                 times=ctx.microbatches)
         for step in cost.gradient_reductions:
             _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "gradient", bucketed=True)
         inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
@@ -51,14 +52,14 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             info = graph.nodes[inp]
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), info.itemsize,
                                            result.needs_grad[inp], ctx)
-            seconds += steps_seconds(forward, ctx) + steps_seconds(backward, ctx)
+            seconds += (steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
             where = f"{classes.representative(classes.class_of[inp])} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
             for step in forward:
-                _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved)
+                _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved, times=ctx.microbatches)
             for step in backward:
                 _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where,
-                     "gradient" if moved == "parameter" else "activation")
+                     "gradient" if moved == "parameter" else "activation", times=ctx.microbatches)
     order = {"forward": 0, "backward": 1, "optimizer": 2}
     return sorted(bucket.values(), key=lambda c: (order[c.phase], c.where, c.kind)), seconds
 

@@ -85,13 +85,17 @@ class NodeCost:
 @dataclass
 class CostContext:
     """Everything a cost needs to know about the mesh and the hardware. ``cache`` memoises
-    edge costs, which repeat across layers (keyed by specs, shape and dtype)."""
+    edge costs, which repeat across layers (keyed by specs, shape and dtype). With a pipeline
+    the graph is one microbatch's: its compute and activation traffic count ``microbatches``
+    times per step, gradient reductions and the optimizer step once."""
 
     mesh_shape: tuple[int, ...]
     links: tuple[LinkSpec, ...]
     device: DeviceSpec
     optimizer: OptimizerSpec
     backward_factor: float = 2.0
+    microbatches: int = 1  # per-microbatch work (compute, activation traffic) runs this many times a step
+    activations_in_flight: int = 1  # microbatches whose activations a stage holds at once (the schedule's)
     cache: dict = field(default_factory=dict)
 
 
@@ -109,7 +113,7 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
         return NodeCost(optimizer_s=step, memory=MemoryParts(elements * param_b, elements * grad_b, elements * opt_b))
     if info.kind in ("parameter", "buffer", "constant"):
         return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
-    return NodeCost(memory=MemoryParts(activations=elements * info.itemsize))
+    return NodeCost(memory=MemoryParts(activations=elements * info.itemsize * ctx.activations_in_flight))
 
 
 def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inputs: list[bool],
@@ -117,7 +121,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     """An op node under ``strategy``. ``grad_inputs[i]`` says whether input i needs a gradient."""
     shards = strategy.compute_shards
     forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
-    compute = forward * (1.0 + (ctx.backward_factor if needs_grad else 0.0))
+    compute = forward * (1.0 + (ctx.backward_factor if needs_grad else 0.0)) * ctx.microbatches
     activation_steps, gradient_steps = [], []
     for pos, axis in strategy.partial_grads:
         if pos >= len(inputs) or not grad_inputs[pos]:
@@ -127,10 +131,11 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
         nbytes = _local_bytes(inp.shape or (), inp.itemsize, spec, ctx.mesh_shape)
         step = CollectiveStep("all_reduce", axis, nbytes)
         (gradient_steps if inp.kind == "parameter" else activation_steps).append(step)
-    comm = steps_seconds(activation_steps, ctx) + steps_seconds(gradient_steps, ctx, bucketed=True)
+    comm = steps_seconds(activation_steps, ctx) * ctx.microbatches + steps_seconds(gradient_steps, ctx, bucketed=True)
     activations = 0.0
     if saves_output and info.shape is not None:
         activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
+        activations *= ctx.activations_in_flight
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations),
                     backward_collectives=tuple(activation_steps), gradient_reductions=tuple(gradient_steps))
 
@@ -165,7 +170,8 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
 
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
               ctx: CostContext) -> float:
-    """Seconds per step spent resharding along an edge (forward + backward), memoised."""
+    """Seconds per step spent resharding along an edge (forward + backward, every
+    microbatch), memoised."""
     if src == dst:
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad)
@@ -174,4 +180,4 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx)
         cached = steps_seconds(forward, ctx) + steps_seconds(backward, ctx)
         ctx.cache[key] = cached
-    return cached
+    return cached * ctx.microbatches

@@ -56,6 +56,9 @@ class TracedGraph:
     # this maps each other FQN (whose placeholder has no users) to the FQN the graph reads.
     # Count such a tensor once, and keep it one parameter after distribution.
     tied: dict[str, str] = field(default_factory=dict)
+    # how many leading outputs must end replicated (the loss); None: all of them (a pipeline
+    # stage hands every output to the next stage whole)
+    materialized_outputs: int | None = 1
 
     def fx_node(self, name: str) -> torch.fx.Node:
         for node in self.graph_module.graph.nodes:

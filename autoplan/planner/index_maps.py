@@ -501,11 +501,16 @@ def _conv(node: fx.Node, maker: _LetterMaker) -> IndexMap:
     inputs: dict[str, Letters | None] = {x.name: ("N", channel) + x_sp, w.name: ("O", "c") + w_sp}
     if isinstance(b, fx.Node):
         inputs[b.name] = ("O",)
-    fixed = set(x_sp) | set(w_sp) | set(o_sp)
-    if groups != 1:
-        fixed |= {channel, "c", "O"}
-    return IndexMap(inputs, (("N", "O") + o_sp,), reducible=frozenset({"c"}) if groups == 1 else frozenset(),
-                    fixed=frozenset(fixed), addends=_names(b))
+    # Only the batch letter N is shardable. Channel sharding (input channels "c" → partial sums,
+    # output channels "O" → a column-sharded weight) is correct mathematics, but DTensor cannot
+    # run it: its convolution handler (torch/distributed/tensor/_tp_conv.py) runs the local conv
+    # on the local tensors as they are, with the output placed like the INPUT and the weight
+    # assumed replicated. A channel-sharded input then fails ("Expected cond to be True" in
+    # _maybe_unpad_tensor, "expected input to have 8 channels, but got 4", or "Stride must be 1
+    # when there is padding" from its width-halo path), and an S(0) weight gives a silently
+    # mislabelled output (O/n channels locally, declared replicated). So channels stay whole.
+    fixed = set(x_sp) | set(w_sp) | set(o_sp) | {channel, "c", "O"}
+    return IndexMap(inputs, (("N", "O") + o_sp,), fixed=frozenset(fixed), addends=_names(b))
 
 
 def _pool(node: fx.Node, maker: _LetterMaker) -> IndexMap:

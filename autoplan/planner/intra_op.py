@@ -47,7 +47,7 @@ VIEW_OPS = frozenset(
 )
 
 
-STORED_KINDS = ("parameter", "buffer", "input", "constant")
+STORED_KINDS = ("parameter", "buffer", "input", "constant", "activation")
 
 
 class UnknownOpWarning(UserWarning):
@@ -112,8 +112,8 @@ class _GraphView:
             names = [n.name for n in node.all_input_nodes if isinstance(n.meta.get("val"), torch.Tensor)]
             if node.target is operator.getitem:
                 names = [node.args[0].name]  # the multi-output producer it picks from
-            if node.op == "output":
-                names = names[:1]  # only the loss must be materialised; other outputs stay as computed
+            if node.op == "output" and graph.materialized_outputs is not None:
+                names = names[:graph.materialized_outputs]  # the loss; other outputs stay as computed
             inputs[name] = names
             for inp in names:
                 users[inp].append(name)
@@ -122,7 +122,7 @@ class _GraphView:
             info = graph.nodes.get(name)
             if info is None or info.kind == "output":
                 needs_grad[name] = False
-            elif info.kind == "parameter":
+            elif info.kind in ("parameter", "activation"):
                 needs_grad[name] = is_floating(info.dtype)
             elif info.kind in ("buffer", "input", "constant"):
                 needs_grad[name] = False
@@ -133,9 +133,10 @@ class _GraphView:
         return cls(graph, fx_nodes, inputs, users, needs_grad, loss.name)
 
 
-def _output_class_strategies(mesh_ndim: int) -> ClassStrategies:
-    rep = (R,) * mesh_ndim
-    return ClassStrategies("output", [Strategy(strategy_name((rep,), ()), (rep,), (), 1)], [NodeCost()])
+def _output_class_strategies(mesh_ndim: int, num_inputs: int) -> ClassStrategies:
+    """The graph's outputs that must be materialised leave replicated."""
+    specs = tuple((R,) * mesh_ndim for _ in range(num_inputs))
+    return ClassStrategies("output", [Strategy(strategy_name(specs, ()), specs, (), 1)], [NodeCost()])
 
 
 def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
@@ -143,7 +144,7 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
     info = view.graph.nodes[name]
     node = view.fx_nodes[name]
     if info.kind == "output":
-        return _output_class_strategies(len(mesh_shape))
+        return _output_class_strategies(len(mesh_shape), len(view.inputs[name]))
     if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape)
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing

@@ -33,7 +33,7 @@ class NodeClasses:
         return len(self.members)
 
 
-def _block_of(path: str) -> tuple[str, int] | None:
+def block_of(path: str) -> tuple[str, int] | None:
     """``("transformer.h", 3)`` for ``"transformer.h.3.attn.c_attn"``; ``None`` outside blocks."""
     parts = path.split(".")
     for i, part in enumerate(parts):
@@ -45,9 +45,9 @@ def _block_of(path: str) -> tuple[str, int] | None:
 def _node_block(graph: TracedGraph, name: str) -> tuple[str, int] | None:
     info = graph.nodes[name]
     if info.kind in ("parameter", "buffer") and info.fqn:
-        return _block_of(info.fqn.rsplit(".", 1)[0])
+        return block_of(info.fqn.rsplit(".", 1)[0])
     if info.kind == "op":
-        return _block_of(info.module)
+        return block_of(info.module)
     return None
 
 

@@ -49,6 +49,7 @@ class Prediction:
     comm_s: float
     memory_bytes: MemoryEstimate
     comm_by_kind_s: dict[str, float] = field(default_factory=dict)
+    bubble_s: float = 0.0  # pipeline time no stage spends working
 
 
 @dataclass
@@ -197,4 +198,5 @@ def _prediction(data: dict[str, Any]) -> Prediction:
         comm_s=float(data["comm_s"]),
         memory_bytes=MemoryEstimate(**data["memory_bytes"]),
         comm_by_kind_s=dict(data.get("comm_by_kind_s", {})),
+        bubble_s=float(data.get("bubble_s", 0.0)),
     )

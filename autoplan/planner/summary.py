@@ -62,7 +62,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     if plan.alternatives:
         lines += ["", "alternatives (why not these):"]
         for a in plan.alternatives:
-            what = _prediction_line(a.predicted) if a.predicted else f"infeasible: {a.reason}"
+            what = _prediction_line(a.predicted) if a.predicted else a.reason
             lines.append(f"  {a.name}: {what}")
     for w in plan.warnings:
         lines.append(f"warning: {w}")

@@ -1,0 +1,336 @@
+"""The inter-op pass: pipeline stages, sub-meshes, microbatches and the schedule.
+
+For every candidate microbatch count ``B`` the model is traced for one microbatch and cut into
+layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (a slice of a
+node or whole nodes) and every logical mesh of it, each distinct layer is costed by the
+intra-op ILP once (layers with equal ops and shapes share the answer). A stage's cost is the
+sum of its layers' costs — the resharding between two layers of one stage is not costed in
+this search — plus sending its boundary activations (and receiving their gradients) over the
+link to the next stage. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
+recurrence) cuts the layers into stages that all get the same sub-mesh shape and logical mesh
+(so that the emitted program is a 2-D mesh: pipeline × stage mesh). The best (``B``, sub-mesh,
+logical mesh, stages) is then planned exactly: one intra-op ILP per stage over all its nodes,
+under the memory budget.
+
+Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
+and activation traffic run once per microbatch, gradient reductions and the optimizer step
+once per step (amortised). Schedules (:data:`SCHEDULES`):
+
+- ``gpipe``: step = Σ t_i + (B − 1)·max t_i; every stage keeps all ``B`` microbatches'
+  activations;
+- ``1f1b``: the same step time; a stage keeps at most ``min(B, S)`` microbatches' activations;
+- ``interleaved1f1b``: ``v = 2`` chunks per pipeline rank; the bubble shrinks to
+  ``(D − 1)·max t / v`` (``D`` ranks), activations as 1F1B.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from autoplan.cost_models import collective_time
+from autoplan.errors import AutoplanError, MemoryInfeasibleError
+from autoplan.planner.api import PlannerOptions
+from autoplan.planner.assemble import node_plans, placements, predict, solver_stats
+from autoplan.planner.costing import CostContext
+from autoplan.planner.graph import TracedGraph
+from autoplan.planner.intra_op import IntraOpResult, emit_warnings, plan_intra_op
+from autoplan.planner.layering import Layer, make_layers
+from autoplan.planner.layers import find_classes
+from autoplan.planner.load import ModelSpec, make_model_spec
+from autoplan.planner.meshes import candidate_meshes, mesh_label
+from autoplan.planner.microbatch import batch_size, microbatch_inputs
+from autoplan.planner.plan import (
+    Alternative,
+    MemoryEstimate,
+    Plan,
+    PlannedCollective,
+    Prediction,
+    StagePlan,
+)
+from autoplan.planner.subgraph import boundary_values, extract
+from autoplan.planner.trace import trace
+from autoplan.solvers import format_bytes, format_seconds
+from autoplan.solvers.inter_op import (
+    InterOpInfeasibleError,
+    InterOpProblem,
+    StageCost,
+    SubMesh,
+    candidate_submeshes,
+    solve_inter_op,
+)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
+INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedule
+_SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
+                     "interleaved1f1b": "interleaved1f1b", "scheduleinterleaved1f1b": "interleaved1f1b"}
+
+
+def normalize_schedule(name: str) -> str:
+    """torch's schedule names, any case: ``GPipe``, ``1F1B``, ``Interleaved1F1B``."""
+    key = name.replace("_", "").replace("-", "").lower()
+    if key not in _SCHEDULE_ALIASES:
+        raise AutoplanError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    return _SCHEDULE_ALIASES[key]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """What the user pins; ``None`` lets the planner choose."""
+
+    stages: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    layers: int | None = None
+
+
+def activations_in_flight(schedule: str, microbatches: int, stages: int) -> int:
+    return microbatches if schedule == "gpipe" else min(microbatches, stages)
+
+
+def pipeline_time(latencies: list[float], microbatches: int, schedule: str) -> float:
+    """Step time of a pipeline whose stages take ``latencies`` per microbatch."""
+    if schedule == "interleaved1f1b" and len(latencies) >= INTERLEAVE:
+        ranks = len(latencies) // INTERLEAVE
+        per_rank = [sum(latencies[r::ranks]) for r in range(ranks)]
+        return microbatches * max(per_rank) + (ranks - 1) * max(latencies)
+    return sum(latencies) + (microbatches - 1) * max(latencies)
+
+
+@dataclass
+class _Candidate:
+    """One pipeline found by the DP: its stages' layer ranges and its predicted step time."""
+
+    microbatches: int
+    submesh: SubMesh
+    mesh: tuple[int, ...]
+    cuts: list[tuple[int, int]]
+    step_time_s: float
+    graph: TracedGraph
+    layers: list[Layer]
+
+
+@dataclass
+class _LayerCosts:
+    """Per-layer ILP costs on one logical mesh, cached by the layer's signature."""
+
+    options: PlannerOptions
+    ctx: CostContext
+    cache: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def cost(self, graph: TracedGraph, layer: Layer) -> tuple[float, float]:
+        """(seconds per step, bytes per device) of one layer, memory-lean when it must be."""
+        if layer.signature not in self.cache:
+            sub = extract(graph, list(layer.nodes))
+            result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
+                                   self.options.solver, self.options.time_limit_s)
+            self.cache[layer.signature] = (result.solution.objective, result.solution.memory)
+        return self.cache[layer.signature]
+
+
+def _link_between_stages(options: PlannerOptions, submesh: SubMesh):
+    cluster = options.cluster
+    return cluster.intra_node if submesh.nodes == 1 and submesh.devices < cluster.devices_per_node else \
+        cluster.inter_node
+
+
+def _boundary_bytes(graph: TracedGraph, layers: list[Layer], cut: int) -> float:
+    """Bytes of the values layers before ``cut`` hand to layers at or after it (one microbatch)."""
+    before = [n for layer in layers[:cut] for n in layer.nodes]
+    _, produced = boundary_values(graph, before)
+    total = 0.0
+    for name in produced:
+        info = graph.nodes[name]
+        total += math.prod(info.shape or ()) * info.itemsize if info.shape is not None else 0.0
+    return total
+
+
+def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
+                    schedule: str, microbatches: int, submesh: SubMesh, mesh: tuple[int, ...]) -> _Candidate | None:
+    cluster = options.cluster
+    stages = options.devices // submesh.size
+    in_flight = activations_in_flight(schedule, microbatches, stages)
+    ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
+                      microbatches=microbatches, activations_in_flight=in_flight)
+    costs = _LayerCosts(options, ctx)
+    link = _link_between_stages(options, submesh)
+    boundary = [_boundary_bytes(graph, layers, cut) if 0 < cut < len(layers) else 0.0
+                for cut in range(len(layers) + 1)]
+
+    def cost_fn(start: int, end: int, candidate: SubMesh) -> StageCost:
+        if candidate != submesh:
+            return StageCost(0.0, 0.0, feasible=False)
+        seconds, memory = 0.0, 0.0
+        for layer in layers[start:end]:
+            s, m = costs.cost(graph, layer)
+            seconds, memory = seconds + s, memory + m
+        send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
+        return StageCost(seconds / microbatches + send, memory, logical_mesh=mesh)
+
+    nodes, per_node = cluster_shape(options)
+    problem = InterOpProblem(len(layers), nodes, per_node, microbatches, options.memory_budget, pinned_stages=stages)
+    try:
+        solution = solve_inter_op(problem, cost_fn)
+    except InterOpInfeasibleError:
+        return None
+    latencies = [s.cost.latency_s for s in solution.stages]
+    return _Candidate(microbatches, submesh, mesh, [(s.start, s.end) for s in solution.stages],
+                      pipeline_time(latencies, microbatches, schedule), graph, layers)
+
+
+def cluster_shape(options: PlannerOptions) -> tuple[int, int]:
+    """(nodes, devices per node) of the devices planned for."""
+    per_node = min(options.cluster.devices_per_node, options.devices)
+    if options.devices % per_node:
+        raise AutoplanError(f"{options.devices} devices do not fill nodes of {per_node}: use a multiple of "
+                            f"{per_node} devices or set --devices-per-node")
+    return options.devices // per_node, per_node
+
+
+def _submeshes(options: PlannerOptions, popts: PipelineOptions, num_layers: int) -> list[SubMesh]:
+    nodes, per_node = cluster_shape(options)
+    out = []
+    for sm in candidate_submeshes(nodes, per_node):
+        if options.devices % sm.size:
+            continue
+        stages = options.devices // sm.size
+        if stages > num_layers or (popts.stages is not None and stages != popts.stages):
+            continue
+        if popts.schedule == "interleaved1f1b" and stages % INTERLEAVE:
+            continue
+        out.append(sm)
+    return out
+
+
+def _stage_meshes(options: PlannerOptions, submesh: SubMesh) -> list[tuple[int, ...]]:
+    """Logical meshes of a sub-mesh: a pinned one, or (size,) and the 2-D shapes whose inner
+    axis stays inside a node."""
+    if options.mesh is not None:
+        return [options.mesh] if math.prod(options.mesh) == submesh.size else []
+    return [m for m in candidate_meshes(submesh.size) if len(m) == 1 or m[1] <= submesh.devices]
+
+
+def _microbatch_candidates(spec: ModelSpec, popts: PipelineOptions) -> list[int]:
+    if popts.microbatches is not None:
+        return [popts.microbatches]
+    batch = batch_size(spec.example_inputs)
+    found = [batch // size for size in (1, 2, 4, 8, 16, 32, 64) if batch % size == 0 and 1 < batch // size <= 512]
+    return sorted(set(found[:MICROBATCH_CANDIDATES]) | {1})
+
+
+def _trace_microbatch(spec: ModelSpec, microbatches: int) -> TracedGraph:
+    return trace(make_model_spec(spec.module, microbatch_inputs(spec.example_inputs, microbatches), spec.loss_fn,
+                                 spec.name))
+
+
+def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions,
+                     ) -> tuple[list[_Candidate], float]:
+    """Every feasible pipeline candidate (best per microbatch count and sub-mesh), and the
+    seconds spent tracing."""
+    schedules = [popts.schedule] if popts.schedule else ["1f1b"]
+    candidates: list[_Candidate] = []
+    trace_s = 0.0
+    for microbatches in _microbatch_candidates(spec, popts):
+        start = time.perf_counter()
+        graph = _trace_microbatch(spec, microbatches)
+        trace_s += time.perf_counter() - start
+        layers = make_layers(graph, find_classes(graph), popts.layers)
+        for schedule in schedules:
+            for submesh in _submeshes(options, popts, len(layers)):
+                if (microbatches == 1) != (submesh.size == options.devices) and popts.microbatches is None:
+                    continue  # one microbatch only without a pipeline; a pipeline only with several
+                for mesh in _stage_meshes(options, submesh):
+                    found = _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh, mesh)
+                    if found is not None:
+                        candidates.append(found)
+    return candidates, trace_s
+
+
+def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
+                   ) -> list[tuple[TracedGraph, IntraOpResult, CostContext]]:
+    stages = len(candidate.cuts)
+    out = []
+    for start, end in candidate.cuts:
+        nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
+        sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
+        ctx = CostContext(candidate.mesh, options.cluster.mesh_links(candidate.mesh), options.cluster.device,
+                          options.optimizer, microbatches=candidate.microbatches,
+                          activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages))
+        result = plan_intra_op(sub, find_classes(sub), candidate.mesh, ctx, options.memory_budget,
+                               options.solver, options.time_limit_s)
+        out.append((sub, result, ctx))
+    return out
+
+
+def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, schedule: str,
+              timings: dict[str, float]) -> Plan:
+    results = _stage_results(candidate, options, schedule)
+    link = _link_between_stages(options, candidate.submesh)
+    graph, layers = candidate.graph, candidate.layers
+    stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
+    latencies, memories, computes, comms = [], [], [], []
+    for index, ((start, end), (sub, result, ctx)) in enumerate(zip(candidate.cuts, results)):
+        prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
+        send_bytes = _boundary_bytes(graph, layers, end) if end < len(layers) else 0.0
+        send = 2 * collective_time("send_recv", send_bytes, 2, link) if send_bytes else 0.0
+        if send_bytes:
+            where = f"stage {index} -> stage {index + 1}"
+            stage_collectives += [
+                PlannedCollective("send_recv", "forward", -1, send_bytes, candidate.microbatches, where),
+                PlannedCollective("send_recv", "backward", -1, send_bytes, candidate.microbatches, where)]
+        latencies.append(prediction.step_time_s / candidate.microbatches + send)
+        memories.append(prediction.memory_bytes)
+        computes.append(prediction.compute_s)
+        comms.append(prediction.comm_s + send * candidate.microbatches)
+        collectives += stage_collectives
+        nodes += node_plans(sub, result)
+        stage_params = placements(sub, result, ("parameter", "buffer"))
+        params.update(stage_params)
+        for name, spec_ in placements(sub, result, ("input",)).items():
+            inputs.setdefault(name, spec_)
+        size = candidate.submesh.size
+        stage_plans.append(StagePlan([layer.name for layer in layers[start:end]],
+                                     list(range(index * size, (index + 1) * size)), list(candidate.mesh),
+                                     [n for layer in layers[start:end] for n in layer.nodes], list(stage_params)))
+    step = pipeline_time(latencies, candidate.microbatches, schedule)
+    worst = max(memories, key=lambda m: m.peak)
+    busiest = max(range(len(latencies)), key=lambda i: latencies[i])
+    predicted = Prediction(step, computes[busiest], comms[busiest], MemoryEstimate(**vars(worst)),
+                           bubble_s=max(0.0, step - candidate.microbatches * max(latencies)))
+    first = results[0][1]
+    warnings_ = sorted({w for _, r, _ in results for w in r.warnings})
+    emit_warnings(warnings_)
+    return Plan(
+        graph_hash=graph.graph_hash, devices=options.devices, cluster=options.cluster.to_dict(),
+        mesh=list(candidate.mesh), stages=stage_plans, microbatches=candidate.microbatches,
+        schedule=schedule if len(stage_plans) > 1 else "none", params=params, inputs=inputs, nodes=nodes,
+        collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
+        warnings=warnings_, model=spec.name)
+
+
+def candidate_name(c: _Candidate) -> str:
+    return (f"{len(c.cuts)} stage(s) x mesh {mesh_label(c.mesh)}, {c.microbatches} microbatch(es)")
+
+
+def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()) -> Plan:
+    """Search stages × sub-meshes × logical meshes × microbatches and plan the best pipeline."""
+    if popts.schedule is not None:
+        popts = replace(popts, schedule=normalize_schedule(popts.schedule))
+    start = time.perf_counter()
+    candidates, trace_s = search_pipelines(spec, options, popts)
+    if not candidates:
+        raise MemoryInfeasibleError(
+            f"no pipeline fits {format_bytes(options.memory_budget)} per device with these choices: give more memory "
+            f"(--memory-per-device), more devices, or allow more stages or microbatches", math.inf)
+    candidates.sort(key=lambda c: c.step_time_s)
+    best = candidates[0]
+    schedule = popts.schedule or "1f1b"
+    search_s = time.perf_counter() - start - trace_s
+    plan = _assemble(spec, best, options, schedule, {})
+    plan.timings_s = {"trace": trace_s, "search": search_s, "total": time.perf_counter() - start}
+    plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.mesh], None,
+                                     f"{format_seconds(c.step_time_s)} per step in the stage search")
+                         for c in candidates[1:6]]
+    return plan

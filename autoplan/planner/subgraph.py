@@ -1,0 +1,64 @@
+"""Cut a contiguous run of op nodes out of a traced graph, as a graph of its own.
+
+A pipeline stage is such a run: the values it reads from earlier stages become placeholders
+of kind ``"activation"`` (parameters it reads keep their kind and FQN), and every value it
+produces that a later stage (or the loss) needs becomes an output that must leave replicated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import torch
+from torch import fx
+
+from autoplan.planner.graph import NodeInfo, TracedGraph
+
+
+def boundary_values(graph: TracedGraph, node_names: list[str]) -> tuple[list[str], list[str]]:
+    """(values the run reads from outside, values it produces that are used outside), by name,
+    in graph order. Parameters, buffers and user inputs count as values read from outside."""
+    inside = set(node_names)
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    reads: list[str] = []
+    for name in node_names:
+        for inp in fx_nodes[name].all_input_nodes:
+            if inp.name not in inside and inp.name not in reads:
+                reads.append(inp.name)
+    order = {name: i for i, name in enumerate(fx_nodes)}
+    reads.sort(key=order.__getitem__)
+    produced = [name for name in node_names
+                if any(user.name not in inside for user in fx_nodes[name].users)]
+    return reads, produced
+
+
+def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
+    """The run ``node_names`` (op nodes, graph order) as a :class:`TracedGraph`."""
+    reads, produced = boundary_values(graph, node_names)
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    new = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    infos: dict[str, NodeInfo] = {}
+    for name in reads:
+        old = fx_nodes[name]
+        node = new.placeholder(name)
+        node.meta = dict(old.meta)
+        env[old] = node
+        info = graph.nodes[name]
+        if info.kind == "op":
+            info = replace(info, kind="activation", target="placeholder", flops=0.0, params=())
+        infos[node.name] = info
+    for name in node_names:
+        old = fx_nodes[name]
+        node = new.node_copy(old, lambda n: env[n])
+        env[old] = node
+        infos[node.name] = graph.nodes[name]
+    outputs = [env[fx_nodes[name]] for name in produced]
+    out = new.output(tuple(outputs))
+    infos[out.name] = NodeInfo(out.name, "output", "output", None, "", 0, 0.0, 0.0, "", "", ())
+    module = fx.GraphModule(torch.nn.Module(), new)
+    digest = hashlib.sha256((graph.graph_hash + "|" + ",".join(node_names)).encode()).hexdigest()[:16]
+    inputs = [n for n in reads if graph.nodes[n].kind in ("input", "op")]
+    params = {n: fqn for n, fqn in graph.param_names.items() if n in reads}
+    return TracedGraph(module, infos, digest, inputs, params, None, dict(graph.tied), materialized_outputs=None)
