@@ -21,7 +21,10 @@ from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.planner.load import load_model_file
 from autoplan.codegen.script import render_train_script
+from autoplan.planner.manual import cost_manual, parse_manual
 from autoplan.planner.meshes import mesh_label, parse_mesh
+from autoplan.planner.pipeline import PipelineOptions, normalize_schedule, plan_pipeline
+from autoplan.planner.timeline import write_timeline
 from autoplan.planner.summary import summary_text
 
 
@@ -51,6 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--check", action="store_true",
                         help="with --run: compare outputs, loss, gradients and collectives with one device")
     parser.add_argument("--steps", type=int, default=3, help="training steps for --run / --check (default 3)")
+    pipe = parser.add_argument_group("pipeline (inter-op) choices; left out, the planner chooses")
+    pipe.add_argument("--stages", type=int, default=None, help="pin the number of pipeline stages")
+    pipe.add_argument("--microbatches", type=int, default=None, help="pin the number of microbatches")
+    pipe.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b (any case)")
+    pipe.add_argument("--layers", type=int, default=None, help="cut the model into this many layers")
+    pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
+    pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
+                      help="also cost this hand-written plan and show it beside the found one (repeatable)")
     return parser
 
 
@@ -79,20 +90,32 @@ def run(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     spec = load_model_file(args.model_file, args.model, args.inputs, args.loss)
     load_s = time.perf_counter() - start
+    manual = [parse_manual(text) for text in args.manual]
+    pinned = PipelineOptions(args.stages, args.microbatches, args.schedule, args.layers)
+    if args.schedule:
+        normalize_schedule(args.schedule)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        plan, _graph = plan_spec(spec, options, {"load": load_s})
+        if args.no_pipeline:
+            plan, _graph = plan_spec(spec, options, {"load": load_s})
+        else:
+            plan = plan_pipeline(spec, options, pinned)
+            plan.timings_s = {"load": load_s, **plan.timings_s}
+        plan.alternatives += [cost_manual(spec, options, m) for m in manual]
     for w in caught:
         if "autoplan" in type(w.message).__module__:
             print(f"autoplan: warning: {w.message}", file=sys.stderr)
     text = plan.to_json()
     out = Path(args.out)
+    # plan.json, train.py and the timeline are written only after planning succeeded
     script = out / "train.py"
     train_text = render_train_script(args.model_file, args.model, args.inputs, args.loss, plan.devices,
                                      plan.model or Path(args.model_file).stem,
                                      f"mesh {mesh_label(plan.mesh)}", str(script))
     _write_atomically(out / "plan.json", text + "\n")
     _write_atomically(script, train_text)
+    if len(plan.stages) > 1:
+        write_timeline([s.latency_s for s in plan.stages], plan.microbatches, plan.schedule, out)
     if args.json:
         print(text)
     else:

@@ -24,7 +24,7 @@ from autoplan.planner.assemble import (
 )
 from autoplan.planner.costing import CostContext
 from autoplan.planner.graph import TracedGraph
-from autoplan.planner.intra_op import IntraOpResult, emit_warnings, plan_intra_op
+from autoplan.planner.intra_op import IntraOpResult, StorageRule, emit_warnings, plan_intra_op
 from autoplan.planner.layers import NodeClasses, find_classes
 from autoplan.planner.load import ModelSpec, make_model_spec
 from autoplan.planner.meshes import candidate_meshes, mesh_label
@@ -44,6 +44,8 @@ class PlannerOptions:
     solver: str = "highs"
     time_limit_s: float | None = None
     pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
+    allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
+    remat: bool = False  # cost activation checkpointing (the emitted program does not checkpoint yet)
 
     @property
     def memory_budget(self) -> float:
@@ -61,10 +63,11 @@ class MeshOutcome:
 
 def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...], options: PlannerOptions
                 ) -> MeshOutcome:
-    ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer)
+    ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer,
+                      remat=options.remat)
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
-                               options.time_limit_s, options.pick)
+                               options.time_limit_s, options.pick, options.allow_storage)
     except MemoryInfeasibleError as e:
         return MeshOutcome(mesh, None, None, str(e), e.least_memory_bytes)
     return MeshOutcome(mesh, result, ctx)

@@ -14,6 +14,9 @@ A training step is forward + backward + optimizer step. Per node and strategy:
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
   activations the forward keeps for the backward.
 
+With activation checkpointing (``remat``) a node keeps no activation: only the graph's inputs
+(a pipeline stage's received activations) stay, and the backward runs the forward once more.
+
 Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
 carries the gradient the other way (partial placements are read as replicated there: a
 partial gradient was already reduced by the consumer's own all-reduce).
@@ -96,6 +99,7 @@ class CostContext:
     backward_factor: float = 2.0
     microbatches: int = 1  # per-microbatch work (compute, activation traffic) runs this many times a step
     activations_in_flight: int = 1  # microbatches whose activations a stage holds at once (the schedule's)
+    remat: bool = False  # activation checkpointing: keep only graph inputs, recompute the forward
     cache: dict = field(default_factory=dict)
 
 
@@ -121,7 +125,8 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     """An op node under ``strategy``. ``grad_inputs[i]`` says whether input i needs a gradient."""
     shards = strategy.compute_shards
     forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
-    compute = forward * (1.0 + (ctx.backward_factor if needs_grad else 0.0)) * ctx.microbatches
+    backward = (ctx.backward_factor + (1.0 if ctx.remat else 0.0)) if needs_grad else 0.0
+    compute = forward * (1.0 + backward) * ctx.microbatches
     activation_steps, gradient_steps = [], []
     for pos, axis in strategy.partial_grads:
         if pos >= len(inputs) or not grad_inputs[pos]:
@@ -133,7 +138,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
         (gradient_steps if inp.kind == "parameter" else activation_steps).append(step)
     comm = steps_seconds(activation_steps, ctx) * ctx.microbatches + steps_seconds(gradient_steps, ctx, bucketed=True)
     activations = 0.0
-    if saves_output and info.shape is not None:
+    if saves_output and info.shape is not None and not ctx.remat:
         activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
         activations *= ctx.activations_in_flight
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations),

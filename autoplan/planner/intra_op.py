@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from autoplan.planner.costing import CostContext, NodeCost, edge_cost, is_floating, op_cost, storage_cost
-from autoplan.planner.graph import TracedGraph
+from autoplan.planner.graph import NodeInfo, TracedGraph
 from autoplan.planner.index_maps import index_map_for, op_name
 from autoplan.planner.layers import NodeClasses
 from autoplan.planner.strategies import (
@@ -139,14 +139,20 @@ def _output_class_strategies(mesh_ndim: int, num_inputs: int) -> ClassStrategies
     return ClassStrategies("output", [Strategy(strategy_name(specs, ()), specs, (), 1)], [NodeCost()])
 
 
+StorageRule = Callable[[NodeInfo, ShardingSpec], bool]
+
+
 def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
-                      producer: ClassStrategies | None, warn: Callable[[str], None]) -> ClassStrategies:
+                      producer: ClassStrategies | None, warn: Callable[[str], None],
+                      allow_storage: StorageRule | None = None) -> ClassStrategies:
     info = view.graph.nodes[name]
     node = view.fx_nodes[name]
     if info.kind == "output":
         return _output_class_strategies(len(mesh_shape), len(view.inputs[name]))
     if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape)
+        if allow_storage is not None:
+            strategies = [s for s in strategies if allow_storage(info, s.output_spec)] or strategies[:1]
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
         costs = [storage_cost(info, s.output_spec, ctx, trainable=view.needs_grad[name]) for s in strategies]
@@ -287,11 +293,15 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
 
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
                   memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
-                  pick: Callable[[int, list[str]], int] | None = None) -> IntraOpResult:
+                  pick: Callable[[int, list[str]], int] | None = None,
+                  allow_storage: StorageRule | None = None) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
-    ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (manual
-    plans, and tests that run arbitrary valid assignments); every pick is a valid plan."""
+    ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
+    run arbitrary valid assignments); every pick is a valid plan. ``allow_storage(info, spec)``
+    restricts how parameters, buffers and inputs may be stored (manual plans: data parallel
+    over a mesh axis means parameters replicated and inputs batch-sharded there); the first
+    spec (replicated) is kept if the rule allows none."""
     view = _GraphView.of(graph)
     messages: list[str] = []
 
@@ -306,7 +316,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
         producer = None
         if node.target is operator.getitem:
             producer = strat[classes.class_of[node.args[0].name]]
-        strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn))
+        strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage))
     grouping = _group(view, classes, strat)
     problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
     if pick is None:

@@ -125,7 +125,8 @@ class _LayerCosts:
         if layer.signature not in self.cache:
             sub = extract(graph, list(layer.nodes))
             result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
-                                   self.options.solver, self.options.time_limit_s)
+                                   self.options.solver, self.options.time_limit_s,
+                                   allow_storage=self.options.allow_storage)
             self.cache[layer.signature] = (result.solution.objective, result.solution.memory)
         return self.cache[layer.signature]
 
@@ -153,7 +154,7 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     stages = options.devices // submesh.size
     in_flight = activations_in_flight(schedule, microbatches, stages)
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
-                      microbatches=microbatches, activations_in_flight=in_flight)
+                      microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
     costs = _LayerCosts(options, ctx)
     link = _link_between_stages(options, submesh)
     boundary = [_boundary_bytes(graph, layers, cut) if 0 < cut < len(layers) else 0.0
@@ -257,9 +258,10 @@ def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
         sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
         ctx = CostContext(candidate.mesh, options.cluster.mesh_links(candidate.mesh), options.cluster.device,
                           options.optimizer, microbatches=candidate.microbatches,
-                          activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages))
+                          activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
+                          remat=options.remat)
         result = plan_intra_op(sub, find_classes(sub), candidate.mesh, ctx, options.memory_budget,
-                               options.solver, options.time_limit_s)
+                               options.solver, options.time_limit_s, allow_storage=options.allow_storage)
         out.append((sub, result, ctx))
     return out
 
@@ -293,7 +295,8 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
         size = candidate.submesh.size
         stage_plans.append(StagePlan([layer.name for layer in layers[start:end]],
                                      list(range(index * size, (index + 1) * size)), list(candidate.mesh),
-                                     [n for layer in layers[start:end] for n in layer.nodes], list(stage_params)))
+                                     [n for layer in layers[start:end] for n in layer.nodes], list(stage_params),
+                                     latencies[-1]))
     step = pipeline_time(latencies, candidate.microbatches, schedule)
     worst = max(memories, key=lambda m: m.peak)
     busiest = max(range(len(latencies)), key=lambda i: latencies[i])

@@ -63,6 +63,7 @@ class StagePlan:
     mesh: list[int]
     nodes: list[str] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
+    latency_s: float = 0.0  # predicted forward + backward of one microbatch (pipelines)
 
 
 @dataclass
