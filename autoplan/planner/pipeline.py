@@ -317,6 +317,23 @@ def candidate_name(c: _Candidate) -> str:
     return (f"{len(c.cuts)} stage(s) x mesh {mesh_label(c.mesh)}, {c.microbatches} microbatch(es)")
 
 
+def _no_plan_fits(spec: ModelSpec, options: PlannerOptions) -> MemoryInfeasibleError:
+    """The error when no pipeline fits: it states the least memory of a plan without one."""
+    from autoplan.planner.api import plan_traced
+
+    try:
+        plan_traced(trace(spec), replace(options, mesh=None))
+    except MemoryInfeasibleError as e:
+        least = e.least_memory_bytes
+    else:  # a single-stage plan fits, but not with the pinned pipeline choices
+        return MemoryInfeasibleError(f"no pipeline with the pinned choices fits {format_bytes(options.memory_budget)} "
+                                     f"per device: pin fewer stages or more microbatches, or give more memory", 0.0)
+    return MemoryInfeasibleError(
+        f"no plan fits {format_bytes(options.memory_budget)} per device, pipelines included: the least any plan "
+        f"needs is more than that (without a pipeline {format_bytes(least)}); give more memory "
+        f"(--memory-per-device) or more devices", least)
+
+
 def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()) -> Plan:
     """Search stages × sub-meshes × logical meshes × microbatches and plan the best pipeline."""
     if popts.schedule is not None:
@@ -324,9 +341,7 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
     start = time.perf_counter()
     candidates, trace_s = search_pipelines(spec, options, popts)
     if not candidates:
-        raise MemoryInfeasibleError(
-            f"no pipeline fits {format_bytes(options.memory_budget)} per device with these choices: give more memory "
-            f"(--memory-per-device), more devices, or allow more stages or microbatches", math.inf)
+        raise _no_plan_fits(spec, options)
     candidates.sort(key=lambda c: c.step_time_s)
     best = candidates[0]
     schedule = popts.schedule or "1f1b"
