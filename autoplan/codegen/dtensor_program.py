@@ -104,6 +104,58 @@ def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
 
 def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
     """Bring one op input to the placements the plan chose for it."""
+    out = _redistribute_value(value, specs, mesh)
+    if out is not value and isinstance(out, DTensor) and out.requires_grad:
+        # The same stride trap in the backward: Redistribute's backward gives the incoming
+        # gradient's GLOBAL stride to the contiguous LOCAL result of its collective. Gradients of
+        # transposed values (the key's, in the math attention) arrive non-contiguous: make them
+        # contiguous before they are redistributed.
+        out.register_hook(_contiguous_grad)
+    return out
+
+
+def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
+    return grad if grad.is_contiguous() else grad.contiguous()
+
+
+def _unmask_partial(value: Any) -> Any:
+    """A masked partial → a plain ``Partial(sum)``, locally.
+
+    DTensor's embedding with a vocabulary-sharded table returns a ``_MaskPartial``: each rank's
+    rows for indices outside its shard are garbage until a reduction zeroes them with the mask
+    of the LOCAL indices. Such a value cannot leave the op safely: DTensor redistributes mesh
+    axis by mesh axis, and gathering another axis first changes the local shape so the mask no
+    longer fits ("The shape of the mask [4] at index 0 does not match the shape of the indexed
+    tensor [8, 16]"); it does not mix with a plain partial in an ``add``; a partial gradient
+    cannot be redistributed back to it ("Redistribution from one partial type (P(sum)) to
+    another (MaskP(...)) is unsupported"); and its mask is released by the first reduction, so
+    a second consumer fails. Zeroing the masked rows at once makes the value an ordinary sum of
+    per-rank addends. The gradient passes through unmasked and replicated, as DTensor's own
+    backward of the reduction gives it (the embedding's backward reads the full indices)."""
+    if not isinstance(value, DTensor):
+        return value
+    axes = [i for i, p in enumerate(value.placements) if isinstance(p, Partial) and type(p) is not Partial]
+    if not axes:
+        return value
+    local = value.to_local()
+    drop = torch.zeros((), dtype=torch.bool)
+    for i in axes:
+        buffer = value.placements[i].mask_buffer
+        mask = buffer.data
+        if mask is None:
+            raise AutoplanError(f"a masked partial value lost its mask: {value.placements}")
+        # release it as DTensor's reduction would: the placement object lives on in DTensor's
+        # sharding cache, and the next embedding with this spec must find it empty ("MaskBuffer
+        # has been materialized with conflicting data")
+        buffer.release_mask()
+        drop = drop | mask.reshape(tuple(mask.shape) + (1,) * (local.ndim - mask.ndim))
+    local = local - torch.where(drop, local, torch.zeros((), dtype=local.dtype)).detach()
+    placements = [Partial(p.reduce_op) if i in axes else p for i, p in enumerate(value.placements)]
+    return DTensor.from_local(local, value.device_mesh, placements, run_check=False,
+                              shape=value.shape, stride=value.stride())
+
+
+def _redistribute_value(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
     if specs is None or not isinstance(value, torch.Tensor):
         return value
     target = list(_target(specs))
@@ -124,6 +176,13 @@ def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
                 target[i] = Replicate()
     if tuple(target) == tuple(current):
         return value
+    # DTensor's Redistribute keeps the input's GLOBAL stride for its output (and, in the backward,
+    # for the gradient), while a collective leaves a contiguous LOCAL tensor: for a transposed
+    # input the two disagree, and a later view (a ``reshape`` that the global stride declares
+    # viewable) fails on the local tensor, e.g. the backward of ``q.view(b, t, h, d).transpose(1,
+    # 2)`` in attention. Redistributing a contiguous value keeps global and local layouts alike.
+    if not value.is_contiguous():
+        value = value.contiguous()
     # Shard → Partial needs no communication: each rank holds its shard in place, zeros elsewhere
     # (DTensor itself would all-gather first).
     for i, (c, t) in enumerate(zip(current, target)):
@@ -170,15 +229,21 @@ def _replicate_to_partial(value: DTensor, axes: list[int], target: Sequence[DPla
                           mesh: DeviceMesh) -> DTensor:
     """Replicate → Partial(sum) on ``axes``: each rank holds value / n.
 
-    Autograd: the gradient that reaches the replicated value is the (replicated) gradient of the
-    partial one; in local terms each rank's local gradient is 1/n of it, so ``to_local`` declares
-    the local gradient Partial on those axes and DTensor sums it."""
+    Autograd: the gradient of a partial value is replicated (every addend receives the whole
+    gradient), and so is the gradient that reaches the replicated value: the local gradient
+    passes through unscaled and stays replicated, with no communication, as the plan counts
+    it. (Scaling it by 1/n and declaring it partial would be correct too, but would cost an
+    all-reduce in the backward, e.g. for a replicated bias added to a row-sharded matmul.)"""
     n = 1
     for i in axes:
         n *= mesh.size(i)
-    grad_placements = [Partial() if i in axes else p for i, p in enumerate(value.placements)]
+    # the other axes: as the value is placed, except that a partial value's gradient is
+    # replicated; declaring it partial would sum it n times.
+    grad_placements = [Replicate() if isinstance(p, Partial) else p for p in value.placements]
     local = value.to_local(grad_placements=grad_placements)
-    return DTensor.from_local(local / n, mesh, list(target), run_check=False,
+    # forward: local / n; backward: the identity
+    split = local.detach() / n + (local - local.detach())
+    return DTensor.from_local(split, mesh, list(target), run_check=False,
                               shape=value.shape, stride=value.stride())
 
 
@@ -228,7 +293,10 @@ class _PlanInterpreter(torch.fx.Interpreter):
                     (f"{a.name} -> {n.name}", _spec_text(before.placements), _spec_text(after.placements)))
         args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived.get(a, self.env[a]))
-        return getattr(self, n.op)(n.target, args, kwargs)
+        out = getattr(self, n.op)(n.target, args, kwargs)
+        if isinstance(out, (tuple, list)):
+            return type(out)(_unmask_partial(o) for o in out)
+        return _unmask_partial(out)
 
     def call_function(self, target, args, kwargs):
         return _REPLACED_OPS.get(target, target)(*args, **kwargs)

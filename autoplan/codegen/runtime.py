@@ -34,6 +34,7 @@ from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options, plan_traced
 from autoplan.planner.graph import TracedGraph
 from autoplan.planner.load import ModelSpec, make_model_spec
+from autoplan.planner.microbatch import microbatch_inputs
 from autoplan.planner.plan import Plan
 from autoplan.planner.trace import trace
 
@@ -97,6 +98,32 @@ class ParallelModule(torch.nn.Module):
         """Parameters by the model's own names (tied names give the same object)."""
         return self.program.named_plan_parameters()
 
+    def train_step(self, *inputs: Any) -> torch.Tensor:
+        """Forward and backward of one global batch; returns the loss as a plain scalar."""
+        loss = self(*inputs).loss
+        loss.backward()
+        return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
+
+
+class PipelinedModule(torch.nn.Module):
+    """A pipelined plan: ``train_step(*global_inputs)`` runs every microbatch's forward and
+    backward through the schedule (gradients accumulate in this rank's stage parameters) and
+    returns the global loss on every rank. This rank holds only its stages' parameters."""
+
+    def __init__(self, program: torch.nn.Module, plan: Plan) -> None:
+        super().__init__()
+        self.program = program
+        self.plan = plan
+
+    def forward(self, *inputs: Any) -> ParallelOutput:
+        raise AutoplanError("a pipelined plan runs forward and backward together: call pm.train_step(*batch)")
+
+    def train_step(self, *inputs: Any) -> torch.Tensor:
+        return self.program.train_step(*inputs)
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return self.program.named_plan_parameters()
+
 
 def _reduce_gradient(param: torch.Tensor) -> None:
     """The planned gradient reduction, in the backward as DDP does it: a gradient left as
@@ -151,8 +178,14 @@ def _real_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def parallelize_spec(spec: ModelSpec, plan: Plan | None = None, devices: int | None = None,
                      mesh: DeviceMesh | None = None, cluster: str = "h100",
-                     graph: TracedGraph | None = None) -> ParallelModule:
-    """:func:`parallelize` for a loaded :class:`ModelSpec`."""
+                     graph: TracedGraph | None = None, prefer_native: bool = True) -> ParallelModule:
+    """:func:`parallelize` for a loaded :class:`ModelSpec`.
+
+    With ``prefer_native`` (the default), a plan that reduces to a pattern PyTorch implements
+    itself — pure data parallelism (DDP) or Megatron column/row pairs (``parallelize_module``
+    with ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh — runs through that API
+    (:func:`autoplan.codegen.native.native_module`); any other plan, or ``prefer_native=False``,
+    runs on the DTensor interpreter (:func:`build_program`)."""
     ctx = init_distributed()
     if plan is not None:
         check_plan_devices(plan, ctx.world_size)
@@ -162,6 +195,8 @@ def parallelize_spec(spec: ModelSpec, plan: Plan | None = None, devices: int | N
     devices = devices or ctx.world_size
     if devices != ctx.world_size:
         raise AutoplanError(f"devices={devices} but this job has {ctx.world_size} processes: they must agree")
+    if plan is not None and len(plan.stages) > 1:
+        return _pipelined(spec, plan, ctx, graph)
     graph = graph or trace(spec)
     if plan is None:
         pinned = tuple(mesh.shape) if mesh is not None else None
@@ -172,8 +207,28 @@ def parallelize_spec(spec: ModelSpec, plan: Plan | None = None, devices: int | N
         mesh = init_device_mesh(ctx.device_type, tuple(plan.mesh))
     elif tuple(mesh.shape) != tuple(plan.mesh):
         raise AutoplanError(f"the plan is for mesh {plan.mesh} but the given mesh is {list(mesh.shape)}")
-    program = build_program(graph, plan, mesh, _real_tensors(spec.module))
+    tensors = _real_tensors(spec.module)
+    program = None
+    if prefer_native:
+        from autoplan.codegen.native import native_module
+
+        program = native_module(spec, graph, plan, mesh)
+    if program is None:
+        program = build_program(graph, plan, mesh, tensors)
     return ParallelModule(program, plan, ctx.device_type)
+
+
+def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph | None) -> PipelinedModule:
+    """A pipelined plan was traced for one microbatch: trace the same, check, build."""
+    from autoplan.codegen.pipeline_program import build_pipeline
+
+    if graph is None:
+        one = make_model_spec(spec.module, microbatch_inputs(spec.example_inputs, plan.microbatches), spec.loss_fn,
+                              spec.name)
+        graph = trace(one)
+    check_plan_fits(plan, graph, ctx.world_size)
+    _agree_across_ranks(plan)
+    return PipelinedModule(build_pipeline(graph, plan, _real_tensors(spec.module), ctx.device_type), plan)
 
 
 def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int | None = None,
@@ -182,8 +237,9 @@ def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int | None
     """Parallelize ``model`` for the running torchrun job; see the module docstring.
 
     ``example_inputs`` is one global batch (shapes are planned for it); ``plan`` reuses a saved
-    plan (it must be for this model and this number of processes), otherwise every rank plans
-    for ``devices`` (default: the world size) or for the given ``mesh``.
+    plan (it must be for this model and this number of processes; a pipelined plan gives a
+    :class:`PipelinedModule`), otherwise every rank plans intra-op parallelism for ``devices``
+    (default: the world size) or for the given ``mesh``.
     """
     spec = make_model_spec(model, example_inputs, loss_fn)
     return parallelize_spec(spec, plan, devices, mesh, cluster)

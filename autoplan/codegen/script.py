@@ -60,12 +60,11 @@ def main() -> int:
 
     optimizer = torch.optim.SGD(pm.parameters(), lr=args.lr)
     for step in range(args.steps):
-        loss = pm(*spec.example_inputs).loss
-        loss.backward()
+        loss = pm.train_step(*spec.example_inputs)  # forward + backward (every microbatch of a pipeline)
         optimizer.step()
         optimizer.zero_grad()
         if ctx.rank == 0:
-            print(f"step {{step}} loss {{loss.full_tensor().item():.6f}}", flush=True)
+            print(f"step {{step}} loss {{loss.item():.6f}}", flush=True)
     return 0
 
 

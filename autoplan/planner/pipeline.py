@@ -51,7 +51,8 @@ from autoplan.planner.plan import (
 )
 from autoplan.planner.subgraph import boundary_values, extract
 from autoplan.planner.trace import trace
-from autoplan.solvers import format_bytes, format_seconds
+from autoplan.solvers import format_bytes, format_seconds, solve_intra_op
+from autoplan.solvers.intra_op import least_memory
 from autoplan.solvers.inter_op import (
     InterOpInfeasibleError,
     InterOpProblem,
@@ -63,6 +64,7 @@ from autoplan.solvers.inter_op import (
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
+LEAN_SLACK = 1.02  # a layer's lean plan may use this much more than its least memory
 INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedule
 _SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
                      "interleaved1f1b": "interleaved1f1b", "scheduleinterleaved1f1b": "interleaved1f1b"}
@@ -118,16 +120,25 @@ class _LayerCosts:
 
     options: PlannerOptions
     ctx: CostContext
-    cache: dict[str, tuple[float, float]] = field(default_factory=dict)
+    cache: dict[str, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
 
-    def cost(self, graph: TracedGraph, layer: Layer) -> tuple[float, float]:
-        """(seconds per step, bytes per device) of one layer, memory-lean when it must be."""
+    def cost(self, graph: TracedGraph, layer: Layer) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Two answers for one layer, each (seconds per step, bytes per device): the fastest
+        plan, and a lean one (the fastest within ``LEAN_SLACK`` of the least memory) for stages
+        whose fastest layers do not fit together."""
         if layer.signature not in self.cache:
             sub = extract(graph, list(layer.nodes))
             result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                    self.options.solver, self.options.time_limit_s,
                                    allow_storage=self.options.allow_storage)
-            self.cache[layer.signature] = (result.solution.objective, result.solution.memory)
+            fast = (result.solution.objective, result.solution.memory)
+            least = least_memory(result.problem)
+            lean = fast
+            if fast[1] > least * LEAN_SLACK:
+                problem = replace(result.problem, memory_budget=least * LEAN_SLACK)
+                solution = solve_intra_op(problem, self.options.solver, self.options.time_limit_s)
+                lean = (solution.objective, solution.memory)
+            self.cache[layer.signature] = (fast, lean)
         return self.cache[layer.signature]
 
 
@@ -163,10 +174,10 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     def cost_fn(start: int, end: int, candidate: SubMesh) -> StageCost:
         if candidate != submesh:
             return StageCost(0.0, 0.0, feasible=False)
-        seconds, memory = 0.0, 0.0
-        for layer in layers[start:end]:
-            s, m = costs.cost(graph, layer)
-            seconds, memory = seconds + s, memory + m
+        answers = [costs.cost(graph, layer) for layer in layers[start:end]]
+        seconds, memory = sum(a[0][0] for a in answers), sum(a[0][1] for a in answers)
+        if options.memory_budget is not None and memory > options.memory_budget:
+            seconds, memory = sum(a[1][0] for a in answers), sum(a[1][1] for a in answers)
         send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
         return StageCost(seconds / microbatches + send, memory, logical_mesh=mesh)
 

@@ -1,0 +1,529 @@
+"""Run a plan with PyTorch's own parallel APIs where the plan reduces to one of their patterns.
+
+``native_module(spec, graph, plan, mesh)`` returns a :class:`NativeProgram` — a drop-in for
+:class:`~autoplan.codegen.dtensor_program.ShardedProgram` inside a ``ParallelModule`` — or
+``None`` when the plan is not one of the patterns below (the DTensor interpreter runs it then).
+Recognition reads only the plan and the traced graph; it is deliberately conservative: a plan is
+taken natively only when the native program does what the plan says (same placements, same
+collectives up to DDP's bucketing) and provably computes the same loss and gradients.
+
+Patterns (1-D meshes only):
+
+``"ddp"`` — pure data parallelism. Every parameter and buffer is ``R``; the user inputs are
+``S(d)`` (their batch dim; ``R`` inputs are passed whole) with the batch divisible by the mesh;
+every op keeps the batch sharded (no activation collective in the plan besides the loss's
+``-> output`` all-reduce, only gradient all-reduces in the backward); the only op that
+produces partial sums is the loss itself and it is an ``aten.mean`` over all elements; no
+batch-norm and no buffer written in the forward. Then the global loss is the mean of the
+per-rank losses over equal shards, so DDP's *average* of per-rank gradients is the gradient
+of the global loss. A sum loss, a token-weighted mean (cross-entropy's ``ignore_index``) or
+BatchNorm statistics break that equality, and such plans are refused. Each rank runs the
+user's module (a copy) wrapped in ``DistributedDataParallel`` on its own slice of the global
+batch; the loss returned is the global mean (its value is all-reduced, its gradient is the
+local loss's, which DDP averages).
+
+``"tensor_parallel"`` — Megatron tensor parallelism. The non-replicated parameters are exactly
+those of ``nn.Linear`` modules in adjacent pairs: a column-parallel linear (weight ``S(0)``,
+bias ``S(0)``, activation arriving ``R``, output ``S(-1)``), a chain of single-input ops kept
+``S(-1)`` (GELU), and a row-parallel linear (weight ``S(1)``, output partial). Every other op is
+``R``, except downstream of a row-parallel linear, where the plan may keep the value partial or
+sharded on one dim ``d`` (the loss on a sequence-sharded output). The model is
+``parallelize_module(copy, mesh, {col: ColwiseParallel(), row: RowwiseParallel(output_layouts=
+L)})`` with ``L`` the layout the plan's consumers want: ``Shard(d)`` when they read ``S(d)``
+(a reduce-scatter; the output stays a DTensor and the loss runs on DTensors), ``Replicate()``
+when they read ``R`` or ``P`` (an all-reduce; the plan may delay it past element-wise ops on
+partial sums — same count, same bytes). A row bias the plan stores ``S(0)`` (and pads into
+partial sums) is kept replicated by ``RowwiseParallel``: ``bias`` bytes more per device.
+
+How the plan's collectives map onto the native program (:attr:`NativeProgram.collective_map`):
+
+- tensor parallel: each planned activation collective is executed by DTensor inside the
+  parallel styles (``RowwiseParallel``'s output redistribute: all-reduce or reduce-scatter in
+  the forward, its dual — nothing or an all-gather — in the backward) or by the loss's own
+  ``-> output`` all-reduce. ``CommDebugMode`` sees all of them, so ``check.py`` compares
+  planned with executed counts as for the interpreter.
+- DDP: the loss's ``-> output`` all-reduce is done here (``dist.all_reduce`` of one scalar;
+  ``CommDebugMode`` counts it). The plan lists one gradient all-reduce per parameter
+  (``bucketed=True``); DDP's reducer instead all-reduces flat *buckets* of gradients (25 MiB
+  cap by default: one bucket for the test MLPs) during the backward — the same bytes in total,
+  fewer calls. In torch 2.13 the reducer's all-reduce goes through the ``c10d`` dispatcher op,
+  so ``CommDebugMode`` does count it (measured: 1 executed for 4 planned, gloo). The comparison
+  in ``check.py`` should therefore set the *bucket count* against the plan's bucketed gradient
+  all-reduces, not the per-parameter count: :meth:`NativeProgram.observable_collectives`
+  gives the expected counts (the plan's, with those all-reduces replaced by
+  ``len(ddp_buckets())``); every other collective is compared one for one.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.placement_types import Placement as DPlacement
+
+from autoplan.codegen.dtensor_program import to_dtensor_placements
+from autoplan.planner.graph import TracedGraph
+from autoplan.planner.load import ModelSpec
+from autoplan.planner.plan import Plan
+from autoplan.sharding import parse_placement
+
+__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise"]
+
+_LINEAR = "aten.linear.default"
+_MEAN_OPS = ("aten.mean.default",)
+_SKIPPED = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
+
+
+@dataclass(frozen=True)
+class CollectiveMapping:
+    """One planned collective (or group) and what the native program does for it."""
+
+    planned: str  # "all_reduce x4 backward (gradient, bucketed)"
+    native: str  # "DDP reducer: all-reduce of gradient buckets"
+    observable: bool  # whether CommDebugMode is expected to count it one for one
+
+
+@dataclass
+class Recognised:
+    """What :func:`recognise` found: ``kind`` and, for tensor parallelism, the styles by
+    module FQN (``("colwise", None)`` / ``("rowwise", output placement)``)."""
+
+    kind: str
+    styles: dict[str, tuple[str, DPlacement | None]]
+    reason: str = ""
+
+
+# --------------------------------------------------------------------------------------------
+# recognition
+
+
+def _spec(specs: Sequence[str] | None) -> str | None:
+    return None if specs is None else "".join(specs)
+
+
+def _is_r(specs: Sequence[str] | None) -> bool:
+    return specs is None or all(parse_placement(s).is_replicate for s in specs)
+
+
+def _shard_dim(specs: Sequence[str] | None) -> int | None:
+    if specs is None or len(specs) != 1:
+        return None
+    p = parse_placement(specs[0])
+    return p.dim if p.is_shard else None
+
+
+def _is_partial(specs: Sequence[str] | None) -> bool:
+    return specs is not None and len(specs) == 1 and not parse_placement(specs[0]).is_replicate \
+        and not parse_placement(specs[0]).is_shard
+
+
+def _op_nodes(graph: TracedGraph) -> list[torch.fx.Node]:
+    out = []
+    for n in graph.graph_module.graph.nodes:
+        if n.op != "call_function" or n.target is operator.getitem:
+            continue
+        name = getattr(n.target, "__name__", str(n.target))
+        if any(s in name for s in _SKIPPED):
+            continue
+        out.append(n)
+    return out
+
+
+def _tensor_inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
+def _target_name(n: torch.fx.Node) -> str:
+    return str(n.target)
+
+
+def _loss_node(graph: TracedGraph) -> torch.fx.Node | None:
+    out = next(n for n in graph.graph_module.graph.nodes if n.op == "output")
+    results = out.args[0]
+    first = results[0] if isinstance(results, (tuple, list)) else results
+    return first if isinstance(first, torch.fx.Node) else None
+
+
+def _has_batch_norm(graph: TracedGraph, module: torch.nn.Module) -> bool:
+    if any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in module.modules()):
+        return True
+    return any("batch_norm" in _target_name(n) for n in _op_nodes(graph))
+
+
+def _writes_buffers(graph: TracedGraph) -> bool:
+    ep = graph.exported
+    if ep is None:
+        return False
+    return bool(getattr(ep.graph_signature, "buffers_to_mutate", {}))
+
+
+def _recognise_ddp(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | None | str:
+    if any(not _is_r(p) for p in plan.params.values()):
+        return "a parameter is sharded"
+    sharded_inputs = 0
+    for name, node in zip(graph.input_names, spec.example_inputs):
+        specs = plan.inputs.get(name, ["R"])
+        if _is_r(specs):
+            continue
+        d = _shard_dim(specs)
+        if d is None or not isinstance(node, torch.Tensor) or node.shape[d] % n:
+            return f"input {name} is {_spec(specs)}: not evenly batch-sharded"
+        sharded_inputs += 1
+    if not sharded_inputs:
+        return "no input is batch-sharded"
+    if _has_batch_norm(graph, spec.module):
+        return "batch norm: per-rank statistics differ from the global batch's"
+    if _writes_buffers(graph):
+        return "the forward writes buffers"
+    for c in plan.collectives:
+        if c.phase == "forward" and not c.where.endswith("-> output"):
+            return f"the plan has an activation collective ({c.kind} at {c.where})"
+        if c.phase == "backward" and c.tensor != "gradient":
+            return f"the plan has an activation collective in the backward ({c.kind} at {c.where})"
+    loss = _loss_node(graph)
+    plans = {p.name: p for p in plan.nodes}
+    for node in _op_nodes(graph):
+        p = plans.get(node.name)
+        if p is None:
+            continue
+        if any(_is_partial(s) for s in p.outputs):
+            if node is not loss:
+                return f"{node.name} makes partial sums and is not the loss"
+            if _target_name(node) not in _MEAN_OPS:
+                return f"the loss is {_target_name(node)}, not a mean: DDP's gradient average would differ"
+    return Recognised("ddp", {})
+
+
+def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | str:
+    plans = {p.name: p for p in plan.nodes}
+    if any(fqn in graph.tied or fqn in graph.tied.values() for fqn, s in plan.params.items() if not _is_r(s)):
+        return "a tied parameter is sharded"
+    if any(not _is_r(s) for s in plan.inputs.values()):
+        return "a user input is sharded"
+    ops = _op_nodes(graph)
+    sharded_params = {fqn for fqn, s in plan.params.items() if not _is_r(s)}
+    if not sharded_params:
+        return "every parameter is replicated"
+    styles: dict[str, tuple[str, DPlacement | None]] = {}
+    covered: set[str] = set()  # params handled by a style
+    in_region: set[str] = set()  # op nodes inside a col -> row pair
+    downstream: set[str] = set()  # op nodes after a row-parallel linear
+    paired: set[str] = set()  # column-parallel modules that found their row partner
+    infos = graph.nodes
+    for node in ops:
+        info = infos.get(node.name)
+        p = plans.get(node.name)
+        if info is None or p is None:
+            continue
+        reads = [fqn for fqn in info.params if fqn in sharded_params]
+        if not reads:
+            continue
+        if _target_name(node) != _LINEAR or len(p.inputs) < 2:
+            return f"{node.name} ({_target_name(node)}) reads sharded {reads[0]}: not a linear"
+        mod_name = info.module
+        try:
+            mod = spec.module.get_submodule(mod_name)
+        except AttributeError:
+            return f"no module {mod_name!r}"
+        if not isinstance(mod, torch.nn.Linear) or mod_name in styles:
+            return f"{mod_name or 'root'} is not one nn.Linear call"
+        w, b = f"{mod_name}.weight", f"{mod_name}.bias"
+        wspec = plan.params.get(w)
+        if _shard_dim(wspec) == 0:  # column parallel
+            if not _is_r(p.inputs[0]) or (mod.bias is not None and _shard_dim(plan.params.get(b)) != 0):
+                return f"{mod_name}: column-sharded but input {_spec(p.inputs[0])}, bias {_spec(plan.params.get(b))}"
+            out_dim = len(node.meta["val"].shape) - 1
+            if _shard_dim(p.outputs[0]) != out_dim:
+                return f"{mod_name}: output {_spec(p.outputs[0])}, expected S({out_dim})"
+            styles[mod_name] = ("colwise", None)
+        elif _shard_dim(wspec) == 1:  # row parallel: find its column partner up the chain
+            last = len(node.meta["val"].shape) - 1
+            if _shard_dim(p.inputs[0]) != last or not _is_partial(p.outputs[0]):
+                return f"{mod_name}: row-sharded but input {_spec(p.inputs[0])} output {_spec(p.outputs[0])}"
+            chain, cur = [], _tensor_inputs(node)[0]
+            while True:
+                if cur.op != "call_function" or len(cur.users) != 1:
+                    return f"{mod_name}: its input does not come from a column-parallel linear alone"
+                cp = plans.get(cur.name)
+                if _target_name(cur) == _LINEAR and infos[cur.name].module in styles \
+                        and styles[infos[cur.name].module][0] == "colwise":
+                    break
+                if cp is None or len(_tensor_inputs(cur)) != 1 or \
+                        any(_shard_dim(s) != last for s in [*cp.inputs, *cp.outputs] if s is not None):
+                    return f"{mod_name}: {cur.name} between the pair is not an element-wise op on S({last})"
+                chain.append(cur.name)
+                cur = _tensor_inputs(cur)[0]
+            partner = infos[cur.name].module
+            if partner in paired:
+                return f"{partner} feeds two row-parallel linears"
+            paired.add(partner)
+            in_region.update(chain)
+            in_region.update({cur.name, node.name})
+            # the layout the consumers want
+            wanted = set()
+            for user in node.users:
+                up = plans.get(user.name)
+                if up is None:
+                    continue
+                idx = _tensor_inputs(user).index(node)
+                wanted.add(_spec(up.inputs[idx]))
+            layouts = {("R" if w_ in ("R", "P") else w_) for w_ in wanted}
+            if len(layouts) > 1:
+                return f"{mod_name}: consumers want {sorted(wanted)}"
+            layout = layouts.pop() if layouts else "R"
+            d = _shard_dim([layout]) if layout != "R" else None
+            styles[mod_name] = ("rowwise", Shard(d) if d is not None else Replicate())
+            for later in node.users:
+                _mark_downstream(later, downstream)
+        else:
+            return f"{w} is {_spec(wspec)}: neither column (S(0)) nor row (S(1)) sharded"
+        covered.update({w, b})
+    if sharded_params - covered:
+        return f"{min(sharded_params - covered)} is sharded outside a linear pair"
+    unpaired = [m for m, (k, _) in styles.items() if k == "colwise" and m not in paired]
+    if unpaired:
+        return f"column-parallel {unpaired[0]} has no row-parallel partner"
+    for node in ops:
+        p = plans.get(node.name)
+        if p is None or node.name in in_region:
+            continue
+        specs = [s for s in [*p.inputs, *p.outputs] if s is not None]
+        if node.name in downstream:
+            if any(not (_is_r(s) or _is_partial(s) or _shard_dim(s) is not None) for s in specs):
+                return f"{node.name}: placements {specs}"
+            continue
+        if any(not _is_r(s) for s in specs):
+            return f"{node.name} is {[_spec(s) for s in specs]} outside a column/row pair"
+    return Recognised("tensor_parallel", styles)
+
+
+def _mark_downstream(node: torch.fx.Node, seen: set[str]) -> None:
+    stack = [node]
+    while stack:
+        cur = stack.pop()
+        if cur.name in seen or cur.op != "call_function":
+            continue
+        seen.add(cur.name)
+        stack.extend(cur.users)
+
+
+def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
+    """Which native pattern ``plan`` reduces to: ``kind`` is ``"ddp"``, ``"tensor_parallel"``
+    or ``"none"`` (then ``reason`` says why, for the pattern that came closest)."""
+    if len(plan.mesh) != 1:
+        return Recognised("none", {}, f"mesh {plan.mesh} is not 1-D")
+    if len(plan.stages) > 1:
+        return Recognised("none", {}, "pipeline stages")
+    n = plan.mesh[0]
+    found = _recognise_ddp(spec, graph, plan, n)
+    if isinstance(found, Recognised):
+        return found
+    tp = _recognise_tp(spec, graph, plan)
+    if isinstance(tp, Recognised):
+        return tp
+    return Recognised("none", {}, f"not data parallel ({found}); not Megatron ({tp})")
+
+
+# --------------------------------------------------------------------------------------------
+# the program
+
+
+class NativeProgram(torch.nn.Module):
+    """The model run with DDP or ``parallelize_module``; behaves like ``ShardedProgram``:
+    ``forward(*global_inputs)`` → ``(loss, *outputs)`` with the loss a replicated DTensor and
+    the model outputs as DTensors (``.full_tensor()`` gathers one)."""
+
+    def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
+                 mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]]) -> None:
+        super().__init__()
+        self.kind = kind
+        self.mesh = mesh
+        self.plan = plan
+        self.styles = styles
+        self.module = module
+        self.loss_fn = spec.loss_fn
+        self.input_names = list(graph.input_names)
+        self.redistributions: list[tuple[str, str, str]] = []
+        self._n = mesh.size()
+        self._coord = mesh.get_local_rank()
+        self._input_dims = [_shard_dim(plan.inputs.get(name, ["R"])) for name in self.input_names]
+        self._output_placements = self._model_output_placements(graph, plan)
+        self._dtensor_output = any(isinstance(p, Shard) for kind_, p in styles.values() if kind_ == "rowwise")
+        self.collective_map = self._collective_map()
+
+    @staticmethod
+    def _model_output_placements(graph: TracedGraph, plan: Plan) -> list[tuple[DPlacement, ...]]:
+        plans = {p.name: p for p in plan.nodes}
+        out = next(n for n in graph.graph_module.graph.nodes if n.op == "output")
+        results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
+        placements = []
+        for r in results[1:]:
+            p = plans.get(r.name) if isinstance(r, torch.fx.Node) else None
+            specs = p.outputs[0] if p is not None and p.outputs else ["R"]
+            placements.append(to_dtensor_placements(["R" if s == "P" else s for s in specs]))
+        return placements
+
+    # -- what runs --------------------------------------------------------------------------
+
+    def _local_inputs(self, inputs: Sequence[Any]) -> list[Any]:
+        out = []
+        for value, d in zip(inputs, self._input_dims):
+            if d is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                value = value.chunk(self._n, d)[self._coord]
+            out.append(value)
+        return out
+
+    def forward(self, *inputs: Any) -> tuple[Any, ...]:
+        if len(inputs) != len(self.input_names):
+            raise TypeError(f"the program takes {len(self.input_names)} inputs, got {len(inputs)}")
+        rep = (Replicate(),)
+        if self.kind == "ddp":
+            local = self._local_inputs(inputs)
+            output = self.module(*local)
+            local_loss = self.loss_fn(output, *local)
+            # The value of the global loss (the mean of equal shards' means); the gradient of
+            # the local one, which DDP averages over ranks.
+            total = local_loss.detach().clone()
+            dist.all_reduce(total, group=self.mesh.get_group())
+            loss = local_loss + (total / self._n - local_loss.detach())
+            loss = DTensor.from_local(loss, self.mesh, rep, run_check=False)
+            outs = _leaves(output)
+            wrapped = [DTensor.from_local(o, self.mesh, pl, run_check=False) if isinstance(o, torch.Tensor) else o
+                       for o, pl in zip(outs, self._output_placements)]
+            return (loss, *wrapped)
+        if self._dtensor_output:
+            # The row-parallel output stays a (sharded) DTensor: the loss runs on DTensors with
+            # the inputs replicated, as the plan's sharded loss ops do.
+            with implicit_replication():
+                output = self.module(*inputs)
+                rep_inputs = [DTensor.from_local(x, self.mesh, rep, run_check=False)
+                              if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs]
+                loss = self.loss_fn(output, *rep_inputs)
+        else:
+            output = self.module(*inputs)
+            loss = self.loss_fn(output, *inputs)
+        if isinstance(loss, DTensor):
+            if any(not p.is_replicate() for p in loss.placements):
+                loss = loss.redistribute(self.mesh, rep)
+        else:
+            loss = DTensor.from_local(loss, self.mesh, rep, run_check=False)
+        outs = [o if isinstance(o, DTensor) or not isinstance(o, torch.Tensor)
+                else DTensor.from_local(o, self.mesh, rep, run_check=False) for o in _leaves(output)]
+        return (loss, *outs)
+
+    # -- what ShardedProgram offers -----------------------------------------------------------
+
+    @property
+    def user_module(self) -> torch.nn.Module:
+        """The (copied) user module, unwrapped from DDP."""
+        return self.module.module if self.kind == "ddp" else self.module
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by the model's FQN, tied FQNs included (they give the same object)."""
+        return dict(self.user_module.named_parameters(remove_duplicate=False))
+
+    def tensor(self, fqn: str) -> torch.Tensor:
+        named = dict(self.user_module.named_parameters(remove_duplicate=False))
+        named.update(dict(self.user_module.named_buffers(remove_duplicate=False)))
+        return named[fqn]
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def _collective_map(self) -> list[CollectiveMapping]:
+        out = []
+        grads = [c for c in self.plan.collectives if c.tensor == "gradient" and c.bucketed]
+        for c in self.plan.collectives:
+            if c in grads:
+                continue
+            what = f"{c.kind} x{c.count} {c.phase} at {c.where}"
+            if c.where.endswith("-> output"):
+                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind == "ddp" else \
+                    "DTensor: the loss's redistribute to Replicate"
+            elif self.kind == "tensor_parallel":
+                native = "DTensor inside RowwiseParallel's output redistribute (or its backward)"
+            else:
+                native = "?"
+            out.append(CollectiveMapping(what, native, True))
+        if grads:
+            nbytes = sum(c.bytes * c.count for c in grads)
+            out.append(CollectiveMapping(
+                f"all_reduce x{sum(c.count for c in grads)} backward (gradients, bucketed), {nbytes:.0f} bytes",
+                "DDP reducer: one all-reduce per flat gradient bucket (bucket_cap_mb=25), same bytes; "
+                "CommDebugMode counts buckets, not parameters", False))
+        return out
+
+    def ddp_buckets(self) -> list[int]:
+        """DDP's gradient buckets (bytes each); DDP rebuilds them after the first backward."""
+        if self.kind != "ddp":
+            return []
+        sizes = str(self.module._get_ddp_logging_data().get("bucket_sizes", ""))
+        return [int(s) for s in sizes.replace(" ", "").split(",") if s]
+
+    def observable_collectives(self, phase: str) -> dict[str, int]:
+        """What ``CommDebugMode`` should count in ``phase``: the plan's collectives, except that
+        under DDP the plan's per-parameter gradient all-reduces (``bucketed=True``) become one
+        all-reduce per DDP bucket (see the module docstring)."""
+        counts: Counter[str] = Counter()
+        grads = 0
+        for c in self.plan.collectives_in(phase):
+            if self.kind == "ddp" and c.tensor == "gradient" and c.bucketed:
+                grads += c.count
+                continue
+            counts[c.kind] += c.count
+        if grads:
+            counts["all_reduce"] += len(self.ddp_buckets())
+        return dict(counts)
+
+
+def _leaves(output: Any) -> list[Any]:
+    from autoplan.planner.trace import _tensor_leaves
+
+    return list(_tensor_leaves(output))
+
+
+def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceMesh) -> NativeProgram | None:
+    """The native program for ``plan`` (DDP or ``parallelize_module``), or ``None`` when the plan
+    is not one of the recognised patterns (see the module docstring). ``spec.module`` is not
+    modified: the program wraps a copy (on the mesh's device)."""
+    found = recognise(spec, graph, plan)
+    if found.kind == "none":
+        return None
+    module = copy.deepcopy(spec.module).to(mesh.device_type)
+    if found.kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [torch.device(mesh.device_type, torch.accelerator.current_device_index())] \
+            if mesh.device_type != "cpu" else None
+        # a parameter no op reads would stall DDP's reducer unless it is told to look for it
+        read = {graph.param_names[n.name] for n in graph.graph_module.graph.nodes
+                if n.op == "placeholder" and n.name in graph.param_names and n.users}
+        unused = any(fqn not in read and fqn not in graph.tied
+                     for fqn, p in module.named_parameters(remove_duplicate=False) if p.requires_grad)
+        wrapped = DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
+                                          forward_sync_buffers=False, find_unused_parameters=unused)
+        return NativeProgram("ddp", wrapped, spec, graph, plan, mesh, {})
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    styles: dict[str, Any] = {}
+    for name, (kind, layout) in found.styles.items():
+        if kind == "colwise":
+            styles[name] = ColwiseParallel()
+        else:
+            styles[name] = RowwiseParallel(output_layouts=layout, use_local_output=isinstance(layout, Replicate))
+    # every rank holds the same weights: cut them locally (src_data_rank=None), no scatter
+    parallelize_module(module, mesh, styles, src_data_rank=None)
+    return NativeProgram("tensor_parallel", module, spec, graph, plan, mesh, found.styles)

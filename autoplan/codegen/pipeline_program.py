@@ -1,0 +1,558 @@
+"""Execute a pipelined :class:`Plan`: ``torch.distributed.pipelining`` stages, each stage
+intra-op sharded with DTensor on its own sub-mesh.
+
+``build_pipeline(graph, plan, params, device_type)`` is called in every rank of a job whose world
+size is ``plan.devices``; it gives a :class:`PipelineProgram`. ``program.train_step(*inputs)``
+takes the GLOBAL batch (the same on every rank), runs one schedule step (forward and backward of
+every microbatch), leaves this rank's gradients accumulated in its parameters and returns the
+global loss (the same on every rank).
+
+Layout
+------
+All stages share the logical mesh shape ``plan.mesh`` (k devices). The job's ``plan.devices``
+ranks form a world ``DeviceMesh`` of shape ``(pp, *plan.mesh)`` with dim names
+``("pp", "m0", "m1", ...)``: pp rank p owns the contiguous ranks ``p*k .. p*k+k-1``, and a
+stage's sub-mesh is the slice at this rank's pp coordinate. The ``pp`` process group of a rank
+links the ranks with the same sub-mesh coordinate in every pp rank; stages send over it.
+
+Mapping ``plan.stages`` to ranks: ``plan.stages[s].devices`` must be exactly one pp rank's block.
+``len(plan.stages) == pp`` for the single-stage schedules (``gpipe``, ``1f1b``): stage s on pp
+rank s. With V virtual stages per rank (``len(plan.stages) == pp * V``) the multi-stage
+schedules want torch's own stage → rank maps, which :func:`stage_ranks` gives:
+
+- ``interleaved1f1b``, ``loopedbfs``, ``interleavedzerobubble`` ("loop"): stage s on pp rank
+  ``s % pp`` (e.g. pp=2, 4 stages: ranks 0, 1, 0, 1);
+- ``zbvzerobubble``, ``dualpipev`` ("v", exactly 2 stages per rank): stages 0..pp-1 on ranks
+  0..pp-1, stages pp..2pp-1 back from pp-1 to 0 (pp=2: ranks 0, 1, 1, 0).
+
+Stage submodules
+----------------
+Each stage runs its op nodes (``StagePlan.nodes``, graph order) with DTensors on its sub-mesh,
+redistributing every op's inputs to the plan's placements as :mod:`dtensor_program` does. Its
+inputs are the values crossing its left boundary: every value produced before the stage (user
+inputs included) and used in it or after it, in graph order; the first stage takes all user
+inputs, and passes on those later stages need (nanoGPT's ``targets`` travels to the last stage).
+A stage's outputs are the next stage's inputs; the last stage returns its microbatch's scalar
+loss. Values cross as plain local tensors: a stage output is redistributed to Replicate and
+``to_local()``-ed, a received tensor is wrapped as a replicated DTensor (its backward all-reduces
+a partial gradient, so every rank of the sub-mesh sends back the full gradient).
+
+Loss and gradients: the schedule's ``loss_fn`` returns the stage's loss times ``1/M`` (for a
+mean loss; ``loss_reduction="sum"`` uses 1), and the schedule runs with ``scale_grads=False``:
+the gradients are then exactly those of the global-batch loss, and they ACCUMULATE over
+successive ``train_step`` calls (torch's ``scale_grads=True`` divides the accumulated ``.grad``
+after every step, so it would also divide gradients accumulated before the step).
+After the schedule: gradients left as partial sums (a parameter replicated over a batch-sharded
+mesh axis) are reduced into the parameter's placement, once per step, not once per microbatch.
+
+Tied weights (nanoGPT's ``wte``/``lm_head``): a parameter read by stages on different pp ranks
+is held by each of them (distributed the same way on each sub-mesh); after the step the copies'
+gradients are all-reduced among the owners (one group per sub-mesh coordinate), so every copy
+gets the full gradient and identical optimizer steps keep the copies equal. Stages on the same
+pp rank share one ``nn.Parameter``. Buffers read by several pp ranks are copied and NOT kept in
+sync (none of the example models has one).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from autoplan.codegen.dtensor_program import (
+    _REPLACED_OPS,
+    _SKIPPED_NAMES,
+    _SKIPPED_OPS,
+    ShardedProgram,
+    _redistribute,
+    to_dtensor_placements,
+)
+from autoplan.errors import AutoplanError
+from autoplan.planner.graph import TracedGraph
+from autoplan.planner.plan import NodePlan, Plan
+
+__all__ = [
+    "PipelineProgram",
+    "StageLayout",
+    "build_pipeline",
+    "pipeline_layout",
+    "schedule_class",
+    "stage_ranks",
+]
+
+_V_SCHEDULES = {"zbvzerobubble", "dualpipev"}
+
+
+def schedule_class(name: str) -> type:
+    """The ``torch.distributed.pipelining`` schedule class for a plan's schedule name (lower case
+    torch names: ``gpipe``, ``1f1b``, ``interleaved1f1b``, ``loopedbfs``,
+    ``interleavedzerobubble``, ``zbvzerobubble``, ``dualpipev``)."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    try:
+        cls = get_schedule_class(name)
+    except ValueError:
+        raise AutoplanError(f"unknown pipeline schedule {name!r}: use gpipe, 1f1b, interleaved1f1b, "
+                            f"loopedbfs, interleavedzerobubble, zbvzerobubble or dualpipev") from None
+    if cls.__name__ in ("PipelineScheduleSingle", "PipelineScheduleMulti"):
+        raise AutoplanError(f"{name!r} is a base class, not a schedule: name a concrete schedule")
+    return cls
+
+
+def _is_multi(cls: type) -> bool:
+    from torch.distributed.pipelining.schedules import PipelineScheduleMulti
+
+    return issubclass(cls, PipelineScheduleMulti)
+
+
+def stage_ranks(schedule: str, num_stages: int, pp: int) -> list[int]:
+    """The pp rank of every stage for ``schedule`` (see the module docstring)."""
+    cls = schedule_class(schedule)
+    if num_stages % pp:
+        raise AutoplanError(f"{num_stages} stages do not divide over {pp} pipeline ranks")
+    if not _is_multi(cls):
+        if num_stages != pp:
+            raise AutoplanError(f"schedule {schedule!r} runs one stage per rank, but the plan has {num_stages} "
+                                f"stages on {pp} pipeline ranks: use interleaved1f1b for virtual stages")
+        return list(range(num_stages))
+    if schedule.lower() in _V_SCHEDULES:
+        if num_stages != 2 * pp:
+            raise AutoplanError(f"schedule {schedule!r} needs exactly 2 stages per rank ({2 * pp}), the plan has "
+                                f"{num_stages}")
+        return [s if s < pp else 2 * pp - 1 - s for s in range(num_stages)]
+    return [s % pp for s in range(num_stages)]
+
+
+# --------------------------------------------------------------------------------------------
+# Which node runs where, and what crosses each stage boundary
+
+
+@dataclass
+class StageLayout:
+    """What the pipeline is, independently of any process: per stage the fx nodes it runs (graph
+    order), the values it receives (``inputs``) and sends on (``outputs``; the last stage's is
+    the loss node), the parameter placeholders it reads, and the pp rank it lives on."""
+
+    num_stages: int
+    pp: int
+    stage_rank: list[int]
+    nodes: list[list[torch.fx.Node]]
+    inputs: list[list[torch.fx.Node]]
+    outputs: list[list[torch.fx.Node]]
+    param_nodes: list[list[torch.fx.Node]]
+    loss_node: torch.fx.Node
+    needs_grad: dict[torch.fx.Node, bool]
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        return [s for s in range(self.num_stages) if self.stage_rank[s] == pp_rank]
+
+
+def _skipped(n: torch.fx.Node) -> bool:
+    name = getattr(n.target, "__name__", str(n.target))
+    return n.target in _SKIPPED_OPS or any(s in name for s in _SKIPPED_NAMES)
+
+
+def _floating(val: Any) -> bool:
+    """Whether a node's value is (or holds, for multi-output ops) a floating tensor."""
+    if isinstance(val, torch.Tensor):
+        return val.dtype.is_floating_point or val.dtype.is_complex
+    if isinstance(val, (tuple, list)):
+        return any(_floating(v) for v in val)
+    return False
+
+
+def pipeline_layout(graph: TracedGraph, plan: Plan) -> StageLayout:
+    """Assign every op node to a stage and find the values crossing each boundary."""
+    num_stages = len(plan.stages)
+    if num_stages < 2:
+        raise AutoplanError("the plan has one stage: run it with build_program, not build_pipeline")
+    k = math.prod(plan.mesh)
+    for s, st in enumerate(plan.stages):
+        if list(st.mesh) != list(plan.mesh):
+            raise AutoplanError(f"stage {s} has mesh {st.mesh}, the plan's mesh is {plan.mesh}: every stage must "
+                                f"have the same logical mesh")
+    if plan.devices % k:
+        raise AutoplanError(f"{plan.devices} devices do not divide into sub-meshes of {k}")
+    pp = plan.devices // k
+    expected = stage_ranks(plan.schedule, num_stages, pp)
+    for s, st in enumerate(plan.stages):
+        block = list(range(expected[s] * k, (expected[s] + 1) * k))
+        if list(st.devices) != block:
+            raise AutoplanError(f"stage {s} is on devices {st.devices}, but schedule {plan.schedule!r} puts it on "
+                                f"pp rank {expected[s]} = devices {block}")
+
+    gm_nodes = list(graph.graph_module.graph.nodes)
+    by_name = {n.name: n for n in gm_nodes}
+    stage_of: dict[torch.fx.Node, int] = {}
+    for s, st in enumerate(plan.stages):
+        for name in st.nodes:
+            if name not in by_name:
+                raise AutoplanError(f"stage {s} lists node {name!r}, which is not in the graph: plan this graph again")
+            if by_name[name] in stage_of:
+                raise AutoplanError(f"node {name!r} is in stages {stage_of[by_name[name]]} and {s}")
+            stage_of[by_name[name]] = s
+    ops = [n for n in gm_nodes if n.op in ("call_function", "get_attr")]
+    # Nodes the stages do not list: a getitem runs with its producer, anything else in the first
+    # stage that needs it (computed right where it is used). Nodes nothing needs are dropped.
+    for n in ops:
+        if n not in stage_of and n.target is operator.getitem and n.args[0] in stage_of:
+            stage_of[n] = stage_of[n.args[0]]
+    for n in reversed(ops):
+        if n in stage_of or _skipped(n):
+            continue
+        users = [stage_of[u] for u in n.users if u in stage_of]
+        if users:
+            stage_of[n] = min(users)
+    output = next(n for n in gm_nodes if n.op == "output")
+    outs = output.args[0]
+    loss_node = outs[0] if isinstance(outs, (tuple, list)) else outs
+    if not isinstance(loss_node, torch.fx.Node):
+        raise AutoplanError("the graph's loss is not computed by the graph")
+
+    user_inputs = [by_name[name] for name in graph.input_names]
+    produced: dict[torch.fx.Node, int] = {n: -1 for n in user_inputs}
+    produced.update(stage_of)
+    # the last stage (at least) that needs each value
+    last_use: dict[torch.fx.Node, int] = {}
+    for n, s in stage_of.items():
+        if _skipped(n):
+            continue
+        for a in n.all_input_nodes:
+            if a in produced:
+                if produced[a] > s:
+                    raise AutoplanError(f"{n.name} (stage {s}) reads {a.name}, computed later in stage {produced[a]}: "
+                                        f"the stages are not in graph order")
+                last_use[a] = max(last_use.get(a, -1), s)
+    if loss_node not in produced:
+        raise AutoplanError(f"no stage computes the loss {loss_node.name}")
+    last_use[loss_node] = num_stages - 1
+    order = {n: i for i, n in enumerate(gm_nodes)}
+
+    inputs: list[list[torch.fx.Node]] = [list(user_inputs)]
+    for s in range(1, num_stages):
+        crossing = [v for v in produced if produced[v] < s and last_use.get(v, -1) >= s]
+        inputs.append(sorted(crossing, key=order.__getitem__))
+    outputs = [inputs[s + 1] for s in range(num_stages - 1)] + [[loss_node]]
+    for s in range(num_stages - 1):
+        for v in outputs[s]:
+            val = v.meta.get("val")
+            if not isinstance(val, torch.Tensor):
+                raise AutoplanError(f"{v.name} crosses from stage {s} to {s + 1} but is not a tensor "
+                                    f"({type(val).__name__}): move the stage boundary")
+    nodes = [[n for n in ops if stage_of.get(n) == s] for s in range(num_stages)]
+    param_nodes = []
+    for s in range(num_stages):
+        used = {a for n in nodes[s] for a in n.all_input_nodes if a.op == "placeholder" and a not in produced}
+        param_nodes.append(sorted(used, key=order.__getitem__))
+
+    # Which values can carry a gradient: floating values that depend on a parameter that does.
+    trainable = {by_name[name] for name, fqn in graph.param_names.items()
+                 if graph.nodes.get(name) is None or graph.nodes[name].kind == "parameter"}
+    needs_grad: dict[torch.fx.Node, bool] = {}
+    for n in gm_nodes:
+        floating = _floating(n.meta.get("val"))
+        if n in trainable:
+            needs_grad[n] = floating
+        else:
+            needs_grad[n] = floating and any(needs_grad.get(a, False) for a in n.all_input_nodes)
+    return StageLayout(num_stages, pp, expected, nodes, inputs, outputs, param_nodes, loss_node, needs_grad)
+
+
+# --------------------------------------------------------------------------------------------
+# One stage
+
+
+class _StageModule(torch.nn.Module):
+    """One pipeline stage: runs its nodes on DTensors over its sub-mesh. ``forward`` takes the
+    boundary values as plain (full) tensors and returns plain tensors (or the scalar loss)."""
+
+    def __init__(self, index: int, layout: StageLayout, mesh: DeviceMesh, node_plans: dict[str, NodePlan],
+                 params: dict[str, torch.Tensor], placeholder_fqn: dict[str, str],
+                 constants: dict[str, torch.Tensor], graph_module: torch.fx.GraphModule) -> None:
+        super().__init__()
+        self.index = index
+        self.mesh = mesh
+        self.node_plans = node_plans
+        self.graph_module = graph_module
+        self.nodes = layout.nodes[index]
+        self.input_nodes = layout.inputs[index]
+        self.output_nodes = layout.outputs[index]
+        self.is_last = index == layout.num_stages - 1
+        self._locals: dict[torch.fx.Node, str] = {}  # parameter/buffer placeholder -> attribute
+        self._constants: dict[torch.fx.Node, torch.Tensor] = {}
+        for node in layout.param_nodes[index]:
+            if node.name in placeholder_fqn:
+                fqn = placeholder_fqn[node.name]
+                attr = fqn.replace(".", "__")
+                tensor = params[fqn]
+                if isinstance(tensor, torch.nn.Parameter):
+                    self.register_parameter(attr, tensor)
+                else:
+                    self.register_buffer(attr, tensor)
+                self._locals[node] = attr
+            elif node.name in constants:
+                self._constants[node] = constants[node.name]
+            else:
+                raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
+        self.redistributions: list[tuple[str, str, str]] = []
+
+    def forward(self, *args: torch.Tensor) -> Any:
+        if len(args) != len(self.input_nodes):
+            raise AutoplanError(f"stage {self.index} takes {len(self.input_nodes)} values, got {len(args)}")
+        replicate = [Replicate()] * self.mesh.ndim
+        env: dict[torch.fx.Node, Any] = {}
+        for node, value in zip(self.input_nodes, args):
+            env[node] = DTensor.from_local(value, self.mesh, replicate, run_check=False) \
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
+        for node, attr in self._locals.items():
+            env[node] = getattr(self, attr)
+        env.update(self._constants)
+        with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
+            for n in self.nodes:
+                env[n] = self._run(n, env)
+        outs = []
+        for node in self.output_nodes:
+            value = env[node]
+            if isinstance(value, DTensor):
+                if any(not p.is_replicate() for p in value.placements):
+                    value = value.redistribute(self.mesh, replicate)
+                value = value.to_local()
+            if isinstance(value, torch.Tensor):
+                # torch's zero-bubble schedules detach the outputs in place: no views
+                value = value.contiguous()
+                if value._is_view():
+                    value = value.clone()
+            outs.append(value)
+        if self.is_last:
+            return outs[0]
+        return tuple(outs)
+
+    def _run(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+        if n.op == "get_attr":
+            target = self.graph_module
+            for part in str(n.target).split("."):
+                target = getattr(target, part)
+            return target
+        if _skipped(n):
+            return None
+        node_plan = self.node_plans.get(n.name)
+        arrived: dict[torch.fx.Node, Any] = {}
+        if node_plan is not None and n.target is not operator.getitem:
+            tensor_inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            if len(node_plan.inputs) != len(tensor_inputs):
+                raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph has "
+                                    f"{len(tensor_inputs)}: the plan is not for this graph")
+            for a, specs in zip(tensor_inputs, node_plan.inputs):
+                arrived[a] = _redistribute(env[a], specs, self.mesh)
+        args = torch.fx.node.map_arg(n.args, lambda a: arrived[a] if a in arrived else env[a])
+        kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived[a] if a in arrived else env[a])
+        return _REPLACED_OPS.get(n.target, n.target)(*args, **kwargs)
+
+
+def _example(node: torch.fx.Node, requires_grad: bool, device: torch.device) -> torch.Tensor:
+    val = node.meta["val"]
+    return torch.empty(tuple(int(d) for d in val.shape), dtype=val.dtype, device=device,
+                       requires_grad=requires_grad)
+
+
+# --------------------------------------------------------------------------------------------
+# The program
+
+
+class PipelineProgram(torch.nn.Module):
+    """This rank's part of a pipelined plan. See the module docstring.
+
+    ``stages`` are this rank's stage modules (several with virtual stages), ``schedule`` the
+    torch schedule object, ``mesh`` the world ``DeviceMesh`` ``(pp, *plan.mesh)`` and
+    ``stage_mesh`` this rank's sub-mesh."""
+
+    def __init__(self, graph: TracedGraph, plan: Plan, params: dict[str, torch.Tensor], device_type: str = "cpu",
+                 world_mesh: DeviceMesh | None = None, loss_reduction: str = "mean") -> None:
+        super().__init__()
+        from torch.distributed.pipelining import PipelineStage
+
+        if plan.graph_hash != graph.graph_hash:
+            raise AutoplanError("the plan was made for another graph (graph_hash differs): plan this model again")
+        if not dist.is_initialized():
+            raise AutoplanError("no process group: call autoplan.codegen.runtime.init_distributed() first")
+        if dist.get_world_size() != plan.devices:
+            raise AutoplanError(f"the plan is for {plan.devices} devices but this job has {dist.get_world_size()} "
+                                f"processes: launch with --nproc-per-node {plan.devices}")
+        if loss_reduction not in ("mean", "sum"):
+            raise AutoplanError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
+        self.plan = plan
+        self.layout = layout = pipeline_layout(graph, plan)
+        self.num_microbatches = plan.microbatches
+        self.loss_reduction = loss_reduction
+        self.input_names = list(graph.input_names)
+        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device(device_type)
+        shape = (layout.pp, *plan.mesh)
+        names = ("pp", *(f"m{i}" for i in range(len(plan.mesh))))
+        if world_mesh is None:
+            world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        elif tuple(world_mesh.shape) != shape or tuple(world_mesh.mesh_dim_names or ()) != names \
+                or world_mesh.mesh.flatten().tolist() != list(range(plan.devices)):
+            raise AutoplanError(f"world mesh {tuple(world_mesh.shape)} {world_mesh.mesh_dim_names} is not "
+                                f"{shape} {names} over ranks 0..{plan.devices - 1} in order")
+        self.mesh = world_mesh
+        self.stage_mesh = world_mesh[names[1:]] if len(names) > 2 else world_mesh[names[1]]
+        self.pp_group = world_mesh.get_group("pp")
+        self.pp_rank = world_mesh.get_local_rank("pp")
+        k = math.prod(plan.mesh)
+        self.coordinate = dist.get_rank() % k
+
+        # parameters of this rank's stages, distributed on the sub-mesh; one object per FQN
+        tied = dict(graph.tied)
+        self.tied = tied
+        placeholder_fqn = {name: tied.get(fqn, fqn) for name, fqn in graph.param_names.items()}
+        buffer_fqns = {info.fqn for info in graph.nodes.values() if info.kind == "buffer" and info.fqn}
+        local_stages = layout.stages_of_rank(self.pp_rank)
+        self.stage_indices = local_stages
+        owners: dict[str, set[int]] = {}
+        for s in range(layout.num_stages):
+            for node in layout.param_nodes[s]:
+                if node.name in placeholder_fqn:
+                    owners.setdefault(placeholder_fqn[node.name], set()).add(layout.stage_rank[s])
+        self._local: dict[str, torch.Tensor] = {}
+        for fqn in sorted(f for f, ranks in owners.items() if self.pp_rank in ranks):
+            if fqn not in params:
+                raise AutoplanError(f"no tensor given for {fqn}: pass model.named_parameters() and named_buffers()")
+            tensor = params[fqn].detach().to(self.device)
+            specs = plan.params.get(fqn, ["R"] * len(plan.mesh))
+            placements = to_dtensor_placements(specs)
+            if any(isinstance(p, Partial) for p in placements):
+                raise AutoplanError(f"plan stores {fqn} as partial sums ({specs}): a parameter must be R or S(d)")
+            dt = distribute_tensor(tensor.clone(), self.stage_mesh, placements, src_data_rank=None)
+            if fqn in buffer_fqns or not tensor.is_floating_point():
+                self._local[fqn] = dt
+            else:
+                self._local[fqn] = torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad)
+        constants = ShardedProgram._lifted_constants(graph)
+        node_plans = {np_.name: np_ for np_ in plan.nodes}
+        self.stage_modules = torch.nn.ModuleList(
+            _StageModule(s, layout, self.stage_mesh, node_plans, self._local, placeholder_fqn, constants,
+                         graph.graph_module) for s in local_stages)
+
+        # groups summing the gradients of parameters held on several pp ranks (tied weights):
+        # every rank creates every group, in the same order
+        self._shared: list[tuple[str, Any]] = []
+        groups: dict[tuple[int, ...], Any] = {}
+        for fqn in sorted(owners):
+            ranks = tuple(sorted(owners[fqn]))
+            if len(ranks) < 2 or fqn in buffer_fqns or not params[fqn].is_floating_point() \
+                    or not params[fqn].requires_grad:
+                continue
+            if ranks not in groups:
+                mine = None
+                for c in range(k):
+                    group = dist.new_group([p * k + c for p in ranks])
+                    if c == self.coordinate:
+                        mine = group
+                groups[ranks] = mine
+            if self.pp_rank in ranks:
+                self._shared.append((fqn, groups[ranks]))
+
+        # the torch stages and schedule
+        self.pipeline_stages = []
+        for module in self.stage_modules:
+            s = module.index
+            first = s == 0
+            in_args = tuple(_example(n, (not first) and layout.needs_grad.get(n, False), self.device)
+                            for n in layout.inputs[s])
+            if module.is_last:
+                out_args: tuple[torch.Tensor, ...] = (_example(layout.loss_node, True, self.device),)
+            else:
+                out_args = tuple(_example(n, layout.needs_grad.get(n, False), self.device) for n in layout.outputs[s])
+            self.pipeline_stages.append(PipelineStage(module, s, layout.num_stages, self.device,
+                                                      input_args=in_args, output_args=out_args,
+                                                      group=self.pp_group))
+        cls = schedule_class(plan.schedule)
+        scale = 1.0 / plan.microbatches if loss_reduction == "mean" else 1.0
+
+        def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
+            return output * scale
+
+        stages_arg = self.pipeline_stages if _is_multi(cls) else self.pipeline_stages[0]
+        self.schedule = cls(stages_arg, plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.has_first = 0 in local_stages
+        self.has_last = layout.num_stages - 1 in local_stages
+        self.loss_src = plan.stages[-1].devices[0]
+
+    # -- parameters
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters by the model's FQN (DTensors on the stage's sub-mesh); tied FQNs
+        whose weight this rank holds give the same object."""
+        out = {fqn: t for fqn, t in self._local.items() if isinstance(t, torch.nn.Parameter)}
+        out.update({fqn: out[used] for fqn, used in self.tied.items() if used in out})
+        return out
+
+    # -- one step
+
+    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One schedule step on the GLOBAL batch (the same on every rank): forward and backward of
+        every microbatch; gradients are added to this rank's parameters' ``.grad``. Returns the
+        global loss (a 0-d tensor, the same on every rank)."""
+        if len(inputs) != len(self.input_names):
+            raise AutoplanError(f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                                f"got {len(inputs)}")
+        inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        for x in inputs:
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % self.num_microbatches:
+                raise AutoplanError(f"every input needs a batch dim divisible by {self.num_microbatches} microbatches")
+        params = [t for t in self._local.values() if isinstance(t, torch.nn.Parameter)]
+        stashed = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(self.num_microbatches, 1, device=self.device)
+        args = inputs if self.has_first else ()
+        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self._finish_gradients(params)
+        for p, old in zip(params, stashed):
+            if old is not None:
+                p.grad = old if p.grad is None else old + p.grad
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.has_last and losses \
+            else torch.zeros((), device=self.device)
+        loss = loss.to(torch.float32).contiguous()
+        dist.broadcast(loss, src=self.loss_src)
+        return loss
+
+    def _finish_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
+        # partial sums (a parameter replicated over a batch-sharded axis) → the parameter's placement
+        for p in params:
+            g = p.grad
+            if isinstance(g, DTensor) and g.placements != p.placements:
+                p.grad = g.redistribute(p.device_mesh, p.placements)
+        # tied weights: sum the copies' gradients over their owners
+        for fqn, group in self._shared:
+            p = self._local[fqn]
+            g = p.grad
+            local = g.to_local().clone() if g is not None else torch.zeros_like(p.to_local())
+            dist.all_reduce(local, group=group)
+            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+                                        shape=p.shape, stride=p.stride())
+
+
+def build_pipeline(graph: TracedGraph, plan: Plan, params: dict[str, torch.Tensor], device_type: str = "cpu",
+                   world_mesh: DeviceMesh | None = None, loss_reduction: str = "mean") -> PipelineProgram:
+    """This rank's :class:`PipelineProgram` for a pipelined ``plan`` (``len(plan.stages) > 1``).
+
+    Call it in every rank of a job of ``plan.devices`` processes. ``graph`` is the graph traced
+    for ONE microbatch (the plan's), ``params`` the model's parameters and buffers by FQN (the
+    same full tensors on every rank; each rank keeps what its stages read, sharded).
+    ``world_mesh`` reuses a ``(pp, *plan.mesh)`` mesh named ``("pp", "m0", ...)``;
+    ``loss_reduction`` says whether the model's loss is a mean over the batch (the gradient is
+    then that of the mean over microbatches) or a sum."""
+    return PipelineProgram(graph, plan, params, device_type, world_mesh, loss_reduction)
