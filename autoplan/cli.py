@@ -80,7 +80,9 @@ def run(argv: list[str] | None = None) -> int:
     if args.devices < 1:
         raise AutoplanError(f"--devices must be at least 1, got {args.devices}")
     memory = parse_memory_size(args.memory_per_device) if args.memory_per_device else None
-    mesh = parse_mesh(args.mesh, args.devices) if args.mesh else None
+    if args.stages is not None and (args.stages < 1 or args.devices % args.stages):
+        raise AutoplanError(f"--stages {args.stages} does not divide {args.devices} devices: choose a divisor")
+    mesh = parse_mesh(args.mesh, args.devices // (args.stages or 1)) if args.mesh else None
     optimizer = OptimizerSpec(args.optimizer.lower(), args.mixed_precision)
     optimizer.state_bytes_per_param(4)  # validates the name before the slow work
     options = make_options(args.devices, args.cluster, mesh, memory, args.devices_per_node, optimizer,

@@ -6,6 +6,7 @@ keep the cheapest plan that fits the memory budget; the other meshes become alte
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -79,6 +80,9 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
     timings = dict(timings or {})
     start = time.perf_counter()
     classes = find_classes(graph)
+    if options.mesh and math.prod(options.mesh) != options.devices:
+        raise AutoplanError(f"mesh {mesh_label(options.mesh)} holds {math.prod(options.mesh)} devices but devices is "
+                            f"{options.devices}: make them agree (a smaller mesh is a pipeline stage's: pass --stages)")
     meshes = [options.mesh] if options.mesh else candidate_meshes(options.devices)
     outcomes = [_solve_mesh(graph, classes, mesh, options) for mesh in meshes]
     feasible = [o for o in outcomes if o.result is not None]
@@ -160,12 +164,8 @@ def make_options(devices: int, cluster: str | ClusterSpec = "h100", mesh: tuple[
         raise AutoplanError(f"--devices must be at least 1, got {devices}")
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
     spec = spec.with_overrides(devices_per_node=devices_per_node, memory_per_device=memory_per_device)
-    if mesh is not None:
-        product = 1
-        for x in mesh:
-            product *= x
-        if product != devices:
-            raise AutoplanError(f"mesh {mesh_label(mesh)} holds {product} devices but devices is {devices}: "
-                                f"make them agree")
+    if mesh is not None and devices % math.prod(mesh):
+        raise AutoplanError(f"mesh {mesh_label(mesh)} holds {math.prod(mesh)} devices, which does not divide "
+                            f"{devices} devices: make them agree")
     return PlannerOptions(devices, spec, tuple(mesh) if mesh else None, optimizer or OptimizerSpec(), solver,
                           time_limit_s)

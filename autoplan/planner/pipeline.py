@@ -113,6 +113,25 @@ class _Candidate:
     graph: TracedGraph
     layers: list[Layer]
 
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks: one per stage, or one per ``INTERLEAVE`` chunks when interleaved."""
+        return len(self.cuts) // INTERLEAVE if self.interleaved else len(self.cuts)
+
+    interleaved: bool = False
+
+
+def interleave(candidate: _Candidate) -> _Candidate:
+    """The interleaved form of a pipeline: its layers cut evenly into ``INTERLEAVE`` chunks per
+    pipeline rank; chunk ``c`` runs on rank ``c % ranks`` (torch's interleaved placement)."""
+    ranks, layers = len(candidate.cuts), len(candidate.layers)
+    chunks = INTERLEAVE * ranks
+    if layers < chunks:
+        raise AutoplanError(f"the interleaved schedule needs at least {chunks} layers for {ranks} pipeline ranks; "
+                            f"the model has {layers}: use 1f1b or fewer stages")
+    bounds = [round(i * layers / chunks) for i in range(chunks + 1)]
+    return replace(candidate, cuts=list(zip(bounds, bounds[1:])), interleaved=True)
+
 
 @dataclass
 class _LayerCosts:
@@ -189,7 +208,8 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
         return None
     latencies = [s.cost.latency_s for s in solution.stages]
     return _Candidate(microbatches, submesh, mesh, [(s.start, s.end) for s in solution.stages],
-                      pipeline_time(latencies, microbatches, schedule), graph, layers)
+                      pipeline_time(latencies, microbatches, "1f1b" if schedule == "interleaved1f1b" else schedule),
+                      graph, layers)
 
 
 def cluster_shape(options: PlannerOptions) -> tuple[int, int]:
@@ -209,8 +229,6 @@ def _submeshes(options: PlannerOptions, popts: PipelineOptions, num_layers: int)
             continue
         stages = options.devices // sm.size
         if stages > num_layers or (popts.stages is not None and stages != popts.stages):
-            continue
-        if popts.schedule == "interleaved1f1b" and stages % INTERLEAVE:
             continue
         out.append(sm)
     return out
@@ -303,9 +321,9 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
         params.update(stage_params)
         for name, spec_ in placements(sub, result, ("input",)).items():
             inputs.setdefault(name, spec_)
-        size = candidate.submesh.size
+        size, rank = candidate.submesh.size, index % candidate.ranks
         stage_plans.append(StagePlan([layer.name for layer in layers[start:end]],
-                                     list(range(index * size, (index + 1) * size)), list(candidate.mesh),
+                                     list(range(rank * size, (rank + 1) * size)), list(candidate.mesh),
                                      [n for layer in layers[start:end] for n in layer.nodes], list(stage_params),
                                      latencies[-1]))
     step = pipeline_time(latencies, candidate.microbatches, schedule)
@@ -356,6 +374,8 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
     candidates.sort(key=lambda c: c.step_time_s)
     best = candidates[0]
     schedule = popts.schedule or "1f1b"
+    if schedule == "interleaved1f1b":
+        best = interleave(best)
     search_s = time.perf_counter() - start - trace_s
     plan = _assemble(spec, best, options, schedule, {})
     plan.timings_s = {"trace": trace_s, "search": search_s, "total": time.perf_counter() - start}

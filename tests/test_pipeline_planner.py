@@ -1,0 +1,159 @@
+"""The inter-op pass: layers, schedules, the stage search, manual plans and the timeline."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import gpt
+import pytest
+
+from autoplan.errors import AutoplanError
+from autoplan.planner.api import make_options
+from autoplan.planner.layering import make_layers
+from autoplan.planner.layers import find_classes
+from autoplan.planner.load import make_model_spec
+from autoplan.planner.manual import cost_manual, parse_manual
+from autoplan.planner.pipeline import (
+    PipelineOptions,
+    activations_in_flight,
+    normalize_schedule,
+    pipeline_time,
+    plan_pipeline,
+)
+from autoplan.planner.timeline import chrome_trace, simulate, write_timeline
+from autoplan.planner.trace import trace
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def small_gpt():
+    model, inputs = gpt.build(hidden=64, layers=4, heads=4, seq=32, vocab=256, batch=8, device="meta")
+    return make_model_spec(model, inputs, gpt.loss_fn, name="gpt")
+
+
+def test_layers_follow_the_repeated_blocks(small_gpt) -> None:
+    graph = trace(small_gpt)
+    layers = make_layers(graph, find_classes(graph))
+    assert [layer.name for layer in layers] == ["h.0", "h.1", "h.2", "h.3"]
+    assert layers[1].signature == layers[2].signature != layers[0].signature  # embedding joins h.0
+    ops = [n for n, info in graph.nodes.items() if info.kind == "op"]
+    assert [n for layer in layers for n in layer.nodes] == ops  # contiguous, complete, in order
+    merged = make_layers(graph, find_classes(graph), 2)
+    assert [layer.name for layer in merged] == ["h.0..h.1", "h.2..h.3"]
+    with pytest.raises(AutoplanError, match="--layers 9"):
+        make_layers(graph, find_classes(graph), 9)
+
+
+def test_clustering_balances_flops_without_blocks() -> None:
+    import resnet
+
+    model, inputs = resnet.build()
+    graph = trace(make_model_spec(model, inputs, resnet.loss_fn))
+    layers = make_layers(graph, find_classes(graph), 3)
+    assert len(layers) == 3 and all(layer.nodes for layer in layers)
+    total = sum(layer.flops for layer in layers)
+    assert max(layer.flops for layer in layers) < 0.75 * total
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_simulated_timeline_matches_the_bubble_formula(schedule: str) -> None:
+    latencies, microbatches = [1.0, 1.0, 1.0, 1.0], 6
+    slots = simulate(latencies, microbatches, schedule)
+    assert len(slots) == 2 * len(latencies) * microbatches
+    end = max(s.end_s for s in slots)
+    assert end == pytest.approx(pipeline_time(latencies, microbatches, schedule))  # (B + S - 1) t
+    busy = sum(s.end_s - s.start_s for s in slots)
+    bubble = 1 - busy / (end * len(latencies))
+    assert bubble == pytest.approx((4 - 1) / (4 - 1 + 6))  # (D-1)/(D-1+N)
+
+
+def test_schedule_memory_and_names() -> None:
+    assert activations_in_flight("gpipe", 16, 4) == 16
+    assert activations_in_flight("1f1b", 16, 4) == 4
+    assert normalize_schedule("Interleaved1F1B") == "interleaved1f1b"
+    assert normalize_schedule("GPipe") == "gpipe"
+    with pytest.raises(AutoplanError, match="unknown schedule"):
+        normalize_schedule("zigzag")
+    assert pipeline_time([1.0] * 4, 8, "interleaved1f1b") < pipeline_time([2.0] * 2, 8, "1f1b")
+
+
+def test_timeline_files(tmp_path: Path) -> None:
+    paths = write_timeline([0.5, 0.7], 3, "1f1b", tmp_path)
+    trace_json = json.loads(paths[0].read_text())
+    events = [e for e in trace_json["traceEvents"] if e["ph"] == "X"]
+    assert len(events) == 12 and {e["tid"] for e in events} == {0, 1}
+    assert paths[1].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert chrome_trace(simulate([1.0], 1, "gpipe"))["traceEvents"][1]["dur"] == pytest.approx(1e6 / 3)
+
+
+def test_pinned_pipeline_on_two_devices(small_gpt) -> None:
+    plan = plan_pipeline(small_gpt, make_options(2, "cpu"), PipelineOptions(stages=2, microbatches=4))
+    assert len(plan.stages) == 2 and plan.microbatches == 4 and plan.schedule == "1f1b"
+    assert [s.devices for s in plan.stages] == [[0], [1]]
+    layers = [layer for stage in plan.stages for layer in stage.layers]
+    assert layers == ["h.0", "h.1", "h.2", "h.3"]
+    assert {c.kind for c in plan.collectives if c.mesh_axis == -1} == {"send_recv"}
+    assert plan.predicted.bubble_s > 0
+
+
+def test_manual_plans_are_costed_or_explained(small_gpt) -> None:
+    options = make_options(4, "cpu")
+    ok = cost_manual(small_gpt, options, parse_manual("dp=2,tp=2"))
+    assert ok.predicted is not None and ok.predicted.step_time_s > 0
+    piped = cost_manual(small_gpt, options, parse_manual("dp=2,pp=2,microbatches=2"))
+    assert piped.predicted is not None
+    bad = cost_manual(small_gpt, options, parse_manual("dp=3"))
+    assert bad.predicted is None and "infeasible" in bad.reason
+    with pytest.raises(AutoplanError, match="write it like"):
+        parse_manual("dp2")
+
+
+def test_cli_shows_manual_plans_and_writes_a_timeline(tmp_path: Path) -> None:
+    result = subprocess.run([sys.executable, "-m", "autoplan.cli", str(ROOT / "examples" / "gpt.py"), "--devices", "2",
+                             "--cluster", "cpu", "--stages", "2", "--microbatches", "2", "--manual", "dp=2",
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "manual dp=2,tp=1,pp=1,microbatches=1" in result.stdout
+    assert (tmp_path / "timeline.json").is_file() and (tmp_path / "timeline.png").is_file()
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert len(plan["stages"]) == 2 and any(a["name"].startswith("manual") for a in plan["alternatives"])
+
+
+GPT4 = '''
+import sys
+sys.path.insert(0, {examples!r})
+import gpt
+model, example_inputs = gpt.build(hidden=32, layers=4, heads=2, seq=16, vocab=64, batch=8)
+loss_fn = gpt.loss_fn
+'''
+
+
+def _run_check(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autoplan.cli", *args, "--cluster", "cpu", "--run", "--check",
+                           "--steps", "2", "--out", str(cwd / "out")], capture_output=True, text=True, timeout=600,
+                          cwd=cwd)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b"])
+def test_every_schedule_passes_check_on_two_processes(schedule: str, tmp_path: Path) -> None:
+    model_file = tmp_path / "gpt4.py"
+    model_file.write_text(GPT4.format(examples=str(ROOT / "examples")))
+    result = _run_check([str(model_file), "--devices", "2", "--stages", "2", "--microbatches", "4", "--schedule",
+                         schedule], tmp_path)
+    assert result.returncode == 0 and "check: PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert plan["schedule"] == schedule
+    assert len(plan["stages"]) == (4 if schedule == "interleaved1f1b" else 2)
+
+
+def test_gpt2_two_stages_by_two_way_sharding_passes_check(tmp_path: Path) -> None:
+    result = _run_check([str(ROOT / "examples" / "gpt2.py"), "--devices", "4", "--stages", "2", "--mesh", "2",
+                         "--microbatches", "2", "--memory-per-device", "2.5MB"], tmp_path)
+    assert result.returncode == 0 and "check: PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert len(plan["stages"]) == 2 and plan["mesh"] == [2]
+    assert any("S(" in p for spec in plan["params"].values() for p in spec)  # sharded inside the stages
