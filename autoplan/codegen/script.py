@@ -23,6 +23,7 @@ batch; the program keeps its own slice.
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -60,11 +61,14 @@ def main() -> int:
 
     optimizer = torch.optim.SGD(pm.parameters(), lr=args.lr)
     for step in range(args.steps):
+        start = time.perf_counter()
         loss = pm.train_step(*spec.example_inputs)  # forward + backward (every microbatch of a pipeline)
         optimizer.step()
         optimizer.zero_grad()
+        value = loss.item()  # waits for the step to finish
+        seconds = time.perf_counter() - start
         if ctx.rank == 0:
-            print(f"step {{step}} loss {{loss.item():.6f}}", flush=True)
+            print(f"step {{step}} loss {{value:.6f}} time {{seconds:.6f}}", flush=True)
     return 0
 
 
