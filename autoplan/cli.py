@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autoplan",
         description="Plan how to parallelize a PyTorch model over many devices (intra-op sharding by ILP).",
+        epilog="`autoplan calibrate --devices N -o FILE` measures this machine and writes a cluster file "
+               "for --cluster (see `autoplan calibrate --help`).",
     )
     parser.add_argument("model_file", help="a Python file defining `model` and `example_inputs` (optionally `loss_fn`)")
     parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
@@ -62,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
                       help="also cost this hand-written plan and show it beside the found one (repeatable)")
+    parser.add_argument("--report", action="store_true",
+                        help="also write report.html (self-contained) and report.md with plots into --out; "
+                             "with --run, the measured step times and losses too")
     return parser
 
 
@@ -74,6 +79,10 @@ def _write_atomically(path: Path, text: str) -> None:
 
 
 def run(argv: list[str] | None = None) -> int:
+    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["calibrate"]:
+        from autoplan.calibrate import run_calibrate  # `autoplan calibrate ...`: measure this machine
+
+        return run_calibrate((sys.argv[1:] if argv is None else list(argv))[1:])
     args = build_parser().parse_args(argv)
     if args.steps < 1:
         raise AutoplanError(f"--steps must be at least 1, got {args.steps}")
@@ -123,17 +132,35 @@ def run(argv: list[str] | None = None) -> int:
     else:
         print(summary_text(plan))
         print(f"\nwrote {out / 'plan.json'} and {script}")
+    code, output = 0, None
     if args.run or args.check:
-        return launch(script, plan.devices, args.steps, args.check)
-    return 0
+        output = [] if args.report else None
+        code = launch(script, plan.devices, args.steps, args.check, output)
+    if args.report:
+        # imported here: matplotlib only when asked
+        from autoplan.reports import parse_train_log, write_report
+
+        run_log = parse_train_log("".join(output)) if output is not None else None
+        write_report(plan, out, spec, options, run=run_log)
+        print(f"wrote {out / 'report.html'} and {out / 'report.md'}")
+    return code
 
 
-def launch(script: Path, devices: int, steps: int, check: bool) -> int:
-    """Run train.py under torch.distributed.run with one process per planned device."""
+def launch(script: Path, devices: int, steps: int, check: bool, output: list[str] | None = None) -> int:
+    """Run train.py under torch.distributed.run with one process per planned device. With
+    ``output``, the child's stdout is also appended to it line by line (still shown here)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
                str(script), "--steps", str(steps)] + (["--check"] if check else [])
     print("running: " + " ".join(command[2:]), flush=True)
-    return subprocess.run(command, check=False).returncode
+    if output is None:
+        return subprocess.run(command, check=False).returncode
+    with subprocess.Popen(command, stdout=subprocess.PIPE, text=True, bufsize=1) as child:
+        assert child.stdout is not None
+        for line in child.stdout:  # tee: the terminal sees it as it comes
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            output.append(line)
+    return child.returncode
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -4,9 +4,12 @@
 
 For every case meant for this world size: plan the model on every rank (the plan's graph_hash
 must agree across ranks), build the ShardedProgram, run forward + backward on the global batch,
-and compare the loss, the model outputs and every parameter's gradient with the single-device
-model. Each rank writes OUT_DIR/rank{r}.json: per case the largest differences, the executed
-and planned forward collectives, the placements, or the error.
+and compare the loss, the model outputs, every parameter's gradient and every buffer (BatchNorm's
+running statistics) with the single-device model. The program runs inside a ParallelModule (its
+gradient reduction hook included) under CommDebugMode, forward and backward apart. Each rank
+writes OUT_DIR/rank{r}.json: per case the largest differences, the executed and planned
+collectives of both phases, the collectives the executor's own redistributions ask for, any
+sharded dim the mesh does not divide, the placements, or the error.
 """
 
 from __future__ import annotations
@@ -29,9 +32,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from autoplan.codegen import build_program, executed_collectives, planned_collectives
+from autoplan.codegen import build_program, planned_collectives
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.planner.load import make_model_spec
+
+# name -> (world size, example module, build kwargs, mesh, memory_per_device)
+GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "batch": 8, "seq": 32}
+BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 256,
+        "vocab_size": 256, "batch": 8, "seq": 32}
+RESNET = {"width": 8, "batch": 8, "image": 16}
+GPT = {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}
 
 # name -> (world size, example module, build kwargs, mesh, memory_per_device)
 CASES: dict[str, tuple[int, str, dict, tuple[int, ...], float | None]] = {
@@ -40,23 +50,34 @@ CASES: dict[str, tuple[int, str, dict, tuple[int, ...], float | None]] = {
     "mlp_megatron_2": (2, "mlp", {"hidden": 1024, "batch": 8, "seq": 16}, (2,), None),
     "mlp_megatron_rs_2": (2, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (2,), 0.5e6),
     "mlp_dp_2": (2, "mlp", {"hidden": 64, "batch": 64, "seq": 128}, (2,), None),
-    "gpt_2": (2, "gpt", {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}, (2,), 2.4e6),
-    "gpt_2b": (2, "gpt", {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}, (2,), 3e6),
-    "gpt_replicated_2": (2, "gpt", {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}, (2,), None),
-    "resnet_2": (2, "resnet", {"width": 8, "batch": 8, "image": 16}, (2,), None),
-    # (ResNet with its 0.6 MB plan — channel-sharded conv/BatchNorm — fails inside DTensor's
-    # conv2d on the sharded channels: "Expected cond to be True" in _maybe_unpad_tensor; left out.)
+    "gpt_2": (2, "gpt", GPT, (2,), 2.4e6),
+    "gpt_2b": (2, "gpt", GPT, (2,), 3e6),
+    "gpt_replicated_2": (2, "gpt", GPT, (2,), None),
+    "resnet_2": (2, "resnet", RESNET, (2,), None),
+    # the least memory the conv net can be planned in: BatchNorm and the head sharded by channel
+    # (convolutions are batch-sharded only; see index_maps._conv)
+    "resnet_sharded_2": (2, "resnet", RESNET, (2,), 0.62e6),
+    "gpt2_hf_2": (2, "gpt2", GPT2, (2,), 5.0e6),
+    "bert_hf_2": (2, "bert", BERT, (2,), 3.2e6),
     # 4 processes
     "mlp_megatron_4": (4, "mlp", {"hidden": 1024, "batch": 8, "seq": 16}, (4,), None),
     "mlp_megatron_rs_4": (4, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (4,), 0.3e6),
     "mlp_dp_4": (4, "mlp", {"hidden": 64, "batch": 64, "seq": 128}, (4,), None),
+    # widths no device count divides: hidden 30 (4h = 120 divides, 30 does not)
+    "mlp_odd_4": (4, "mlp", {"hidden": 30, "batch": 8, "seq": 16}, (4,), 0.1e6),
+    "mlp_odd_2x2": (4, "mlp", {"hidden": 30, "batch": 6, "seq": 10}, (2, 2), 0.1e6),
     "mlp_2x2_megatron": (4, "mlp", {"hidden": 1024, "batch": 8, "seq": 16}, (2, 2), None),
     "mlp_2x2_mixed": (4, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (2, 2), 0.3e6),
     "mlp_2x2_dp_tp": (4, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (2, 2), 0.5e6),
     "mlp_2x2_dp": (4, "mlp", {"hidden": 64, "batch": 64, "seq": 128}, (2, 2), None),
-    "gpt_4": (4, "gpt", {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}, (4,), 1.3e6),
-    "gpt_2x2": (4, "gpt", {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}, (2, 2), 2e6),
-    "gpt_2x2b": (4, "gpt", {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}, (2, 2), 1.6e6),
+    "gpt_4": (4, "gpt", GPT, (4,), 1.3e6),
+    "gpt_2x2": (4, "gpt", GPT, (2, 2), 2e6),
+    "gpt_2x2b": (4, "gpt", GPT, (2, 2), 1.6e6),
+    "resnet_sharded_2x2": (4, "resnet", RESNET, (2, 2), 0.58e6),
+    "gpt2_hf_4": (4, "gpt2", GPT2, (4,), 2.5e6),
+    "gpt2_hf_2x2": (4, "gpt2", GPT2, (2, 2), 2.9e6),
+    "bert_hf_4": (4, "bert", BERT, (4,), 1.65e6),
+    "bert_hf_2x2": (4, "bert", BERT, (2, 2), 2.0e6),
 }
 
 
@@ -81,13 +102,88 @@ def _diff(a: torch.Tensor, b: torch.Tensor) -> tuple[float, bool]:
     return float((a - b).abs().max()) if a.numel() else 0.0, bool(torch.allclose(a, b, rtol=1e-4, atol=1e-5))
 
 
+def indivisible_shardings(graph, plan, mesh_shape) -> list[str]:
+    """Every place where ``plan`` shards a tensor dim that its mesh axes do not divide
+    (strategies that do not divide must be absent from the enumeration)."""
+    from autoplan.sharding import parse_placement
+
+    def check(where: str, shape, specs) -> list[str]:
+        bad, sizes = [], {}
+        for axis, text in enumerate(specs or []):
+            p = parse_placement(text)
+            if p.is_shard:
+                sizes[p.dim] = sizes.get(p.dim, 1) * mesh_shape[axis]
+        for dim, n in sizes.items():
+            if dim >= len(shape) or shape[dim] % n:
+                bad.append(f"{where}: {list(specs)} on shape {tuple(shape)}")
+        return bad
+
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    bad: list[str] = []
+    for node_plan in plan.nodes:
+        n = fx_nodes[node_plan.name]
+        inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        for a, specs in zip(inputs, node_plan.inputs):
+            bad += check(f"{a.name} -> {n.name}", a.meta["val"].shape, specs)
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (tuple, list)) else [vals]
+        for v, specs in zip(vals, node_plan.outputs):
+            if isinstance(v, torch.Tensor):
+                bad += check(n.name, v.shape, specs)
+    return bad
+
+
+# the collective each per-axis placement change costs (DTensor's choice)
+def _transition_kind(src: str, dst: str) -> str | None:
+    if src == dst or src == "R":
+        return None  # R -> S(d) is a local slice, R -> P a local split
+    if src == "P":
+        return "all_reduce" if dst == "R" else "reduce_scatter"
+    if dst == "R":
+        return "all_gather"
+    return "all_to_all" if dst.startswith("S") else None  # S -> P: local zero padding
+
+
+def redistribution_collectives(redistributions) -> dict[str, int]:
+    """The collectives the executor's own redistributions ask for (one per changed mesh axis):
+    what is left of the executed count beyond these comes from DTensor's own propagation."""
+    from collections import Counter
+
+    counts: Counter[str] = Counter()
+    for _, src, dst in redistributions:
+        a = [src[i:i + 2] if src[i] == "S" else src[i] for i in range(len(src)) if src[i] in "RPS"]
+        b = [dst[i:i + 2] if dst[i] == "S" else dst[i] for i in range(len(dst)) if dst[i] in "RPS"]
+        for x, y in zip(a, b):
+            kind = _transition_kind(x, y)
+            if kind:
+                counts[kind] += 1
+    return dict(counts)
+
+
+def gloo_normalised(counts: dict[str, int]) -> dict[str, int]:
+    """gloo has no all_to_all on CPU: DTensor runs each as an all_gather (+ chunk). Count both
+    as all_gather so planned and executed compare on gloo; drop zeros."""
+    out = dict(counts)
+    out["all_gather"] = out.get("all_gather", 0) + out.pop("all_to_all", 0)
+    return {k: v for k, v in out.items() if v}
+
+
 def run_case(name: str, world: int) -> dict:
+    import warnings
+
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from autoplan.codegen.check import _counts
+    from autoplan.codegen.runtime import ParallelModule
+
     _, module_name, kwargs, mesh_shape, memory = CASES[name]
     module = __import__(module_name)
     model, inputs = module.build(**kwargs)
     spec = make_model_spec(model, inputs, module.loss_fn)
     options = make_options(world, "h100", mesh_shape, memory_per_device=memory)
-    plan, graph = plan_spec(spec, options)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan, graph = plan_spec(spec, options)
     hashes = [None] * world
     dist.all_gather_object(hashes, plan.graph_hash)
     mesh = init_device_mesh("cpu", mesh_shape)
@@ -99,33 +195,44 @@ def run_case(name: str, world: int) -> dict:
     ref_loss.backward()
     ref_outputs = _flat_tensors(ref_out)
     ref_grads = {n: p.grad for n, p in ref_model.named_parameters(remove_duplicate=False)}
+    ref_buffers = dict(ref_model.named_buffers())
 
     model, inputs = module.build(**kwargs)
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     program = build_program(graph, plan, mesh, tensors)
-    executed = executed_collectives(program, inputs)
+    pm = ParallelModule(program, plan, "cpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CommDebugMode's module tracker
+        with CommDebugMode() as fwd:
+            out = pm(*inputs)
+        with CommDebugMode() as bwd:
+            out.loss.backward()
     redistributions = list(program.redistributions)
-    out = program(*inputs)
-    loss = out[0]
-    loss.backward()
+    loss, outputs = out.loss, list(out.outputs)
 
     result: dict = {
         "hash_equal": len(set(hashes)) == 1,
         "mesh": list(plan.mesh),
         "params": plan.params,
         "inputs": plan.inputs,
-        "executed_forward": executed,
+        "executed_forward": _counts(fwd),
         "planned_forward": planned_collectives(plan, "forward"),
+        "executed_backward": _counts(bwd),
+        "planned_backward": planned_collectives(plan, "backward"),
+        "redistributed_forward": redistribution_collectives(redistributions),
         "redistributions": redistributions,
         "planned_where": [(c.kind, c.where, c.count) for c in plan.collectives_in("forward")],
+        "planned_where_backward": [(c.kind, c.where, c.count, c.tensor) for c in plan.collectives_in("backward")],
         "num_parameters": len(list(program.parameters())),
         "num_model_parameters": len(list(model.parameters())),
+        "indivisible": indivisible_shardings(graph, plan, mesh_shape),
+        "sharded_params": sum(any(p != "R" for p in v) for v in plan.params.values()),
     }
     loss_diff, loss_ok = _diff(_full(loss), ref_loss)
     result["loss_diff"], result["loss_ok"] = loss_diff, loss_ok
     # match each program output with the first unused reference output of the same shape
-    out_diffs, outs_ok, used = [], bool(out[1:]), set()
-    for o in out[1:]:
+    out_diffs, outs_ok, used = [], bool(outputs), set()
+    for o in outputs:
         full = _full(o)
         for i, r in enumerate(ref_outputs):
             if i not in used and r.shape == full.shape:
@@ -151,10 +258,22 @@ def run_case(name: str, world: int) -> dict:
         grad_diffs[fqn] = d
         if not ok:
             bad.append(fqn)
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            bad.append(f"{fqn} (gradient placed {p.grad.placements}, parameter {p.placements})")
+    # buffers (BatchNorm's running statistics, updated in place by the forward)
+    buffer_diffs = {}
+    for fqn, ref_buf in ref_buffers.items():
+        d, ok = _diff(_full(program.tensor(fqn)), ref_buf)
+        buffer_diffs[fqn] = d
+        if not ok:
+            bad.append(f"buffer {fqn}")
     result["grad_diff"] = max(grad_diffs.values(), default=float("inf"))
+    result["buffer_diff"] = max(buffer_diffs.values(), default=0.0)
+    result["buffers_checked"] = len(buffer_diffs)
     result["grads_checked"] = len(grad_diffs)
     result["grads_bad"], result["grads_missing"] = bad, missing
-    result["ok"] = bool(result["hash_equal"] and loss_ok and outs_ok and not bad and not missing and grad_diffs)
+    result["ok"] = bool(result["hash_equal"] and loss_ok and outs_ok and not bad and not missing and grad_diffs
+                        and not result["indivisible"])
     return result
 
 

@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
+from autoplan.codegen.dtensor_program import planned_collectives
 from autoplan.codegen.check import check_against_single_device
 from autoplan.codegen.native import NativeProgram, recognise
 from autoplan.codegen.runtime import init_distributed, parallelize_spec
@@ -82,7 +83,8 @@ def run_case(name: str, world: int) -> dict:
         "num_model_parameters": len(list(model.parameters())),
         "bad": [[c.name, c.max_abs_diff, c.allowed] for c in report.comparisons if not c.ok],
         "executed": report.executed,
-        "planned": report.planned,
+        "planned": report.planned,  # what check.py expects the program to run
+        "planned_by_plan": {p: planned_collectives(plan, p) for p in ("forward", "backward")},
         "observable": observable,
         "collective_map": [[m.planned, m.native, m.observable] for m in getattr(program, "collective_map", [])],
         "module_untouched": untouched,

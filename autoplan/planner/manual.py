@@ -27,7 +27,7 @@ from autoplan.planner.pipeline import (
     cluster_shape,
     normalize_schedule,
 )
-from autoplan.planner.plan import Alternative
+from autoplan.planner.plan import Alternative, Plan
 from autoplan.sharding import ShardingSpec
 from autoplan.solvers.inter_op import SubMesh
 
@@ -72,26 +72,29 @@ def _data_parallel_axis0(info: NodeInfo, spec: ShardingSpec) -> bool:
     return True
 
 
-def cost_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Alternative:
-    """The manual plan's predicted figures, or why it cannot run."""
+def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Plan:
+    """The manual plan as a runnable :class:`Plan` (raises a one-line error if it cannot be)."""
     size = manual.dp * manual.tp
     if size * manual.pp != options.devices:
-        return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], None,
-                           f"infeasible: dp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
+        raise AutoplanError(f"dp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
     mesh = tuple(x for x in (manual.dp, manual.tp) if x > 1) or (1,)
     rule = _data_parallel_axis0 if manual.dp > 1 else None
     opts = replace(options, mesh=mesh, allow_storage=rule)
+    graph = _trace_microbatch(spec, manual.microbatches)
+    layers = make_layers(graph, find_classes(graph), None)
+    if manual.pp > len(layers):
+        raise AutoplanError(f"{manual.pp} stages but the model has {len(layers)} layers")
+    bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
+    _, per_node = cluster_shape(options)
+    submesh = SubMesh(max(1, size // per_node), min(size, per_node))
+    candidate = _Candidate(manual.microbatches, submesh, mesh, list(zip(bounds, bounds[1:])), math.inf, graph, layers)
+    return _assemble(spec, candidate, opts, manual.schedule, {})
+
+
+def cost_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Alternative:
+    """The manual plan's predicted figures, or why it cannot run."""
     try:
-        graph = _trace_microbatch(spec, manual.microbatches)
-        layers = make_layers(graph, find_classes(graph), None)
-        if manual.pp > len(layers):
-            raise AutoplanError(f"{manual.pp} stages but the model has {len(layers)} layers")
-        bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
-        nodes, per_node = cluster_shape(options)
-        submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-        candidate = _Candidate(manual.microbatches, submesh, mesh, list(zip(bounds, bounds[1:])), math.inf, graph,
-                               layers)
-        plan = _assemble(spec, candidate, opts, manual.schedule, {})
+        plan = plan_manual(spec, options, manual)
     except (AutoplanError, MemoryInfeasibleError) as e:
         return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], None, f"infeasible: {e}")
     return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], plan.predicted)

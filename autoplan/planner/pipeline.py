@@ -25,6 +25,7 @@ once per step (amortised). Schedules (:data:`SCHEDULES`):
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -51,8 +52,8 @@ from autoplan.planner.plan import (
 )
 from autoplan.planner.subgraph import boundary_values, extract
 from autoplan.planner.trace import trace
-from autoplan.solvers import format_bytes, format_seconds, solve_intra_op
-from autoplan.solvers.intra_op import least_memory
+from autoplan.solvers import evaluate, format_bytes, format_seconds
+from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.solvers.inter_op import (
     InterOpInfeasibleError,
     InterOpProblem,
@@ -64,7 +65,6 @@ from autoplan.solvers.inter_op import (
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
-LEAN_SLACK = 1.02  # a layer's lean plan may use this much more than its least memory
 INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedule
 _SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
                      "interleaved1f1b": "interleaved1f1b", "scheduleinterleaved1f1b": "interleaved1f1b"}
@@ -139,26 +139,29 @@ class _LayerCosts:
 
     options: PlannerOptions
     ctx: CostContext
-    cache: dict[str, tuple[tuple[float, float], tuple[float, float]]] = field(default_factory=dict)
+    cache: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
+    problems: dict[str, IntraOpProblem] = field(default_factory=dict)
 
-    def cost(self, graph: TracedGraph, layer: Layer) -> tuple[tuple[float, float], tuple[float, float]]:
-        """Two answers for one layer, each (seconds per step, bytes per device): the fastest
-        plan, and a lean one (the fastest within ``LEAN_SLACK`` of the least memory) for stages
-        whose fastest layers do not fit together."""
-        if layer.signature not in self.cache:
-            sub = extract(graph, list(layer.nodes))
-            result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
-                                   self.options.solver, self.options.time_limit_s,
-                                   allow_storage=self.options.allow_storage)
-            fast = (result.solution.objective, result.solution.memory)
-            least = least_memory(result.problem)
-            lean = fast
-            if fast[1] > least * LEAN_SLACK:
-                problem = replace(result.problem, memory_budget=least * LEAN_SLACK)
-                solution = solve_intra_op(problem, self.options.solver, self.options.time_limit_s)
-                lean = (solution.objective, solution.memory)
-            self.cache[layer.signature] = (fast, lean)
-        return self.cache[layer.signature]
+    def cost(self, graph: TracedGraph, layer: Layer, lean: bool = False) -> tuple[float, float]:
+        """(seconds per step, bytes per device) of one layer: its fastest plan, or with
+        ``lean`` its least-memory plan (for stages whose fastest layers do not fit together;
+        the exact stage ILP later finds the fastest plan that fits)."""
+        key = (layer.signature, lean)
+        if key not in self.cache:
+            if lean:  # the least-memory choice of every group (cheapest among equals): no ILP
+                self.cost(graph, layer)
+                problem = self.problems[layer.signature]
+                choices = [min(range(len(m)), key=lambda i, m=m, c=c: (m[i], c[i]))
+                           for m, c in zip(problem.memory, problem.costs)]
+                self.cache[key] = evaluate(problem, choices)
+            else:
+                sub = extract(graph, list(layer.nodes))
+                result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
+                                       self.options.solver, self.options.time_limit_s,
+                                       allow_storage=self.options.allow_storage)
+                self.problems[layer.signature] = result.problem
+                self.cache[key] = (result.solution.objective, result.solution.memory)
+        return self.cache[key]
 
 
 def _link_between_stages(options: PlannerOptions, submesh: SubMesh):
@@ -190,18 +193,30 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     boundary = [_boundary_bytes(graph, layers, cut) if 0 < cut < len(layers) else 0.0
                 for cut in range(len(layers) + 1)]
 
+    prefix: dict[bool, list[tuple[float, float]]] = {}
+
+    def sums(lean: bool) -> list[tuple[float, float]]:
+        """Prefix sums of the layers' (seconds, bytes): one ILP per distinct layer."""
+        if lean not in prefix:
+            answers = (costs.cost(graph, layer, lean) for layer in layers)
+            prefix[lean] = list(itertools.accumulate(answers, lambda x, y: (x[0] + y[0], x[1] + y[1]),
+                                                     initial=(0.0, 0.0)))
+        return prefix[lean]
+
     def cost_fn(start: int, end: int, candidate: SubMesh) -> StageCost:
         if candidate != submesh:
             return StageCost(0.0, 0.0, feasible=False)
-        answers = [costs.cost(graph, layer) for layer in layers[start:end]]
-        seconds, memory = sum(a[0][0] for a in answers), sum(a[0][1] for a in answers)
-        if options.memory_budget is not None and memory > options.memory_budget:
-            seconds, memory = sum(a[1][0] for a in answers), sum(a[1][1] for a in answers)
+        for lean in (False, True):
+            table = sums(lean)
+            seconds, memory = table[end][0] - table[start][0], table[end][1] - table[start][1]
+            if options.memory_budget is None or memory <= options.memory_budget:
+                break
         send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
         return StageCost(seconds / microbatches + send, memory, logical_mesh=mesh)
 
     nodes, per_node = cluster_shape(options)
-    problem = InterOpProblem(len(layers), nodes, per_node, microbatches, options.memory_budget, pinned_stages=stages)
+    problem = InterOpProblem(len(layers), nodes, per_node, microbatches, options.memory_budget, pinned_stages=stages,
+                             submeshes=(submesh,))
     try:
         solution = solve_inter_op(problem, cost_fn)
     except InterOpInfeasibleError:
@@ -301,7 +316,7 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
     link = _link_between_stages(options, candidate.submesh)
     graph, layers = candidate.graph, candidate.layers
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
-    latencies, memories, computes, comms = [], [], [], []
+    latencies, memories, computes, comms, kinds = [], [], [], [], []
     for index, ((start, end), (sub, result, ctx)) in enumerate(zip(candidate.cuts, results)):
         prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
         send_bytes = _boundary_bytes(graph, layers, end) if end < len(layers) else 0.0
@@ -315,6 +330,10 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
         memories.append(prediction.memory_bytes)
         computes.append(prediction.compute_s)
         comms.append(prediction.comm_s + send * candidate.microbatches)
+        by_kind = dict(prediction.comm_by_kind_s)
+        if send:
+            by_kind["send_recv"] = send * candidate.microbatches
+        kinds.append(by_kind)
         collectives += stage_collectives
         nodes += node_plans(sub, result)
         stage_params = placements(sub, result, ("parameter", "buffer"))
@@ -329,7 +348,7 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
     step = pipeline_time(latencies, candidate.microbatches, schedule)
     worst = max(memories, key=lambda m: m.peak)
     busiest = max(range(len(latencies)), key=lambda i: latencies[i])
-    predicted = Prediction(step, computes[busiest], comms[busiest], MemoryEstimate(**vars(worst)),
+    predicted = Prediction(step, computes[busiest], comms[busiest], MemoryEstimate(**vars(worst)), kinds[busiest],
                            bubble_s=max(0.0, step - candidate.microbatches * max(latencies)))
     first = results[0][1]
     warnings_ = sorted({w for _, r, _ in results for w in r.warnings})

@@ -159,6 +159,7 @@ class InterOpProblem:
     memory_budget: float | None = None  # bytes per device
     max_stages: int | None = None  # optional cap on the number of stages
     pinned_stages: int | None = None  # exactly this many stages (--stages S)
+    submeshes: tuple[SubMesh, ...] | None = None  # only these sub-mesh shapes (default: every candidate)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -183,6 +184,14 @@ class InterOpProblem:
                 and self.pinned_stages > self.max_stages):
             raise ValueError(f"pinned_stages={self.pinned_stages} exceeds "
                              f"max_stages={self.max_stages}")
+
+
+def problem_submeshes(problem: InterOpProblem) -> list[SubMesh]:
+    """The sub-mesh shapes a problem allows: its own list, or every candidate."""
+    every = candidate_submeshes(problem.num_nodes, problem.devices_per_node)
+    if problem.submeshes is None:
+        return every
+    return [m for m in every if m in problem.submeshes]
 
 
 @dataclass
@@ -450,7 +459,7 @@ def solve_inter_op(problem: InterOpProblem, cost_fn: StageCostFn) -> InterOpSolu
     clock = time.perf_counter()
     problem.validate()
     B = problem.num_microbatches
-    submeshes = candidate_submeshes(problem.num_nodes, problem.devices_per_node)
+    submeshes = problem_submeshes(problem)
     allowed = allowed_stage_counts(problem)
     if not allowed:
         raise _infeasible_error(problem, None, allowed)
@@ -515,7 +524,7 @@ def brute_force_inter_op(problem: InterOpProblem, cost_fn: StageCostFn) -> Inter
     clock = time.perf_counter()
     problem.validate()
     L, N, B = problem.num_layers, problem.num_devices, problem.num_microbatches
-    submeshes = candidate_submeshes(problem.num_nodes, problem.devices_per_node)
+    submeshes = problem_submeshes(problem)
     allowed = allowed_stage_counts(problem)
     oracle = _Oracle(cost_fn, problem.memory_budget)
     best: tuple[float, list[StageAssignment]] | None = None

@@ -1,0 +1,157 @@
+"""`autoplan calibrate`: the alpha-beta fit on synthetic timings, the TOML it writes, and one
+quick end-to-end measurement of this machine that the planner then plans with."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autoplan.calibrate import (
+    MEASURED_COLLECTIVES,
+    Calibration,
+    Sample,
+    calibration_cluster,
+    calibration_toml,
+    fit_alpha_beta,
+)
+from autoplan.cli import main, run
+from autoplan.cost_models import ALL_REDUCE, ALL_TO_ALL, LinkSpec, collective_time, load_cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
+
+
+def _synthetic(link: LinkSpec, kinds=MEASURED_COLLECTIVES, ns=(2, 4, 8), noise: float = 0.0, seed: int = 0):
+    rng = random.Random(seed)
+    return [Sample(kind, n, float(b), collective_time(kind, b, n, link) * (1 + rng.uniform(-noise, noise)))
+            for kind in kinds for n in ns for b in SIZES]
+
+
+@pytest.mark.parametrize("kind", MEASURED_COLLECTIVES)
+@pytest.mark.parametrize("link", [LinkSpec(450e9, 3e-6), LinkSpec(1e9, 80e-6), LinkSpec(3.125e9, 30e-6)])
+def test_fit_recovers_the_alpha_beta_model(kind: str, link: LinkSpec) -> None:
+    fit = fit_alpha_beta(_synthetic(link, kinds=(kind,), ns=(2,)), kind)
+    assert fit.kind == kind and fit.points == len(SIZES)
+    assert fit.alpha == pytest.approx(link.latency, rel=1e-9)
+    assert fit.bandwidth == pytest.approx(link.bandwidth, rel=1e-9)
+    assert fit.rms_rel_error < 1e-9
+
+
+def test_joint_fit_over_kinds_and_device_counts_and_noise() -> None:
+    link = LinkSpec(2e9, 50e-6)
+    exact = fit_alpha_beta(_synthetic(link))
+    assert exact.kind == "all" and exact.points == 4 * 3 * len(SIZES)
+    assert (exact.alpha, exact.bandwidth) == (pytest.approx(50e-6, rel=1e-9), pytest.approx(2e9, rel=1e-9))
+    noisy = fit_alpha_beta(_synthetic(link, noise=0.1, seed=1))
+    assert noisy.alpha == pytest.approx(50e-6, rel=0.1) and noisy.bandwidth == pytest.approx(2e9, rel=0.1)
+    assert 0.01 < noisy.rms_rel_error < 0.1
+
+
+def test_fit_keeps_alpha_non_negative_and_refuses_what_it_cannot_fit() -> None:
+    # Pure bandwidth timings minus a little: the free intercept would be negative.
+    rows = [Sample(ALL_REDUCE, 2, b, b / 1e9 * 0.98 - 1e-7 if b < 1e5 else b / 1e9) for b in SIZES]
+    fit = fit_alpha_beta(rows)
+    assert fit.alpha == 0.0 and fit.bandwidth > 0
+    with pytest.raises(ValueError, match="two message sizes"):
+        fit_alpha_beta([Sample(ALL_TO_ALL, 2, 4096.0, 1e-4)] * 3)
+    with pytest.raises(ValueError, match="do not grow"):
+        fit_alpha_beta([Sample(ALL_REDUCE, 2, float(b), 1e-3 / (i + 1)) for i, b in enumerate(SIZES)])
+    with pytest.raises(ValueError, match="positive"):
+        fit_alpha_beta([Sample(ALL_REDUCE, 2, 4096.0, 0.0), Sample(ALL_REDUCE, 2, 8192.0, 1e-3)])
+
+
+def _fake_calibration(devices: int = 2) -> Calibration:
+    link = LinkSpec(1.5e9, 70e-6)
+    return Calibration(
+        devices=devices, backend="gloo", device_kind="cpu", device_name="cpu: test", threads=1,
+        memory_bytes=12e9,
+        matmul=[{"dtype": "float32", "shape": [512, 512, 512], "kind": "square", "flops": 1.23456789e11,
+                 "repeats": 3},
+                {"dtype": "bfloat16", "shape": [512, 512, 512], "kind": "square", "flops": 4e11, "repeats": 3}],
+        bandwidth=[{"op": "copy", "bytes": 2**25, "bytes_per_s": 9.87654321e9}],
+        samples=_synthetic(link, kinds=MEASURED_COLLECTIVES[:3], ns=(devices,)) if devices > 1 else [],
+        skipped={ALL_TO_ALL: "gloo could not run it: no all_to_all"} if devices > 1 else {},
+        seconds=1.0, load_average=1.5,
+    )
+
+
+def test_toml_reads_back_with_the_fits_as_comments(tmp_path: Path) -> None:
+    cal = _fake_calibration()
+    text = calibration_toml(cal, "fake")
+    path = tmp_path / "fake.toml"
+    path.write_text(text)
+    cluster = load_cluster(str(path))
+    assert cluster == calibration_cluster(cal, "fake")
+    assert cluster.devices_per_node == 2 and cluster.device.memory_bytes == 12e9
+    assert cluster.device.peak_flops == {"float32": 1.235e11, "bfloat16": 4e11}  # 4 significant digits
+    assert cluster.intra_node.bandwidth == pytest.approx(1.5e9, rel=1e-3)
+    assert cluster.intra_node.latency == pytest.approx(70e-6, rel=1e-3)
+    assert cluster.inter_node.bandwidth <= cluster.intra_node.bandwidth
+    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        assert f"#   {kind}: alpha = 70 us, bandwidth = 1.5 GB/s" in text
+    assert "#   all_to_all: skipped, gloo could not run it" in text
+    assert "# inter_node: not measured" in text
+
+
+def test_one_device_keeps_the_preset_links(tmp_path: Path) -> None:
+    cal = _fake_calibration(devices=1)
+    cluster = calibration_cluster(cal)
+    assert cluster.intra_node == load_cluster("cpu").intra_node and cluster.devices_per_node == 1
+    assert "intra_node: not measured (one process)" in calibration_toml(cal)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--devices", "0", "-o", "{tmp}/x.toml"], "--devices must be at least 1"),
+    (["--devices", "2", "-o", "{tmp}"], "is a directory"),
+    (["--devices", "2", "-o", "/proc/no/such/x.toml"], "cannot write /proc/no/such/x.toml"),
+    (["--devices", "2", "-o", "{tmp}/x.toml", "--backend", "mpi"], "--backend must be"),
+])
+def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", *(a.replace("{tmp}", str(tmp_path)) for a in args)])
+    assert exit_.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line]
+    assert len(err) == 1 and err[0].startswith("autoplan: error:") and needle in err[0], err
+    assert not (tmp_path / "x.toml").exists()
+
+
+def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "tmp" / "cpu.toml"
+    result = subprocess.run([sys.executable, "-m", "autoplan.cli", "calibrate", "--devices", "2", "-o", str(out),
+                             "--quick"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    progress = [l for l in result.stderr.splitlines() if l.startswith("calibrate: ")]
+    assert len(progress) >= 1 + 6 + 2 + 4 * 6, result.stderr  # start, matmuls, memory, collectives
+    assert f"wrote {out}" in result.stdout
+    assert [p.name for p in out.parent.iterdir()] == ["cpu.toml"]  # no temporary file left behind
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as the umask allows, not mkstemp's 0600
+
+    cluster = load_cluster(str(out))
+    dev = cluster.device
+    assert cluster.devices_per_node == 2
+    assert 1e8 < dev.peak_flops["float32"] < 1e13
+    assert all(1e7 < v < 1e14 for v in dev.peak_flops.values()) and "bfloat16" in dev.peak_flops
+    assert 1e8 < dev.memory_bandwidth < 1e13
+    assert 1e8 < dev.memory_bytes < 1e13
+    intra = cluster.intra_node
+    assert 1e7 < intra.bandwidth < 1e12 and 0 <= intra.latency < 0.1
+    assert cluster.inter_node.bandwidth > 0 and cluster.inter_node.latency >= 0
+    text = out.read_text()
+    assert "joint fit, written as intra_node" in text and "#   all_reduce: alpha = " in text
+
+    plan_dir = tmp_path / "plan"
+    assert run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--cluster", str(out), "--no-pipeline",
+                "--out", str(plan_dir)]) == 0
+    summary = capsys.readouterr().out
+    assert f"2 x cpu ({cluster.name})" in summary
+    assert (plan_dir / "plan.json").is_file()
+    assert math.isfinite(float(summary.split("predicted: ")[1].split(" ms")[0]))
