@@ -335,7 +335,6 @@ class _Worker:
                              "repeats": s.repeats})
                 _log(self.rank, f"matmul {name:8s} {label:6s} {m}x{k}x{nn}: {_si(flops, 'FLOP/s')} "
                                 f"(median of {s.repeats}{self.slowest})")
-                del a, b, out
         return rows
 
     def memory(self) -> list[dict[str, Any]]:
