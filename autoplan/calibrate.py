@@ -352,7 +352,6 @@ class _Worker:
             rows.append({"op": op, "bytes": nbytes, "bytes_per_s": bw})
             _log(self.rank, f"memory {op} {_size(nbytes)} ({_size(moved)} moved): {_si(bw, 'B/s')} "
                             f"(median of {s.repeats}{self.slowest})")
-        del x, y, z
         return rows
 
     # -- collectives -----------------------------------------------------------------------
