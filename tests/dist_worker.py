@@ -48,7 +48,7 @@ CASES: dict[str, tuple[int, str, dict, tuple[int, ...], float | None]] = {
     # 2 processes
     "mlp_replicated_2": (2, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (2,), None),
     "mlp_megatron_2": (2, "mlp", {"hidden": 1024, "batch": 8, "seq": 16}, (2,), None),
-    "mlp_megatron_rs_2": (2, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (2,), 0.5e6),
+    "mlp_megatron_tight_2": (2, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (2,), 0.55e6),
     "mlp_dp_2": (2, "mlp", {"hidden": 64, "batch": 64, "seq": 128}, (2,), None),
     "gpt_2": (2, "gpt", GPT, (2,), 2.4e6),
     "gpt_2b": (2, "gpt", GPT, (2,), 3e6),
@@ -61,7 +61,7 @@ CASES: dict[str, tuple[int, str, dict, tuple[int, ...], float | None]] = {
     "bert_hf_2": (2, "bert", BERT, (2,), 3.2e6),
     # 4 processes
     "mlp_megatron_4": (4, "mlp", {"hidden": 1024, "batch": 8, "seq": 16}, (4,), None),
-    "mlp_megatron_rs_4": (4, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (4,), 0.3e6),
+    "mlp_megatron_tight_4": (4, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (4,), 0.35e6),
     "mlp_dp_4": (4, "mlp", {"hidden": 64, "batch": 64, "seq": 128}, (4,), None),
     # widths no device count divides: hidden 30 (4h = 120 divides, 30 does not)
     "mlp_odd_4": (4, "mlp", {"hidden": 30, "batch": 8, "seq": 16}, (4,), 0.1e6),

@@ -39,8 +39,6 @@ def _sum_loss(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 CASES: dict[str, tuple[str, dict, float | None, object, str]] = {
     # Megatron, the row output all-reduced (Replicate)
     "mlp_megatron_allreduce": ("mlp", {"hidden": 1024, "batch": 8, "seq": 16}, None, None, "tensor_parallel"),
-    # Megatron, the row output reduce-scattered on the hidden dim (the loss on DTensors)
-    "mlp_megatron_rs_hidden": ("mlp", {"hidden": 64, "batch": 8, "seq": 16}, 0.5e6, None, "tensor_parallel"),
     # Megatron, the row output reduce-scattered on the sequence dim
     "mlp_megatron_rs_seq": ("mlp", {"hidden": 512, "batch": 4, "seq": 512}, None, None, "tensor_parallel"),
     # pure data parallelism -> DDP

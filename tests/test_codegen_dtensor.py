@@ -86,7 +86,7 @@ def test_tied_weight_stays_one_parameter(results):
             assert res["grads_checked"] == res["num_model_parameters"] + 1
 
 
-@pytest.mark.parametrize("name", ["mlp_megatron_2", "mlp_megatron_4", "mlp_megatron_rs_2", "mlp_megatron_rs_4"])
+@pytest.mark.parametrize("name", ["mlp_megatron_2", "mlp_megatron_4", "mlp_megatron_tight_2", "mlp_megatron_tight_4"])
 def test_megatron_forward_collectives_as_planned(results, name):
     res = _case(results, name)[0]
     executed, planned = res["executed_forward"], res["planned_forward"]

@@ -36,13 +36,6 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     seconds = 0.0
     for name, strategy in result.chosen.items():
         where_v = classes.representative(classes.class_of[name])
-        cost = result.node_costs[name]
-        seconds += cost.comm_s
-        for step in cost.backward_collectives:
-            _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "activation",
-                 times=ctx.microbatches)
-        for step in cost.gradient_reductions:
-            _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "gradient", bucketed=True)
         inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
         for pos, inp in enumerate(inputs):
             dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None
@@ -51,15 +44,21 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
                 continue
             info = graph.nodes[inp]
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), info.itemsize,
-                                           result.needs_grad[inp], ctx)
-            seconds += (steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
+                                           result.needs_grad[inp], ctx, strategy.partial_axes(pos))
             where = f"{classes.representative(classes.class_of[inp])} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
+            seconds += steps_seconds(forward, ctx) * ctx.microbatches
             for step in forward:
                 _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved, times=ctx.microbatches)
-            for step in backward:
-                _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where,
-                     "gradient" if moved == "parameter" else "activation", times=ctx.microbatches)
+            if moved == "parameter":  # the gradient reduction: once per step, in buckets
+                seconds += steps_seconds(backward, ctx, bucketed=True)
+                for step in backward:
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "gradient", bucketed=True)
+            else:
+                seconds += steps_seconds(backward, ctx) * ctx.microbatches
+                for step in backward:
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "activation",
+                         times=ctx.microbatches)
     order = {"forward": 0, "backward": 1, "optimizer": 2}
     return sorted(bucket.values(), key=lambda c: (order[c.phase], c.where, c.kind)), seconds
 

@@ -5,11 +5,7 @@ A training step is forward + backward + optimizer step. Per node and strategy:
 - compute: a roofline of the node's FLOPs and bytes divided by the ways the work is split,
   once for the forward and ``backward_factor`` times again for the backward (2: gradients
   with respect to inputs and weights) when the node needs gradients;
-- communication the node performs itself: the all-reduce of every input gradient that the
-  backward leaves as partial sums (:attr:`Strategy.partial_grads`) — this is where the
-  gradient reduction of a parameter replicated over a batch-sharded mesh axis appears, and the
-  backward all-reduce of Megatron's column-parallel input. Parameter gradients are reduced in
-  buckets (as DDP and FSDP do), so they pay bandwidth but not a latency per parameter;
+- no communication of its own: a collective belongs to an edge;
 - the optimizer step of a parameter (memory-bound over the local shard);
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
   activations the forward keeps for the backward.
@@ -18,8 +14,14 @@ With activation checkpointing (``remat``) a node keeps no activation: only the g
 (a pipeline stage's received activations) stay, and the backward runs the forward once more.
 
 Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
-carries the gradient the other way (partial placements are read as replicated there: a
-partial gradient was already reduced by the consumer's own all-reduce).
+carries the gradient the other way. The consumer leaves an input's gradient as partial sums on
+every mesh axis its strategy shards a letter the input lacks (:attr:`Strategy.partial_grads`:
+the input was replicated over devices that each used it for a different slice of the work);
+the backward resharding reduces them into the producer's placement — an all-reduce into a
+replicated one, a reduce-scatter into a sharded one. This is where the gradient reduction of a
+parameter replicated over a batch-sharded mesh axis appears (once per step, in buckets as DDP
+and FSDP do: bandwidth without a latency per parameter), and the backward all-reduce of
+Megatron's column-parallel input.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from autoplan.cost_models import (
 )
 from autoplan.planner.graph import NodeInfo
 from autoplan.planner.strategies import Strategy
-from autoplan.sharding import R, ShardingSpec, local_shape
+from autoplan.sharding import P, R, ShardingSpec, local_shape
 
 FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
 
@@ -77,8 +79,6 @@ class NodeCost:
     comm_s: float = 0.0
     optimizer_s: float = 0.0
     memory: MemoryParts = field(default_factory=MemoryParts)
-    backward_collectives: tuple[CollectiveStep, ...] = ()  # on activation gradients
-    gradient_reductions: tuple[CollectiveStep, ...] = ()  # on parameter gradients (bucketed)
 
     @property
     def total_s(self) -> float:
@@ -127,22 +127,11 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
     backward = (ctx.backward_factor + (1.0 if ctx.remat else 0.0)) if needs_grad else 0.0
     compute = forward * (1.0 + backward) * ctx.microbatches
-    activation_steps, gradient_steps = [], []
-    for pos, axis in strategy.partial_grads:
-        if pos >= len(inputs) or not grad_inputs[pos]:
-            continue
-        inp = inputs[pos]
-        spec = strategy.input_specs[pos] or (R,) * len(ctx.mesh_shape)
-        nbytes = _local_bytes(inp.shape or (), inp.itemsize, spec, ctx.mesh_shape)
-        step = CollectiveStep("all_reduce", axis, nbytes)
-        (gradient_steps if inp.kind == "parameter" else activation_steps).append(step)
-    comm = steps_seconds(activation_steps, ctx) * ctx.microbatches + steps_seconds(gradient_steps, ctx, bucketed=True)
     activations = 0.0
     if saves_output and info.shape is not None and not ctx.remat:
         activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
         activations *= ctx.activations_in_flight
-    return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations),
-                    backward_collectives=tuple(activation_steps), gradient_reductions=tuple(gradient_steps))
+    return NodeCost(compute_s=compute, memory=MemoryParts(activations=activations))
 
 
 def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
@@ -150,13 +139,18 @@ def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
 
 
 def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
-               ctx: CostContext) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
+               ctx: CostContext, partial_axes: frozenset[int] = frozenset()
+               ) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
     """Forward and backward collectives of an edge whose producer emits ``src`` and whose
-    consumer reads ``dst``."""
+    consumer reads ``dst``. The consumer's backward leaves the gradient as partial sums on
+    ``partial_axes`` (:attr:`Strategy.partial_grads`); carrying it back into the producer's
+    placement reduces it there: an all-reduce into a replicated placement, a reduce-scatter
+    into a sharded one (as DTensor's backward does)."""
     forward = reshard_steps(src, dst, shape, itemsize, ctx.mesh_shape) if src != dst else []
     backward: list[CollectiveStep] = []
     if carries_grad:
-        g_dst, g_src = _as_gradient_spec(dst), _as_gradient_spec(src)
+        g_dst = tuple(P if axis in partial_axes else p for axis, p in enumerate(_as_gradient_spec(dst)))
+        g_src = _as_gradient_spec(src)
         if g_dst != g_src:
             backward = reshard_steps(g_dst, g_src, shape, itemsize, ctx.mesh_shape)
     return forward, backward
@@ -174,15 +168,19 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
 
 
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
-              ctx: CostContext) -> float:
-    """Seconds per step spent resharding along an edge (forward + backward, every
-    microbatch), memoised."""
-    if src == dst:
+              ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False) -> float:
+    """Seconds per step spent resharding along an edge, memoised: the forward every
+    microbatch; the backward every microbatch for activations, once per step (bucketed, no
+    latency per parameter) for a parameter's gradient."""
+    if src == dst and not (carries_grad and partial_axes):
         return 0.0
-    key = (src, dst, shape, itemsize, carries_grad)
+    key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter)
     cached = ctx.cache.get(key)
     if cached is None:
-        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx)
-        cached = steps_seconds(forward, ctx) + steps_seconds(backward, ctx)
+        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes)
+        if from_parameter:
+            cached = steps_seconds(forward, ctx) * ctx.microbatches + steps_seconds(backward, ctx, bucketed=True)
+        else:
+            cached = (steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
         ctx.cache[key] = cached
-    return cached * ctx.microbatches
+    return cached

@@ -279,10 +279,13 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
         shape, itemsize = src_info.shape or (), src_info.itemsize
         grad = view.needs_grad[classes.representative(u)]
         gu, gv = grouping.group_of[u], grouping.group_of[v]
+        from_parameter = src_info.kind == "parameter"
         src_specs = [strat[u].strategies[j].output_spec for j in grouping.choice_map[u]]
-        dst_specs = [strat[v].strategies[j].input_specs[pos] for j in grouping.choice_map[v]]
-        matrix = [[0.0 if dst is None else count * edge_cost(src, dst, shape, itemsize, grad, ctx)
-                   for dst in dst_specs] for src in src_specs]
+        dst_specs = [(strat[v].strategies[j].input_specs[pos], strat[v].strategies[j].partial_axes(pos))
+                     for j in grouping.choice_map[v]]
+        matrix = [[0.0 if dst is None else
+                   count * edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter)
+                   for dst, partial in dst_specs] for src in src_specs]
         if any(any(row) for row in matrix):
             edges.append(Edge(gu, gv, matrix))
     names = [classes.representative(root) for root in grouping.roots]

@@ -32,8 +32,9 @@ class Strategy:
     ``input_specs[i]`` is the spec the node's i-th tensor input must arrive in (``None``:
     the value is not read, any spec will do); ``output_specs`` one spec per tensor output.
     ``compute_shards`` is how many ways the work is split. ``partial_grads`` lists
-    ``(input position, mesh axis)`` pairs whose gradient leaves the backward as partial sums
-    and must be all-reduced (the dual of using a replicated input for sharded work).
+    ``(input position, mesh axis)`` pairs whose gradient leaves the backward as partial sums,
+    to be reduced into the producer's placement (the dual of using a replicated input for
+    sharded work).
     """
 
     name: str
@@ -45,6 +46,10 @@ class Strategy:
     @property
     def output_spec(self) -> ShardingSpec:
         return self.output_specs[0]
+
+    def partial_axes(self, position: int) -> frozenset[int]:
+        """Mesh axes on which input ``position``'s gradient leaves as partial sums."""
+        return frozenset(axis for pos, axis in self.partial_grads if pos == position)
 
 
 def _placement(letter: str, letters: Letters, partial_if_reduced: bool, imap: IndexMap) -> Placement:
