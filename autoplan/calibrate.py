@@ -181,6 +181,7 @@ class Calibration:
     skipped: dict[str, str] = field(default_factory=dict)  # collective -> why
     seconds: float = 0.0
     load_average: float | None = None
+    op_overhead_s: float = 0.0  # a small DTensor op, measured with several processes
 
     @property
     def peak_flops(self) -> dict[str, float]:
@@ -377,6 +378,36 @@ class _Worker:
             return lambda: dist.all_to_all_single(out, full)
         raise ValueError(kind)
 
+    def op_overhead(self) -> float:
+        """Seconds one op costs in an emitted program beyond its arithmetic: a training step
+        (forward + backward) of a chain of tiny element-wise ops, run through the same DTensor
+        program autoplan emits, divided by the ops it runs (each op once forward, twice
+        backward, as the cost model counts). Eager dispatch, DTensor's sharding propagation
+        and the interpreter's per-node work are all in it."""
+        from autoplan.codegen.dtensor_program import build_program
+        from autoplan.planner.api import make_options, plan_traced
+        from autoplan.planner.load import make_model_spec
+        from autoplan.planner.trace import trace
+        from torch.distributed.device_mesh import init_device_mesh
+
+        torch, s = self.torch, self.settings
+        model = _tiny_chain()
+        spec = make_model_spec(model, (torch.ones(self.n, 8),))
+        graph = trace(spec)
+        ops = sum(1 for info in graph.nodes.values() if info.kind == "op")
+        plan = plan_traced(graph, make_options(self.n, "cpu", mesh=(self.n,)))
+        mesh = init_device_mesh(self.device.type, (self.n,))
+        program = build_program(graph, plan, mesh, dict(model.named_parameters()))
+        inputs = (torch.ones(self.n, 8, device=self.device),)
+
+        def step() -> None:
+            program(*inputs)[0].backward()
+
+        sec = self.agree(self.median_time(step, s.repeats, s.warmup), "max") / (3 * ops)
+        _log(self.rank, f"op overhead ({ops} small ops, forward and backward): {sec * 1e6:.1f} us per op "
+                        f"(median{self.slowest})")
+        return sec
+
     def collectives(self) -> tuple[list[Sample], dict[str, str]]:
         s = self.settings
         sizes = s.gpu_sizes if self.cuda else s.sizes
@@ -426,6 +457,24 @@ def _cpu_threads(n: int) -> int:
     return max(1, cores // n)
 
 
+def _tiny_chain() -> Any:
+    """A chain of small element-wise ops with one parameter, for measuring the per-op
+    overhead (torch is imported here: only the measuring processes need it)."""
+    import torch
+
+    class Chain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = torch.nn.Parameter(torch.ones(8))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(8):
+                x = torch.tanh(x * self.scale + 0.1)
+            return x
+
+    return Chain()
+
+
 def _measure(rank: int, n: int, settings: CalibrateSettings, distributed: bool) -> dict[str, Any]:
     import torch
 
@@ -439,6 +488,7 @@ def _measure(rank: int, n: int, settings: CalibrateSettings, distributed: bool) 
     result: dict[str, Any] = {"threads": threads, "matmul": worker.matmul(), "bandwidth": worker.memory(),
                               "samples": [], "skipped": {}}
     if distributed:
+        result["op_overhead"] = worker.op_overhead()
         samples, skipped = worker.collectives()
         result["samples"] = [asdict(x) for x in samples]
         result["skipped"] = skipped
@@ -544,7 +594,7 @@ def calibrate(settings: CalibrateSettings) -> Calibration:
         devices=n, backend=backend, device_kind=kind, device_name=name, threads=result["threads"],
         memory_bytes=memory, matmul=result["matmul"], bandwidth=result["bandwidth"],
         samples=[Sample(**x) for x in result["samples"]], skipped=dict(result["skipped"]),
-        seconds=time.perf_counter() - start, load_average=load,
+        seconds=time.perf_counter() - start, load_average=load, op_overhead_s=float(result.get("op_overhead", 0.0)),
     )
 
 
@@ -575,7 +625,8 @@ def calibration_cluster(cal: Calibration, name: str | None = None) -> ClusterSpe
     inter = LinkSpec(min(base.inter_node.bandwidth, intra.bandwidth), max(base.inter_node.latency, intra.latency))
     peaks = {k: _round(v) for k, v in cal.peak_flops.items()}
     device_name = "cpu" if cal.device_kind == "cpu" else cal.device_name
-    device = DeviceSpec(device_name, peaks, _round(cal.memory_bandwidth), float(int(cal.memory_bytes)))
+    device = DeviceSpec(device_name, peaks, _round(cal.memory_bandwidth), float(int(cal.memory_bytes)),
+                        _round(cal.op_overhead_s))
     host = socket.gethostname().split(".")[0] or "this-machine"
     return ClusterSpec(name or f"{host}-{cal.devices}x{cal.device_kind}", device, cal.devices, intra, inter)
 

@@ -91,6 +91,7 @@ class ClusterSpec:
                 "peak_flops": dict(self.device.peak_flops),
                 "memory_bandwidth": self.device.memory_bandwidth,
                 "memory_bytes": self.device.memory_bytes,
+                "op_overhead_s": self.device.op_overhead_s,
             },
             "intra_node": {"bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
             "inter_node": {"bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
@@ -107,6 +108,7 @@ class ClusterSpec:
                 peak_flops={k: float(v) for k, v in dev["peak_flops"].items()},
                 memory_bandwidth=float(dev["memory_bandwidth"]),
                 memory_bytes=float(dev["memory_bytes"]),
+                op_overhead_s=float(dev.get("op_overhead_s", 0.0)),
             ),
             devices_per_node=int(data["devices_per_node"]),
             intra_node=LinkSpec(float(data["intra_node"]["bandwidth"]), float(data["intra_node"]["latency"])),
@@ -124,6 +126,7 @@ class ClusterSpec:
             f"name = {_toml_str(dev.name)}",
             f"memory_gb = {_to_unit(dev.memory_bytes, _GIGA)}",
             f"memory_bandwidth_gbps = {_to_unit(dev.memory_bandwidth, _GIGA)}",
+            f"op_overhead_us = {_to_unit(dev.op_overhead_s, _MICRO)}",
             "",
             "[device.peak_tflops]",
             *(f"{_toml_key(k)} = {_to_unit(v, _TERA)}" for k, v in dev.peak_flops.items()),
@@ -193,7 +196,7 @@ class _TomlReader:
     """Turns parsed TOML into a ClusterSpec, reporting the first problem by file and key."""
 
     _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
-    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "peak_tflops")
+    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "peak_tflops")
     _LINK = ("bandwidth_gbps", "latency_us")
 
     def __init__(self, source: str, presets: Mapping[str, ClusterSpec]) -> None:
@@ -249,6 +252,9 @@ class _TomlReader:
             ),
             memory_bytes=self._number(
                 table, "memory_gb", "device.memory_gb", _GIGA, True, base.memory_bytes if base else None
+            ),
+            op_overhead_s=self._number(
+                table, "op_overhead_us", "device.op_overhead_us", _MICRO, False, base.op_overhead_s if base else 0.0
             ),
         )
 

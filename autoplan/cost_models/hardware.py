@@ -44,13 +44,16 @@ class DeviceSpec:
 
     ``peak_flops`` maps a dtype name (``"float32"``, ``"bfloat16"``, ...) to the dense peak in
     FLOP/s and must contain ``"float32"``; ``memory_bandwidth`` is the HBM/DRAM bandwidth in
-    bytes/s; ``memory_bytes`` the memory per device in bytes.
+    bytes/s; ``memory_bytes`` the memory per device in bytes; ``op_overhead_s`` the time one op
+    costs beyond its roofline (eager dispatch, DTensor's sharding propagation), which
+    ``autoplan calibrate`` measures and which dominates small models on CPUs.
     """
 
     name: str
     peak_flops: dict[str, float]
     memory_bandwidth: float
     memory_bytes: float
+    op_overhead_s: float = 0.0  # host-side seconds to launch one op (dispatch); 0 for the GPU presets
 
     def __post_init__(self) -> None:
         # Own a private copy so that mutating the caller's dict cannot change a frozen spec.

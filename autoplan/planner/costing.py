@@ -3,8 +3,9 @@
 A training step is forward + backward + optimizer step. Per node and strategy:
 
 - compute: a roofline of the node's FLOPs and bytes divided by the ways the work is split,
-  once for the forward and ``backward_factor`` times again for the backward (2: gradients
-  with respect to inputs and weights) when the node needs gradients;
+  plus the device's per-op overhead (dispatch; measured by ``autoplan calibrate``), once for
+  the forward and ``backward_factor`` times again for the backward (2: gradients with respect
+  to inputs and weights) when the node needs gradients;
 - no communication of its own: a collective belongs to an edge;
 - the optimizer step of a parameter (memory-bound over the local shard);
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
@@ -126,7 +127,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     shards = strategy.compute_shards
     forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
     backward = (ctx.backward_factor + (1.0 if ctx.remat else 0.0)) if needs_grad else 0.0
-    compute = forward * (1.0 + backward) * ctx.microbatches
+    compute = (forward + ctx.device.op_overhead_s) * (1.0 + backward) * ctx.microbatches
     activations = 0.0
     if saves_output and info.shape is not None and not ctx.remat:
         activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
