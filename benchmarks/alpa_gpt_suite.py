@@ -51,6 +51,7 @@ def main() -> None:
               "found samples/s", "Megatron samples/s", "found/Megatron")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
+    bars: list[tuple[str, float, float | None]] = []
     for name in args.case or list(SUITE):
         devices, hidden, layers, heads, baseline = SUITE[name]
         model, inputs = gpt.build(hidden=hidden, layers=layers, heads=heads, seq=SEQ, vocab=VOCAB, batch=BATCH,
@@ -71,6 +72,30 @@ def main() -> None:
             mega, ratio = "(no published plan)", "-"
         print(f"{name} | {devices} | {elapsed:.1f} s | {len(plan.stages)} | {mesh_label(plan.mesh)} | "
               f"{plan.microbatches} | {plan.schedule} | {found:.2f} | {mega} | {ratio}", flush=True)
+        bars.append((name, found, BATCH / alt.predicted.step_time_s if baseline and alt.predicted else None))
+    _plot(bars, ROOT / "benchmarks" / "figures" / "plan_quality.png")
+
+
+def _plot(bars: list[tuple[str, float, float | None]], path: Path) -> None:
+    """Predicted throughput of the found plan beside the Megatron-LM plan, per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs = range(len(bars))
+    ax.bar([x - 0.2 for x in xs], [b[1] for b in bars], width=0.4, label="autoplan (found)", color="#4c72b0")
+    ax.bar([x + 0.2 for x in xs], [b[2] or 0.0 for b in bars], width=0.4, label="Megatron-LM (published plan)",
+           color="#dd8452")
+    ax.set_xticks(list(xs), [f"GPT {b[0]}" for b in bars])
+    ax.set_ylabel("predicted samples / s")
+    ax.set_title("plan quality on V100 nodes (autoplan's cost model)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
