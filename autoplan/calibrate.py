@@ -760,19 +760,3 @@ def run_calibrate(argv: Sequence[str]) -> int:
         print(f"skipped {kind}: {reason}")
     print(f"wrote {out} in {cal.seconds:.1f} s")
     return 0
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    try:
-        code = run_calibrate(sys.argv[1:] if argv is None else argv)
-    except AutoplanError as e:
-        print(f"autoplan: error: {e}", file=sys.stderr)
-        code = 2
-    except KeyboardInterrupt:
-        print("autoplan: interrupted", file=sys.stderr)
-        code = 130
-    sys.exit(code)
-
-
-if __name__ == "__main__":
-    main()
