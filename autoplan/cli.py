@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe = parser.add_argument_group("pipeline (inter-op) choices; left out, the planner chooses")
     pipe.add_argument("--stages", type=int, default=None, help="pin the number of pipeline stages")
     pipe.add_argument("--microbatches", type=int, default=None, help="pin the number of microbatches")
-    pipe.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b (any case)")
+    pipe.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, interleavedzerobubble (any case)")
     pipe.add_argument("--layers", type=int, default=None, help="cut the model into this many layers")
     pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",

@@ -79,6 +79,8 @@ def test_schedule_memory_and_names() -> None:
     with pytest.raises(AutoplanError, match="unknown schedule"):
         normalize_schedule("zigzag")
     assert pipeline_time([1.0] * 4, 8, "interleaved1f1b") < pipeline_time([2.0] * 2, 8, "1f1b")
+    assert pipeline_time([1.0] * 4, 8, "interleavedzerobubble") < pipeline_time([1.0] * 4, 8, "interleaved1f1b")
+    assert normalize_schedule("ScheduleInterleavedZeroBubble") == "interleavedzerobubble"
 
 
 def test_timeline_files(tmp_path: Path) -> None:
@@ -138,7 +140,7 @@ def _run_check(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
                           cwd=cwd)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble"])
 def test_every_schedule_passes_check_on_two_processes(schedule: str, tmp_path: Path) -> None:
     model_file = tmp_path / "gpt4.py"
     model_file.write_text(GPT4.format(examples=str(ROOT / "examples")))
@@ -147,7 +149,7 @@ def test_every_schedule_passes_check_on_two_processes(schedule: str, tmp_path: P
     assert result.returncode == 0 and "check: PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert plan["schedule"] == schedule
-    assert len(plan["stages"]) == (4 if schedule == "interleaved1f1b" else 2)
+    assert len(plan["stages"]) == (4 if schedule.startswith("interleaved") else 2)
 
 
 def test_gpt2_two_stages_by_two_way_sharding_passes_check(tmp_path: Path) -> None:

@@ -20,7 +20,9 @@ once per step (amortised). Schedules (:data:`SCHEDULES`):
   activations;
 - ``1f1b``: the same step time; a stage keeps at most ``min(B, S)`` microbatches' activations;
 - ``interleaved1f1b``: ``v = 2`` chunks per pipeline rank; the bubble shrinks to
-  ``(D − 1)·max t / v`` (``D`` ranks), activations as 1F1B.
+  ``(D − 1)·max t / v`` (``D`` ranks), activations as 1F1B;
+- ``interleavedzerobubble``: as interleaved, with the weight-gradient half of each backward
+  scheduled into the bubble, which leaves about a third of it.
 """
 
 from __future__ import annotations
@@ -63,11 +65,15 @@ from autoplan.solvers.inter_op import (
     solve_inter_op,
 )
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
+INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
-INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedule
+INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedules
+ZERO_BUBBLE_LEFT = 1.0 / 3.0  # share of the interleaved bubble zero-bubble scheduling leaves (the forward's)
 _SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
-                     "interleaved1f1b": "interleaved1f1b", "scheduleinterleaved1f1b": "interleaved1f1b"}
+                     "interleaved1f1b": "interleaved1f1b", "scheduleinterleaved1f1b": "interleaved1f1b",
+                     "interleavedzerobubble": "interleavedzerobubble",
+                     "scheduleinterleavedzerobubble": "interleavedzerobubble"}
 
 
 def normalize_schedule(name: str) -> str:
@@ -94,10 +100,12 @@ def activations_in_flight(schedule: str, microbatches: int, stages: int) -> int:
 
 def pipeline_time(latencies: list[float], microbatches: int, schedule: str) -> float:
     """Step time of a pipeline whose stages take ``latencies`` per microbatch."""
-    if schedule == "interleaved1f1b" and len(latencies) >= INTERLEAVE:
+    if schedule in INTERLEAVED and len(latencies) >= INTERLEAVE:
         ranks = len(latencies) // INTERLEAVE
         per_rank = [sum(latencies[r::ranks]) for r in range(ranks)]
-        return microbatches * max(per_rank) + (ranks - 1) * max(latencies)
+        # zero bubble: the weight-gradient half of each backward fills the warm-up and drain
+        bubble = (ranks - 1) * max(latencies) * (ZERO_BUBBLE_LEFT if schedule == "interleavedzerobubble" else 1.0)
+        return microbatches * max(per_rank) + bubble
     return sum(latencies) + (microbatches - 1) * max(latencies)
 
 
@@ -223,7 +231,7 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
         return None
     latencies = [s.cost.latency_s for s in solution.stages]
     return _Candidate(microbatches, submesh, mesh, [(s.start, s.end) for s in solution.stages],
-                      pipeline_time(latencies, microbatches, "1f1b" if schedule == "interleaved1f1b" else schedule),
+                      pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
                       graph, layers)
 
 
@@ -393,7 +401,7 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
     candidates.sort(key=lambda c: c.step_time_s)
     best = candidates[0]
     schedule = popts.schedule or "1f1b"
-    if schedule == "interleaved1f1b":
+    if schedule in INTERLEAVED:
         best = interleave(best)
     search_s = time.perf_counter() - start - trace_s
     plan = _assemble(spec, best, options, schedule, {})
