@@ -6,9 +6,6 @@ running every case of its world size in tests/dist_worker.py; the tests read the
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,32 +13,20 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from dist_worker import CASES, gloo_normalised
+from launcher import launch_worker, on_every_rank
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
-ROOT = WORKER.parents[1]
-
-
-def _launch(world: int, out_dir: Path) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(29500 + world + (os.getpid() % 500) * 8), str(WORKER), str(out_dir)]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=420)
-    assert proc.returncode == 0, f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict[int, dict]]:
-    return {world: _launch(world, tmp_path_factory.mktemp(f"dist{world}")) for world in (2, 4)}
+    return {world: launch_worker(WORKER, world, tmp_path_factory.mktemp(f"dist{world}")) for world in (2, 4)}
 
 
 def _case(results, name: str) -> list[dict]:
     """The case's result on every rank."""
     world = CASES[name][0]
-    per_rank = [results[world][r][name] for r in range(world)]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"{name} failed on rank {r}: {res['error']}\n{res.get('traceback', '')}"
-    return per_rank
+    return on_every_rank([results[world][r][name] for r in range(world)], name)
 
 
 @pytest.mark.parametrize("name", list(CASES))

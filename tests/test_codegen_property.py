@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
 import pytest
+from launcher import launch_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -257,19 +257,10 @@ def worker_main() -> None:
 # the tests (pytest side)
 # ----------------------------------------------------------------------------------------------
 
-def _launch(world: int, out_dir: Path) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-           "--master-port", str(31500 + world + (os.getpid() % 500) * 8), str(Path(__file__).resolve()),
-           str(out_dir)]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {r: json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)}
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict[int, dict]]:
-    return {world: _launch(world, tmp_path_factory.mktemp(f"prop{world}")) for world in CONFIGS}
+    return {world: launch_worker(Path(__file__).resolve(), world, tmp_path_factory.mktemp(f"prop{world}"),
+                                 timeout=300) for world in CONFIGS}
 
 
 def _records(results, world: int, label: str) -> list[dict]:

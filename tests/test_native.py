@@ -7,15 +7,13 @@ results. A planning-only test (no process group) checks that a 2-D plan is refus
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launcher import launch_worker, on_every_rank
 from native_worker import CASES
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
@@ -25,20 +23,12 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    out_dir = tmp_path_factory.mktemp("native")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
-           "--master-port", str(31000 + (os.getpid() % 1000) * 2), str(WORKER), str(out_dir)]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    per_rank = [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=240)
     return {name: [per_rank[r][name] for r in range(WORLD)] for name in CASES}
 
 
 def _case(results, name: str) -> list[dict]:
-    for r, res in enumerate(results[name]):
-        assert "error" not in res, f"{name} failed on rank {r}: {res['error']}\n{res.get('traceback', '')}"
-    return results[name]
+    return on_every_rank(results[name], name)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -10,44 +10,28 @@ a second step and check that the gradients accumulate.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from launcher import launch_worker, on_every_rank
 from pipeline_worker import CASES, MODELS, split_plan
 
 WORKER = Path(__file__).resolve().parent / "pipeline_worker.py"
-ROOT = WORKER.parents[1]
 WORLDS = sorted({case[0] for case in CASES.values()})
-
-
-def _launch(world: int, out_dir: Path) -> dict[int, dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(WORKER), str(out_dir)]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=300)
-    found = {r: out_dir / f"rank{r}.json" for r in range(world)}
-    assert proc.returncode == 0 and all(f.exists() for f in found.values()), \
-        f"{world}-process launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return {r: json.loads(f.read_text()) for r, f in found.items()}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict[int, dict]]:
-    return {world: _launch(world, tmp_path_factory.mktemp(f"pipe{world}")) for world in WORLDS}
+    return {world: launch_worker(WORKER, world, tmp_path_factory.mktemp(f"pipe{world}"), timeout=300)
+            for world in WORLDS}
 
 
 def _case(results, name: str) -> list[dict]:
     world = CASES[name][0]
-    per_rank = [results[world][r][name] for r in range(world)]
-    for r, res in enumerate(per_rank):
-        assert "error" not in res, f"{name} failed on rank {r}: {res['error']}\n{res.get('traceback', '')}"
-    return per_rank
+    return on_every_rank([results[world][r][name] for r in range(world)], name)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -1,0 +1,34 @@
+"""Running a test worker script in several gloo processes and reading what each rank wrote.
+
+A worker is launched with ``python -m torch.distributed.run --standalone`` (a free port each
+time) and one thread per process; every rank writes ``rank{r}.json`` into the output folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def launch_worker(worker: Path, world: int, out_dir: Path, timeout: int = 420) -> dict[int, dict]:
+    """Run ``worker OUT_DIR`` in ``world`` processes; each rank's JSON result, by rank."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(worker), str(out_dir)]
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    found = {r: out_dir / f"rank{r}.json" for r in range(world)}
+    assert proc.returncode == 0 and all(f.exists() for f in found.values()), \
+        f"{world}-process launch of {worker.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return {r: json.loads(f.read_text()) for r, f in found.items()}
+
+
+def on_every_rank(per_rank: list[dict], name: str) -> list[dict]:
+    """A case's result on every rank, failing with the worker's traceback if a rank failed."""
+    for r, res in enumerate(per_rank):
+        assert "error" not in res, f"{name} failed on rank {r}: {res['error']}\n{res.get('traceback', '')}"
+    return per_rank
