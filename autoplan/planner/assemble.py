@@ -3,7 +3,7 @@ program will run per step, and the predicted step time and memory."""
 
 from __future__ import annotations
 
-from autoplan.cost_models import ClusterSpec, CollectiveStep
+from autoplan.cost_models import CollectiveStep
 from autoplan.planner.costing import CostContext, MemoryParts, edge_steps, steps_seconds
 from autoplan.planner.graph import TracedGraph
 from autoplan.planner.intra_op import IntraOpResult
@@ -112,7 +112,3 @@ def single_stage(graph: TracedGraph, devices: int, mesh: tuple[int, ...], classe
     params = [info.fqn for info in graph.nodes.values() if info.kind in ("parameter", "buffer") and info.fqn]
     return [StagePlan(layers=list(classes.blocks) or ["all"], devices=list(range(devices)), mesh=list(mesh),
                       nodes=ops, params=params)]
-
-
-def cluster_summary(cluster: ClusterSpec) -> dict:
-    return cluster.to_dict()

@@ -23,16 +23,3 @@ def microbatch_inputs(example_inputs: tuple[torch.Tensor, ...], microbatches: in
         raise AutoplanError(f"{microbatches} microbatches do not divide the batch of {batch}: choose a divisor")
     size = batch // microbatches
     return tuple(x[:size] if x.dim() > 0 else x for x in example_inputs)
-
-
-def split_microbatches(inputs: tuple[torch.Tensor, ...], microbatches: int) -> list[tuple[torch.Tensor, ...]]:
-    """Every microbatch of a global batch, in order."""
-    batch = batch_size(inputs)
-    if batch % microbatches:
-        raise AutoplanError(f"{microbatches} microbatches do not divide the batch of {batch}: choose a divisor")
-    size = batch // microbatches
-    return [tuple(x[i * size:(i + 1) * size] for x in inputs) for i in range(microbatches)]
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
