@@ -114,6 +114,36 @@ def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
     return out
 
 
+def _reduce_gradient_on_edge(before: Any, after: Any) -> Any:
+    """Reduce the partial gradient the consumer leaves on this edge at once, into the
+    producer's placement (partial → replicated), as the plan costs it.
+
+    DTensor alone would let a partial gradient flow on through the producer's backward
+    (views, adds and other ops linear in the gradient keep it partial) and reduce it wherever a
+    later redistribution or op first needs it: often an edge or two upstream and in another
+    collective (a reduce-scatter into the next sharded producer instead of an all-reduce
+    here). Reducing it on the edge that creates it makes the backward run the collectives the
+    plan lists, edge by edge. The consumer reads its own alias of the value, so the reduction
+    happens before gradients from several consumers are summed."""
+    if not (isinstance(before, DTensor) and isinstance(after, DTensor) and after.requires_grad):
+        return after
+    # where the value was made partial here (locally, from a shard or a replica), the local
+    # path's own backward slices the replicated gradient: reduce to Replicate on that axis
+    target = tuple(Replicate() if b.is_partial() or a.is_partial() else b
+                   for b, a in zip(before.placements, after.placements))
+    mesh = after.device_mesh
+    if after is before:
+        after = after.view_as(after)
+
+    def reduce(grad: torch.Tensor) -> torch.Tensor:
+        if isinstance(grad, DTensor) and tuple(grad.placements) != target:
+            return grad.redistribute(mesh, target)
+        return grad
+
+    after.register_hook(reduce)
+    return after
+
+
 def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad if grad.is_contiguous() else grad.contiguous()
 
@@ -285,12 +315,15 @@ class _PlanInterpreter(torch.fx.Interpreter):
                                 f"has {len(tensor_inputs)}: the plan is not for this graph")
         mesh = self.program.mesh
         arrived = {}
-        for a, specs in zip(tensor_inputs, node_plan.inputs):
+        for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
             before = self.env[a]
-            arrived[a] = after = _redistribute(before, specs, mesh)
+            after = _redistribute(before, specs, mesh)
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", _spec_text(before.placements), _spec_text(after.placements)))
+            if pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos]:
+                after = _reduce_gradient_on_edge(before, after)
+            arrived[a] = after
         args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived.get(a, self.env[a]))
         out = getattr(self, n.op)(n.target, args, kwargs)

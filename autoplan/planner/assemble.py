@@ -4,7 +4,13 @@ program will run per step, and the predicted step time and memory."""
 from __future__ import annotations
 
 from autoplan.cost_models import CollectiveStep
-from autoplan.planner.costing import CostContext, MemoryParts, edge_steps, steps_seconds
+from autoplan.planner.costing import (
+    CostContext,
+    MemoryParts,
+    backward_reduction_steps,
+    edge_steps,
+    steps_seconds,
+)
 from autoplan.planner.graph import TracedGraph
 from autoplan.planner.intra_op import IntraOpResult
 from autoplan.planner.layers import NodeClasses
@@ -36,6 +42,11 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     seconds = 0.0
     for name, strategy in result.chosen.items():
         where_v = classes.representative(classes.class_of[name])
+        if result.needs_grad.get(name):
+            for step in backward_reduction_steps(graph.nodes[name], strategy):
+                seconds += steps_seconds([step], ctx) * ctx.microbatches
+                _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "loss count",
+                     times=ctx.microbatches)
         inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
         for pos, inp in enumerate(inputs):
             dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None
@@ -84,7 +95,8 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
 def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:
     return [NodePlan(name, graph.nodes[name].target, strategy.name, graph.nodes[name].module,
                      [spec_to_json(s) if s is not None else None for s in strategy.input_specs],
-                     [spec_to_json(s) for s in strategy.output_specs])
+                     [spec_to_json(s) for s in strategy.output_specs],
+                     [sorted(strategy.partial_axes(pos)) for pos in range(len(strategy.input_specs))])
             for name, strategy in result.chosen.items() if graph.nodes[name].kind == "op"]
 
 

@@ -6,7 +6,8 @@ A training step is forward + backward + optimizer step. Per node and strategy:
   plus the device's per-op overhead (dispatch; measured by ``autoplan calibrate``), once for
   the forward and ``backward_factor`` times again for the backward (2: gradients with respect
   to inputs and weights) when the node needs gradients;
-- no communication of its own: a collective belongs to an edge;
+- no communication of its own, a collective belongs to an edge; except the scalar all-reduce
+  by which a mean loss with a sharded batch replicates its target count in the backward;
 - the optimizer step of a parameter (memory-bound over the local shard);
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
   activations the forward keeps for the backward.
@@ -128,11 +129,18 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
     backward = (ctx.backward_factor + (1.0 if ctx.remat else 0.0)) if needs_grad else 0.0
     compute = (forward + ctx.device.op_overhead_s) * (1.0 + backward) * ctx.microbatches
+    comm = steps_seconds(backward_reduction_steps(info, strategy), ctx) * ctx.microbatches if needs_grad else 0.0
     activations = 0.0
     if saves_output and info.shape is not None and not ctx.remat:
         activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
         activations *= ctx.activations_in_flight
-    return NodeCost(compute_s=compute, memory=MemoryParts(activations=activations))
+    return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
+
+
+def backward_reduction_steps(info: NodeInfo, strategy: Strategy) -> list[CollectiveStep]:
+    """The collectives an op's own backward runs (:attr:`Strategy.backward_reductions`): one
+    all-reduce of a scalar per mesh axis, as DTensor replicates a mean loss's target count."""
+    return [CollectiveStep("all_reduce", axis, float(info.itemsize)) for axis in strategy.backward_reductions]
 
 
 def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:

@@ -15,6 +15,8 @@ Ops are named by their ATen overload packet (``"aten.linear"``); an op missing f
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,6 +37,8 @@ class IndexMap:
     ``fixed`` letters are never sharded. ``linear`` ops also pass partial sums through
     (``P`` in, ``P`` out): views, add/sub, sums, scaling by a constant. ``addends`` are inputs
     added to a contraction's result (a bias): where the result is partial, they must be too.
+    ``counted`` letters are those a mean loss counts its targets over: where one is sharded,
+    the backward all-reduces that (scalar) count before dividing by it.
     """
 
     inputs: dict[str, Letters | None]
@@ -46,6 +50,7 @@ class IndexMap:
     addends: frozenset[str] = frozenset()  # inputs added to a contraction's result (biases)
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # filled by finish()
     output_shapes: tuple[tuple[int, ...], ...] = ()  # filled by finish()
+    counted: frozenset[str] = frozenset()
 
     def shardable_letters(self) -> list[str]:
         """Letters that may be sharded, in a deterministic order."""
@@ -142,8 +147,8 @@ def _finish(imap: IndexMap, node: fx.Node) -> IndexMap:
             # is checked for divisibility when strategies are enumerated
             sizes[letter] = max(size, sizes.get(letter, 0))
     shapes = {name: _shape(_find_input(node, name)) for name in imap.inputs}
-    return IndexMap(imap.inputs, imap.outputs, imap.reducible, imap.fixed, imap.linear, sizes, imap.addends,
-                    {k: v for k, v in shapes.items() if v is not None}, tuple(_output_shapes(node)))
+    return dataclasses.replace(imap, sizes=sizes, input_shapes={k: v for k, v in shapes.items() if v is not None},
+                               output_shapes=tuple(_output_shapes(node)))
 
 
 def _find_input(node: fx.Node, name: str) -> fx.Node | None:
@@ -588,6 +593,9 @@ def _sdpa(node: fx.Node, maker: _LetterMaker) -> IndexMap:
     return IndexMap(inputs, tuple(outs), fixed=frozenset(fixed))
 
 
+_MEAN = 1  # ATen's Reduction::Mean
+
+
 def _loss(node: fx.Node, op: str, maker: _LetterMaker) -> IndexMap:
     """cross_entropy_loss / nll_loss (input [N, C, *d], target [N, *d]) and mse/l1 losses."""
     tensors = _tensor_inputs(node)
@@ -611,7 +619,9 @@ def _loss(node: fx.Node, op: str, maker: _LetterMaker) -> IndexMap:
     if isinstance(weight, fx.Node):
         inputs[weight.name] = ("C",)
     if out_shape == ():
-        return IndexMap(inputs, ((),), reducible=frozenset(("N",) + rest), fixed=frozenset({"C"}))
+        reduction = node.args[3] if len(node.args) > 3 else node.kwargs.get("reduction", _MEAN)
+        counted = frozenset(("N",) + rest) if reduction == _MEAN else frozenset()
+        return IndexMap(inputs, ((),), reducible=frozenset(("N",) + rest), fixed=frozenset({"C"}), counted=counted)
     return IndexMap(inputs, (("N",) + rest,), fixed=frozenset({"C"}))
 
 

@@ -25,7 +25,7 @@ class PlannedCollective:
     bytes: float
     count: int
     where: str = ""  # the edge or node that needs it, e.g. "linear_1 -> sub"
-    tensor: str = "activation"  # what it moves: "activation", "parameter", "gradient" (of a parameter)
+    tensor: str = "activation"  # what it moves: "activation", "parameter", "gradient" (of a parameter), "loss count"
     bucketed: bool = False  # a gradient reduction done in buckets: no latency per parameter
 
 
@@ -69,7 +69,9 @@ class StagePlan:
 @dataclass
 class NodePlan:
     """The strategy of one op: ``inputs[i]`` is the spec its i-th tensor input must arrive in
-    (``None``: not read), ``outputs`` one spec per tensor output."""
+    (``None``: not read), ``outputs`` one spec per tensor output, and ``grad_partial[i]`` the
+    mesh axes on which the op's backward leaves input i's gradient as partial sums: the
+    program reduces them on that edge, into the producer's placement, as the plan costs it."""
 
     name: str
     op: str
@@ -77,6 +79,7 @@ class NodePlan:
     module: str = ""
     inputs: list[list[str] | None] = field(default_factory=list)
     outputs: list[list[str]] = field(default_factory=list)
+    grad_partial: list[list[int]] = field(default_factory=list)
 
 
 @dataclass

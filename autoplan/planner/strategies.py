@@ -34,7 +34,8 @@ class Strategy:
     ``compute_shards`` is how many ways the work is split. ``partial_grads`` lists
     ``(input position, mesh axis)`` pairs whose gradient leaves the backward as partial sums,
     to be reduced into the producer's placement (the dual of using a replicated input for
-    sharded work).
+    sharded work). ``backward_reductions`` are the mesh axes on which the op's own backward
+    all-reduces a scalar (the target count of a mean loss whose batch is sharded).
     """
 
     name: str
@@ -42,6 +43,7 @@ class Strategy:
     output_specs: tuple[ShardingSpec, ...]
     compute_shards: int
     partial_grads: tuple[tuple[int, int], ...] = ()
+    backward_reductions: tuple[int, ...] = ()
 
     @property
     def output_spec(self) -> ShardingSpec:
@@ -130,8 +132,9 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
             if a not in (NO_LETTER, PARTIAL) and a not in imap.inputs[name]
             and not (name in imap.addends and a in imap.reducible)  # an addend's gradient is whole
         )
+        counted = tuple(axis for axis, a in enumerate(assignment) if a in imap.counted)
         strategies.append(Strategy(strategy_name(tuple(in_specs), out_specs), tuple(in_specs), out_specs,
-                                   shards, partial_grads))
+                                   shards, partial_grads, counted))
     return strategies
 
 
