@@ -4,9 +4,13 @@ For every candidate microbatch count ``B`` the model is traced for one microbatc
 layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (a slice of a
 node or whole nodes) and every logical mesh of it, each distinct layer is costed by the
 intra-op ILP once (layers with equal ops and shapes share the answer). A stage's cost is the
-sum of its layers' costs — the resharding between two layers of one stage is not costed in
-this search — plus sending its boundary activations (and receiving their gradients) over the
-link to the next stage. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
+sum of its layers' costs plus sending its boundary activations (and receiving their
+gradients) over the link to the next stage. Apart, every layer hands its values on
+replicated, as if a stage boundary followed it; the ``REFINED`` best pipelines are searched
+again with each boundary inside a stage corrected by what planning the two layers that meet
+there together changes (the ILP of the pair, once per distinct pair; usually a saving, as the
+value may stay sharded). For a stage of two layers that is the stage's own ILP; in a longer
+one, boundaries interact only through the layers between them. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
 recurrence) cuts the layers into stages that all get the same sub-mesh shape and logical mesh
 (so that the emitted program is a 2-D mesh: pipeline × stage mesh). The best (``B``, sub-mesh,
 logical mesh, stages) is then planned exactly: one intra-op ILP per stage over all its nodes,
@@ -68,6 +72,7 @@ from autoplan.solvers.inter_op import (
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
+REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
 INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedules
 ZERO_BUBBLE_LEFT = 1.0 / 3.0  # share of the interleaved bubble zero-bubble scheduling leaves (the forward's)
 _SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
@@ -120,6 +125,9 @@ class _Candidate:
     step_time_s: float
     graph: TracedGraph
     layers: list[Layer]
+    schedule: str = "1f1b"
+    costs: _LayerCosts | None = None  # the layer ILPs of its sub-mesh and logical mesh, for a second search
+    boundaries: bool = False  # whether the search costed the boundaries inside stages
 
     @property
     def ranks(self) -> int:
@@ -149,6 +157,7 @@ class _LayerCosts:
     ctx: CostContext
     cache: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
     problems: dict[str, IntraOpProblem] = field(default_factory=dict)
+    pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
 
     def cost(self, graph: TracedGraph, layer: Layer, lean: bool = False) -> tuple[float, float]:
         """(seconds per step, bytes per device) of one layer: its fastest plan, or with
@@ -171,6 +180,20 @@ class _LayerCosts:
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
+    def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
+        """Seconds that planning two adjacent layers together adds to planning them apart. Apart, every value the first layer hands on must leave it replicated (it could
+        be a stage boundary); together, it may stay sharded: the correction is usually a saving.
+        Memory is not corrected: apart, the handed-on value counts in both layers, which errs
+        on the safe side."""
+        key = (first.signature, second.signature)
+        if key not in self.pairs:
+            sub = extract(graph, list(first.nodes) + list(second.nodes))
+            result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
+                                   self.options.solver, self.options.time_limit_s,
+                                   allow_storage=self.options.allow_storage)
+            self.pairs[key] = result.solution.objective - self.cost(graph, first)[0] - self.cost(graph, second)[0]
+        return self.pairs[key]
+
 
 def _link_between_stages(options: PlannerOptions, submesh: SubMesh):
     cluster = options.cluster
@@ -190,18 +213,24 @@ def _boundary_bytes(graph: TracedGraph, layers: list[Layer], cut: int) -> float:
 
 
 def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
-                    schedule: str, microbatches: int, submesh: SubMesh, mesh: tuple[int, ...]) -> _Candidate | None:
+                    schedule: str, microbatches: int, submesh: SubMesh, mesh: tuple[int, ...],
+                    boundaries: bool = False, costs: _LayerCosts | None = None) -> _Candidate | None:
+    """The best pipeline on one sub-mesh shape and logical mesh; ``boundaries`` adds the
+    correction of every boundary inside a stage (:meth:`_LayerCosts.boundary`)."""
     cluster = options.cluster
     stages = options.devices // submesh.size
     in_flight = activations_in_flight(schedule, microbatches, stages)
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
                       microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
-    costs = _LayerCosts(options, ctx)
+    costs = costs or _LayerCosts(options, ctx)
     link = _link_between_stages(options, submesh)
     boundary = [_boundary_bytes(graph, layers, cut) if 0 < cut < len(layers) else 0.0
                 for cut in range(len(layers) + 1)]
 
     prefix: dict[bool, list[tuple[float, float]]] = {}
+    # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
+    joins = list(itertools.accumulate(
+        costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
 
     def sums(lean: bool) -> list[tuple[float, float]]:
         """Prefix sums of the layers' (seconds, bytes): one ILP per distinct layer."""
@@ -217,6 +246,8 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
         for lean in (False, True):
             table = sums(lean)
             seconds, memory = table[end][0] - table[start][0], table[end][1] - table[start][1]
+            if not lean:  # the boundaries inside the stage: start + 1 .. end - 1
+                seconds += joins[end - 1] - joins[start]
             if options.memory_budget is None or memory <= options.memory_budget:
                 break
         send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
@@ -232,7 +263,7 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     latencies = [s.cost.latency_s for s in solution.stages]
     return _Candidate(microbatches, submesh, mesh, [(s.start, s.end) for s in solution.stages],
                       pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
-                      graph, layers)
+                      graph, layers, schedule, costs, boundaries)
 
 
 def cluster_shape(options: PlannerOptions) -> tuple[int, int]:
@@ -298,7 +329,20 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
                     found = _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh, mesh)
                     if found is not None:
                         candidates.append(found)
-    return candidates, trace_s
+    return _refine(candidates, options, popts), trace_s
+
+
+def _refine(candidates: list[_Candidate], options: PlannerOptions, popts: PipelineOptions) -> list[_Candidate]:
+    """Search the ``REFINED`` best pipelines again with the boundaries inside their stages
+    costed (two ILPs more per distinct pair of adjacent layers, so not for every sub-mesh);
+    best first."""
+    candidates = sorted(candidates, key=lambda c: c.step_time_s)
+    for i, c in enumerate(candidates[:REFINED]):
+        again = _search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh, c.mesh,
+                                boundaries=True, costs=c.costs)
+        if again is not None:
+            candidates[i] = again
+    return sorted(candidates, key=lambda c: c.step_time_s)
 
 
 def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
@@ -398,7 +442,6 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
     candidates, trace_s = search_pipelines(spec, options, popts)
     if not candidates:
         raise _no_plan_fits(spec, options)
-    candidates.sort(key=lambda c: c.step_time_s)
     best = candidates[0]
     schedule = popts.schedule or "1f1b"
     if schedule in INTERLEAVED:
