@@ -4,7 +4,7 @@ The planner's ``pick`` hook replaces the ILP with an arbitrary assignment (one c
 strategy group; every pick is a valid plan). ``hypothesis`` draws those assignments, the
 program is built from each, and its loss, outputs, every gradient and every buffer (BatchNorm's
 running statistics) are compared with the single-device model; the collectives it executes
-(forward and backward, ``CommDebugMode``) are recorded beside the plan's.
+(forward and backward, ``CommDebugMode``) must equal the plan's, kind by kind.
 
 The checks need several ranks. torch's ``LocalTensorMode`` (one process simulating all ranks)
 runs our interpreter, but DTensor's sharding-propagation cache is bypassed under it: every op
@@ -279,6 +279,19 @@ def test_any_assignment_matches_single_device(results, world, label):
     assert not failures, f"{len(failures)}/{len(records)} assignments differ:\n" + "\n".join(failures[:3])
     for r in records:
         assert r["compared"] >= 3 and r["max_diff"] < 1e-4
+
+@pytest.mark.parametrize("world,label", [(w, c[0]) for w, cs in CONFIGS.items() for c in cs])
+def test_any_assignment_runs_the_planned_collectives(results, world, label):
+    """Whatever the assignment, forward and backward execute exactly the collectives the plan
+    lists, kind by kind (gloo runs an all_to_all as an all_gather: the two are summed)."""
+    from dist_worker import gloo_normalised
+
+    wrong = [f"choices={r['choices']} {phase}: executed {gloo_normalised(r['executed'][phase])}, planned "
+             f"{gloo_normalised(r['planned'][phase])}"
+             for r in _records(results, world, label) if r["ok"] for phase in ("forward", "backward")
+             if gloo_normalised(r["executed"][phase]) != gloo_normalised(r["planned"][phase])]
+    assert not wrong, f"{len(wrong)} differ:\n" + "\n".join(wrong[:5])
+
 
 def test_enough_assignments(results):
     for world, configs in CONFIGS.items():

@@ -126,7 +126,8 @@ def test_reshard_steps_1d(src, dst, expected) -> None:
 @pytest.mark.parametrize(
     "src, dst, expected",
     [
-        ((S(0), S(1)), (R, R), [(ALL_GATHER, 0, FULL / 4), (ALL_GATHER, 1, FULL)]),
+        # DTensor's order: nested shards are undone inner axis first
+        ((S(0), S(1)), (R, R), [(ALL_GATHER, 1, FULL / 2), (ALL_GATHER, 0, FULL)]),
         ((P, R), (S(0), R), [(REDUCE_SCATTER, 0, FULL)]),
         ((S(0), R), (S(1), R), [(ALL_TO_ALL, 0, FULL / 2)]),
         ((R, R), (S(0), S(1)), []),
@@ -134,13 +135,17 @@ def test_reshard_steps_1d(src, dst, expected) -> None:
         ((P, P), (R, R), [(ALL_REDUCE, 0, FULL), (ALL_REDUCE, 1, FULL)]),
         # reduce-scatter on axis 0 shrinks the buffer the second one reads
         ((P, P), (S(0), S(1)), [(REDUCE_SCATTER, 0, FULL), (REDUCE_SCATTER, 1, FULL / 2)]),
-        # reduce-scatters run before all-reduces, so the all-reduce moves a quarter
-        ((P, P), (R, S(1)), [(REDUCE_SCATTER, 1, FULL), (ALL_REDUCE, 0, FULL / 4)]),
-        # all-reduce on the sharded buffer, then gather to the full tensor
-        ((P, S(1)), (R, R), [(ALL_REDUCE, 0, FULL / 4), (ALL_GATHER, 1, FULL)]),
+        # nothing sharded: outer axis first
+        ((P, P), (R, S(1)), [(ALL_REDUCE, 0, FULL), (REDUCE_SCATTER, 1, FULL)]),
+        # something sharded: inner axis first, so the all-reduce moves the gathered tensor
+        ((P, S(1)), (R, R), [(ALL_GATHER, 1, FULL), (ALL_REDUCE, 0, FULL)]),
         # gather before all-to-all
         ((S(0), S(1)), (S(1), R), [(ALL_GATHER, 1, FULL / 2), (ALL_TO_ALL, 0, FULL / 2)]),
-        ((S(1), S(0)), (S(0), S(1)), [(ALL_TO_ALL, 0, FULL / 8), (ALL_TO_ALL, 1, FULL / 8)]),
+        # the inner S(0) is nested under nothing the target has: gathered, then cut again locally
+        ((S(1), S(0)), (S(0), S(1)), [(ALL_GATHER, 1, FULL / 2), (ALL_TO_ALL, 0, FULL / 2)]),
+        # S(d) -> P pads locally where d is sharded once, and gathers first where it is not
+        ((S(0), S(1)), (S(0), P), []),
+        ((S(0), S(0)), (S(0), P), [(ALL_GATHER, 1, FULL / 2)]),
         ((S(0), R), (S(0), P), []),
     ],
 )
@@ -162,7 +167,7 @@ def test_reshard_time_uses_each_axis_link() -> None:
     slow, fast = LinkSpec(1e9, 1e-5), LinkSpec(1e11, 1e-6)
     mesh = (2, 4)
     t = reshard_time((S(0), S(1)), (R, R), SHAPE, ITEM, mesh, (slow, fast))
-    expected = collective_time(ALL_GATHER, FULL / 4, 2, slow) + collective_time(ALL_GATHER, FULL, 4, fast)
+    expected = collective_time(ALL_GATHER, FULL / 2, 4, fast) + collective_time(ALL_GATHER, FULL, 2, slow)
     assert t == pytest.approx(expected)
     steps = [CollectiveStep(ALL_REDUCE, 1, 1e6), CollectiveStep(ALL_GATHER, 0, 2e6)]
     assert steps_time(steps, mesh, (slow, fast)) == pytest.approx(
@@ -171,29 +176,50 @@ def test_reshard_time_uses_each_axis_link() -> None:
     assert reshard_time((R, R), (R, R), SHAPE, ITEM, mesh, (slow, fast)) == 0
 
 
-_PLACEMENTS = st.sampled_from([R, P, S(0), S(1)])
+def test_reshard_steps_are_dtensors_own_plan() -> None:
+    """For every pair of specs on a (2, 4) mesh, the collectives costed are those DTensor's
+    redistribution planner runs, in its order (the emitted program redistributes with it; the
+    program reaches partial targets locally, so those pairs are checked with the partial
+    axes replicated on DTensor's side). Runs DTensor's planner on a fake process group."""
+    import itertools
 
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor._redistribute import _gen_transform_infos_non_cached
+    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-@settings(max_examples=200, deadline=None)
-@given(src=st.tuples(_PLACEMENTS, _PLACEMENTS), dst=st.tuples(_PLACEMENTS, _PLACEMENTS))
-def test_reshard_steps_follow_per_axis_rules(src, dst) -> None:
-    mesh, shape = (2, 4), (16, 16)
-    steps = reshard_steps(src, dst, shape, 2, mesh)
-    expected_kind = {}
-    for axis, (a, b) in enumerate(zip(src, dst)):
-        if a == b or a.is_replicate or b.is_partial:
-            continue
-        if a.is_partial:
-            expected_kind[axis] = ALL_REDUCE if b.is_replicate else REDUCE_SCATTER
-        else:
-            expected_kind[axis] = ALL_GATHER if b.is_replicate else ALL_TO_ALL
-    assert {s.mesh_axis: s.kind for s in steps} == expected_kind
-    assert len(steps) == len(expected_kind)
-    full = 16 * 16 * 2
-    for s in steps:
-        assert 0 < s.nbytes <= full
-    if is_valid(src, shape, mesh) and is_valid(dst, shape, mesh):
-        assert reshard_steps(src, src, shape, 2, mesh) == []
+    def dtensor(spec):
+        return tuple(Replicate() if p.is_replicate else Partial() if p.is_partial else Shard(p.dim) for p in spec)
+
+    shape, mesh_shape = (16, 16), (2, 4)
+    dist.init_process_group("fake", rank=0, world_size=8, store=FakeStore())
+    try:
+        mesh = init_device_mesh("cpu", mesh_shape)
+        meta = TensorMeta(torch.Size(shape), (16, 1), torch.float32)
+        compared = 0
+        for src, dst in itertools.product(itertools.product([R, P, S(0), S(1)], repeat=2), repeat=2):
+            if not (is_valid(src, shape, mesh_shape) and is_valid(dst, shape, mesh_shape)):
+                continue
+            ours = reshard_steps(src, dst, shape, 4, mesh_shape)
+            if any(t.is_partial and not c.is_partial for c, t in zip(src, dst)):
+                continue  # made locally by the program, see reshard_steps
+            infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, dtensor(src), meta),
+                                                    DTensorSpec(mesh, dtensor(dst), meta))
+            theirs = []
+            for info in infos:
+                a, b = info.src_dst_placements
+                kind = (ALL_REDUCE if b.is_replicate() else REDUCE_SCATTER) if a.is_partial() else \
+                    (ALL_GATHER if b.is_replicate() else ALL_TO_ALL) if a.is_shard() and not b.is_partial() else None
+                if kind is not None:
+                    theirs.append((kind, info.mesh_dim))
+            assert [(s.kind, s.mesh_axis) for s in ours] == theirs, (src, dst)
+            compared += 1
+        assert compared >= 100
+    finally:
+        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,8 +4,10 @@
 that holds the model's parameters distributed with the plan's placements and whose forward
 runs the traced graph with an ``fx.Interpreter``: before each op, every DTensor input is
 redistributed to the placement the plan chose for that op, so the collectives happen where the
-plan put them (plus any DTensor's own sharding propagation adds; see
-:func:`executed_collectives`).
+plan put them; in the backward, each edge brings its gradient back to the producer's placement
+in one step (:class:`_PlannedRedistribute`, :func:`_reduce_gradient_on_edge`), so the backward
+runs the collectives the plan lists too (tests compare them, kind by kind, with
+``CommDebugMode``).
 
 Conventions:
 
@@ -103,37 +105,59 @@ def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
 
 
 def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
-    """Bring one op input to the placements the plan chose for it."""
-    out = _redistribute_value(value, specs, mesh)
-    if out is not value and isinstance(out, DTensor) and out.requires_grad:
-        # The same stride trap in the backward: Redistribute's backward gives the incoming
-        # gradient's GLOBAL stride to the contiguous LOCAL result of its collective. Gradients of
-        # transposed values (the key's, in the math attention) arrive non-contiguous: make them
-        # contiguous before they are redistributed.
-        out.register_hook(_contiguous_grad)
-    return out
+    """Bring one op input to the placements the plan chose for it; in the backward, bring its
+    gradient to the producer's placement (:class:`_PlannedRedistribute`)."""
+    if not (isinstance(value, DTensor) and value.requires_grad):
+        return _redistribute_value(value, specs, mesh)
+    with torch.no_grad():
+        probe = _redistribute_value(value.detach(), specs, mesh)
+    if probe.placements == value.placements and probe.shape == value.shape:
+        return value
+    return _PlannedRedistribute.apply(value, probe)
+
+
+class _PlannedRedistribute(torch.autograd.Function):
+    """One edge of the plan as one autograd node: the forward is the planned resharding
+    (computed already, passed in as ``resharded``); the backward brings the incoming gradient,
+    whatever placement the consumer's backward left it in (partial sums included), straight
+    to the producer's placement with partial → replicated, in one DTensor redistribution: the
+    collectives the plan costs for the edge's backward (``g_dst → g_src``), no more.
+
+    (DTensor's own chain of redistributions and local conversions would each convert the
+    gradient back in turn, and let a partial gradient flow on unreduced into the producer's
+    backward, reducing it wherever a later step first needs it, often in another collective.)"""
+
+    @staticmethod
+    def forward(ctx: Any, value: DTensor, resharded: DTensor) -> DTensor:  # type: ignore[override]
+        ctx.target = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+        ctx.mesh = value.device_mesh
+        return resharded.view_as(resharded)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+        if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.target:
+            # Redistribute gives the gradient's GLOBAL stride to the contiguous LOCAL result of
+            # its collective: gradients of transposed values must be made contiguous first
+            grad = _contiguous(grad) if not grad.is_contiguous() else grad
+            grad = grad.redistribute(ctx.mesh, ctx.target)
+        return grad, None
 
 
 def _reduce_gradient_on_edge(before: Any, after: Any) -> Any:
-    """Reduce the partial gradient the consumer leaves on this edge at once, into the
-    producer's placement (partial → replicated), as the plan costs it.
+    """An edge the forward does not reshard, whose consumer leaves partial gradients: reduce
+    them at once, into the producer's placement (partial → replicated), as the plan costs it.
 
     DTensor alone would let a partial gradient flow on through the producer's backward
     (views, adds and other ops linear in the gradient keep it partial) and reduce it wherever a
     later redistribution or op first needs it: often an edge or two upstream and in another
-    collective (a reduce-scatter into the next sharded producer instead of an all-reduce
-    here). Reducing it on the edge that creates it makes the backward run the collectives the
-    plan lists, edge by edge. The consumer reads its own alias of the value, so the reduction
-    happens before gradients from several consumers are summed."""
-    if not (isinstance(before, DTensor) and isinstance(after, DTensor) and after.requires_grad):
+    collective. The consumer reads its own alias of the value, so the reduction happens before
+    gradients from several consumers are summed. (A resharded edge does this in
+    :class:`_PlannedRedistribute`.)"""
+    if not (after is before and isinstance(after, DTensor) and after.requires_grad):
         return after
-    # where the value was made partial here (locally, from a shard or a replica), the local
-    # path's own backward slices the replicated gradient: reduce to Replicate on that axis
-    target = tuple(Replicate() if b.is_partial() or a.is_partial() else b
-                   for b, a in zip(before.placements, after.placements))
+    target = tuple(Replicate() if p.is_partial() else p for p in before.placements)
     mesh = after.device_mesh
-    if after is before:
-        after = after.view_as(after)
+    after = after.view_as(after)
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and tuple(grad.placements) != target:
@@ -142,10 +166,6 @@ def _reduce_gradient_on_edge(before: Any, after: Any) -> Any:
 
     after.register_hook(reduce)
     return after
-
-
-def _contiguous_grad(grad: torch.Tensor) -> torch.Tensor:
-    return grad if grad.is_contiguous() else grad.contiguous()
 
 
 def _unmask_partial(value: Any) -> Any:
@@ -212,7 +232,7 @@ def _redistribute_value(value: Any, specs: list[str] | None, mesh: DeviceMesh) -
     # viewable) fails on the local tensor, e.g. the backward of ``q.view(b, t, h, d).transpose(1,
     # 2)`` in attention. Redistributing a contiguous value keeps global and local layouts alike.
     if not value.is_contiguous():
-        value = value.contiguous()
+        value = _contiguous(value)
     # Shard → Partial needs no communication: each rank holds its shard in place, zeros elsewhere
     # (DTensor itself would all-gather first).
     for i, (c, t) in enumerate(zip(current, target)):
@@ -229,6 +249,18 @@ def _redistribute_value(value: Any, specs: list[str] | None, mesh: DeviceMesh) -
     if tuple(mid) != tuple(current):
         value = value.redistribute(mesh, mid)
     return _replicate_to_partial(value, to_partial, target, mesh)
+
+
+def _contiguous(value: DTensor) -> DTensor:
+    """``value`` with a contiguous layout. DTensor's own ``contiguous`` replicates a partial
+    value (an all-reduce the plan does not ask for): copy the local tensor instead; the
+    gradient of a partial value is replicated."""
+    if not any(p.is_partial() for p in value.placements):
+        return value.contiguous()
+    grad_placements = [Replicate() if p.is_partial() else p for p in value.placements]
+    local = value.to_local(grad_placements=grad_placements).contiguous()
+    return DTensor.from_local(local, value.device_mesh, value.placements, run_check=False, shape=value.shape,
+                              stride=torch.empty(value.shape, device="meta").stride())
 
 
 def _can_pad(value: DTensor, axis: int, mesh: DeviceMesh) -> bool:

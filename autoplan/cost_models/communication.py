@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from autoplan.sharding import R, ShardingSpec, local_shape, spec_name
+from autoplan.sharding import Placement, R, ShardingSpec, local_shape, spec_name
 
 from .hardware import LinkSpec
 
@@ -87,6 +87,45 @@ class CollectiveStep:
         return f"{self.kind.replace('_', '-')} @ {self.mesh_axis} ({self.nbytes:g} B)"
 
 
+def _transform_kind(current: Placement, target: Placement) -> str | None:
+    """The collective that changes one mesh axis from ``current`` to ``target`` (None: local)."""
+    if current == target or current.is_replicate:
+        return None  # R -> S(d) slices, R -> P splits locally
+    if current.is_partial:
+        return ALL_REDUCE if target.is_replicate else REDUCE_SCATTER
+    if target.is_replicate:
+        return ALL_GATHER
+    return ALL_TO_ALL if target.is_shard else None  # S(d) -> P pads with zeros locally
+
+
+def _axis_transforms(src: list[Placement], dst: ShardingSpec, mesh_shape: tuple[int, ...]
+                     ) -> list[tuple[int, Placement]]:
+    """The per-axis changes that take ``src`` to ``dst``, in order, as (mesh axis, new placement).
+
+    The order is DTensor's greedy one: if anything is sharded, first walk the axes from inner
+    to outer, moving each to its target, except that an axis whose target shards a tensor dim
+    that the axes before it shard differently now than in the target is replicated instead
+    (nested shards must be undone inner first); then walk outer to inner for what is left."""
+    cur = list(src)
+    out: list[tuple[int, Placement]] = []
+    if math.prod(n for p, n in zip(cur, mesh_shape) if p.is_shard) > 1:
+        for axis in reversed(range(len(cur))):
+            target = dst[axis]
+            if target.is_shard:
+                now = [i for i in range(axis) if cur[i].is_shard and cur[i].dim == target.dim]
+                wanted = [i for i in range(axis) if dst[i].is_shard and dst[i].dim == target.dim]
+                if now != wanted:
+                    target = R
+            if cur[axis] != target:
+                out.append((axis, target))
+                cur[axis] = target
+    for axis in range(len(cur)):
+        if cur[axis] != dst[axis]:
+            out.append((axis, dst[axis]))
+            cur[axis] = dst[axis]
+    return out
+
+
 def reshard_steps(
     src: ShardingSpec,
     dst: ShardingSpec,
@@ -95,47 +134,33 @@ def reshard_steps(
     mesh_shape: tuple[int, ...],
 ) -> list[CollectiveStep]:
     """The collectives that turn a tensor of global ``shape`` (``itemsize`` bytes per element)
-    from spec ``src`` into spec ``dst``, one mesh axis at a time.
+    from spec ``src`` into spec ``dst``, as the emitted program runs them.
 
-    Per axis: equal → nothing; R→S(d), R→P, S(d)→P → nothing (local slice or zero-fill);
-    P→S(d) → reduce-scatter; P→R → all-reduce; S(d)→R → all-gather; S(d)→S(e) → all-to-all.
-    Order: reductions first (reduce-scatters, which shrink the buffer, before all-reduces),
-    then all-gathers, then all-to-alls, then the free local steps; each step's ``nbytes`` is
-    computed from the spec in force at that moment, so later steps see the sizes earlier
-    ones left. Mesh axes of size 1 never communicate and give no step.
+    Per axis: P→R all-reduce, P→S(d) reduce-scatter, S(d)→R all-gather, S(d)→S(e) all-to-all;
+    R→S(d) and R→P are local (slice, split). S(d)→P is local too (zero padding) where no other
+    axis shards dim d; otherwise the axis is gathered first. Partial targets are reached from
+    replicated ones (the program makes partial sums locally); everything else follows
+    DTensor's greedy order (:func:`_axis_transforms`). Each step's ``nbytes`` is computed from
+    the spec in force at that moment. Mesh axes of size 1 never communicate.
     """
     if not len(src) == len(dst) == len(mesh_shape):
         raise ValueError(
             f"specs {spec_name(src)} and {spec_name(dst)} do not match a {len(mesh_shape)}-axis mesh {mesh_shape}"
         )
     cur = list(src)
+    for axis, (c, t) in enumerate(zip(src, dst)):  # S(d) -> P by zero padding, where d is sharded once
+        if t.is_partial and c.is_shard and not any(p.is_shard and p.dim == c.dim for i, p in enumerate(cur)
+                                                    if i != axis):
+            cur[axis] = t
+    mid = tuple(R if t.is_partial and not c.is_partial else t for c, t in zip(cur, dst))
     steps: list[CollectiveStep] = []
-
-    def local_bytes() -> float:
-        return float(math.prod(local_shape(shape, tuple(cur), mesh_shape)) * itemsize)
-
-    def emit(kind: str, axis: int, nbytes: float) -> None:
-        if mesh_shape[axis] > 1:  # one device on the axis: nothing to exchange
-            steps.append(CollectiveStep(kind, axis, nbytes))
-
-    axes = range(len(mesh_shape))
-    for a in axes:  # P -> S(d): reduce-scatter, nbytes = input
-        if cur[a].is_partial and dst[a].is_shard:
-            emit(REDUCE_SCATTER, a, local_bytes())
-            cur[a] = dst[a]
-    for a in axes:  # P -> R: all-reduce, nbytes = buffer
-        if cur[a].is_partial and dst[a].is_replicate:
-            emit(ALL_REDUCE, a, local_bytes())
-            cur[a] = R
-    for a in axes:  # S(d) -> R: all-gather, nbytes = output
-        if cur[a].is_shard and dst[a].is_replicate:
-            cur[a] = R
-            emit(ALL_GATHER, a, local_bytes())
-    for a in axes:  # S(d) -> S(e): all-to-all, nbytes = the per-device buffer
-        if cur[a].is_shard and dst[a].is_shard and cur[a] != dst[a]:
-            emit(ALL_TO_ALL, a, local_bytes())
-            cur[a] = dst[a]
-    # What is left (R -> S, R -> P, S -> P) is local: slice or zero-fill.
+    for axis, target in _axis_transforms(cur, mid, mesh_shape):
+        kind = _transform_kind(cur[axis], target)
+        before = float(math.prod(local_shape(shape, tuple(cur), mesh_shape)) * itemsize)
+        cur[axis] = target
+        if kind is not None and mesh_shape[axis] > 1:
+            after = float(math.prod(local_shape(shape, tuple(cur), mesh_shape)) * itemsize)
+            steps.append(CollectiveStep(kind, axis, after if kind == ALL_GATHER else before))
     return steps
 
 

@@ -55,7 +55,8 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
                 continue
             info = graph.nodes[inp]
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), info.itemsize,
-                                           result.needs_grad[inp], ctx, strategy.partial_axes(pos))
+                                           result.needs_grad[inp], ctx, strategy.partial_axes(pos),
+                                           strategy.whole_grad_axes)
             where = f"{classes.representative(classes.class_of[inp])} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
             seconds += steps_seconds(forward, ctx) * ctx.microbatches

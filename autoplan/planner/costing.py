@@ -148,17 +148,19 @@ def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
 
 
 def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
-               ctx: CostContext, partial_axes: frozenset[int] = frozenset()
+               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), whole_axes: frozenset[int] = frozenset()
                ) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
     """Forward and backward collectives of an edge whose producer emits ``src`` and whose
     consumer reads ``dst``. The consumer's backward leaves the gradient as partial sums on
     ``partial_axes`` (:attr:`Strategy.partial_grads`); carrying it back into the producer's
     placement reduces it there: an all-reduce into a replicated placement, a reduce-scatter
-    into a sharded one (as DTensor's backward does)."""
+    into a sharded one (as DTensor's backward does). On ``whole_axes`` the consumer's backward
+    gives the gradient replicated (:attr:`Strategy.whole_grad_axes`)."""
     forward = reshard_steps(src, dst, shape, itemsize, ctx.mesh_shape) if src != dst else []
     backward: list[CollectiveStep] = []
     if carries_grad:
-        g_dst = tuple(P if axis in partial_axes else p for axis, p in enumerate(_as_gradient_spec(dst)))
+        g_dst = tuple(P if axis in partial_axes else R if axis in whole_axes else p
+                      for axis, p in enumerate(_as_gradient_spec(dst)))
         g_src = _as_gradient_spec(src)
         if g_dst != g_src:
             backward = reshard_steps(g_dst, g_src, shape, itemsize, ctx.mesh_shape)
@@ -177,16 +179,17 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
 
 
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
-              ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False) -> float:
+              ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
+              whole_axes: frozenset[int] = frozenset()) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
     microbatch; the backward every microbatch for activations, once per step (bucketed, no
     latency per parameter) for a parameter's gradient."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
-    key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter)
+    key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter, whole_axes)
     cached = ctx.cache.get(key)
     if cached is None:
-        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes)
+        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)
         if from_parameter:
             cached = steps_seconds(forward, ctx) * ctx.microbatches + steps_seconds(backward, ctx, bucketed=True)
         else:

@@ -16,7 +16,6 @@ Ops are named by their ATen overload packet (``"aten.linear"``); an op missing f
 from __future__ import annotations
 
 import dataclasses
-
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +37,10 @@ class IndexMap:
     (``P`` in, ``P`` out): views, add/sub, sums, scaling by a constant. ``addends`` are inputs
     added to a contraction's result (a bias): where the result is partial, they must be too.
     ``counted`` letters are those a mean loss counts its targets over: where one is sharded,
-    the backward all-reduces that (scalar) count before dividing by it.
+    the backward all-reduces that (scalar) count before dividing by it. Where a
+    ``whole_grads`` letter is sharded, the op's backward gives its inputs' gradients
+    replicated on that axis (an embedding with a vocabulary-sharded table: the program unmasks
+    the partial output at once, and the table's gradient comes back whole).
     """
 
     inputs: dict[str, Letters | None]
@@ -51,6 +53,7 @@ class IndexMap:
     input_shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)  # filled by finish()
     output_shapes: tuple[tuple[int, ...], ...] = ()  # filled by finish()
     counted: frozenset[str] = frozenset()
+    whole_grads: frozenset[str] = frozenset()  # letters whose sharding leaves input gradients replicated
 
     def shardable_letters(self) -> list[str]:
         """Letters that may be sharded, in a deterministic order."""
@@ -487,7 +490,7 @@ def _embedding(node: fx.Node, maker: _LetterMaker) -> IndexMap:
     weight, indices = node.args[0], node.args[1]
     batch = _batch_letters(len(_shape(indices)))
     return IndexMap({weight.name: ("v", "d"), indices.name: tuple(batch)}, (tuple(batch) + ("d",),),
-                    reducible=frozenset("v"))
+                    reducible=frozenset("v"), whole_grads=frozenset("v"))
 
 
 def _conv(node: fx.Node, maker: _LetterMaker) -> IndexMap:

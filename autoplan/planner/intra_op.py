@@ -281,11 +281,11 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
         gu, gv = grouping.group_of[u], grouping.group_of[v]
         from_parameter = src_info.kind == "parameter"
         src_specs = [strat[u].strategies[j].output_spec for j in grouping.choice_map[u]]
-        dst_specs = [(strat[v].strategies[j].input_specs[pos], strat[v].strategies[j].partial_axes(pos))
-                     for j in grouping.choice_map[v]]
-        matrix = [[0.0 if dst is None else
-                   count * edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter)
-                   for dst, partial in dst_specs] for src in src_specs]
+        consumers = [strat[v].strategies[j] for j in grouping.choice_map[v]]
+        matrix = [[0.0 if s.input_specs[pos] is None else
+                   count * edge_cost(src, s.input_specs[pos], shape, itemsize, grad, ctx, s.partial_axes(pos),
+                                     from_parameter, s.whole_grad_axes)
+                   for s in consumers] for src in src_specs]
         if any(any(row) for row in matrix):
             edges.append(Edge(gu, gv, matrix))
     names = [classes.representative(root) for root in grouping.roots]

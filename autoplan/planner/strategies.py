@@ -35,7 +35,8 @@ class Strategy:
     ``(input position, mesh axis)`` pairs whose gradient leaves the backward as partial sums,
     to be reduced into the producer's placement (the dual of using a replicated input for
     sharded work). ``backward_reductions`` are the mesh axes on which the op's own backward
-    all-reduces a scalar (the target count of a mean loss whose batch is sharded).
+    all-reduces a scalar (the target count of a mean loss whose batch is sharded);
+    ``whole_grad_axes`` those on which every input's gradient comes back replicated.
     """
 
     name: str
@@ -44,6 +45,7 @@ class Strategy:
     compute_shards: int
     partial_grads: tuple[tuple[int, int], ...] = ()
     backward_reductions: tuple[int, ...] = ()
+    whole_grad_axes: frozenset[int] = frozenset()
 
     @property
     def output_spec(self) -> ShardingSpec:
@@ -133,8 +135,9 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
             and not (name in imap.addends and a in imap.reducible)  # an addend's gradient is whole
         )
         counted = tuple(axis for axis, a in enumerate(assignment) if a in imap.counted)
+        whole = frozenset(axis for axis, a in enumerate(assignment) if a in imap.whole_grads)
         strategies.append(Strategy(strategy_name(tuple(in_specs), out_specs), tuple(in_specs), out_specs,
-                                   shards, partial_grads, counted))
+                                   shards, partial_grads, counted, whole))
     return strategies
 
 
