@@ -1,16 +1,43 @@
 """``autoplan calibrate --devices N -o FILE``: measure this machine, write a cluster TOML file.
 
-What is measured, each figure the median of repeats after warm-up (CUDA: timed with CUDA events
-after synchronising), by N processes at once, so that each process ("device") sees the share of
-the machine it would have in a real N-process run; a figure is the slowest rank's:
+Everything is measured by N worker processes at once (``torch.multiprocessing`` spawn, a
+FileStore rendezvous, one process even for N = 1), so that each process ("device") sees the
+share of the machine it has when ``torchrun --nproc-per-node N`` runs the emitted train.py:
+
+- on CPUs each process uses the intra-op threads torchrun gives it: ``OMP_NUM_THREADS`` when
+  set, else 1 thread when N > 1 (torchrun's default) and torch's default for N = 1;
+- a CPU timing is the mean over a window of back-to-back calls lasting at least
+  ``cpu_window_s`` (several scheduler time slices), so that when N processes share fewer cores
+  the time each loses to the others is in it (timing single calls would leave it out: a short
+  call rarely loses the CPU, a training step always does). CUDA calls are timed one by one with
+  CUDA events after synchronising.
+
+Each figure is the median of repeats after warm-up, the slowest rank's:
 
 - matmul throughput per dtype (float32, bfloat16, float16; CPU bf16/fp16 may be slow, and is
   then measured on a smaller shape), square and skinny shapes; the dtype's peak is the best
   shape's median;
-- memory bandwidth: a large ``copy_`` (2·B bytes moved) and ``add`` (3·B), the better of the two;
-- with N > 1, the collectives all_reduce, all_gather, reduce_scatter and all_to_all over message
-  sizes from a few KiB (latency) to MiBs (bandwidth), gloo on CPUs and NCCL on GPUs. A collective
-  the backend cannot run is skipped and named in the file.
+- memory bandwidth: a large ``copy_`` (2·B bytes moved) and ``add`` (3·B), the better of the two
+  (streaming; the optimizer step's rate);
+- per-op overhead: a training step (forward + backward) of a tiny transformer block (shapes so
+  small that dispatch is all there is) run as the DTensor program autoplan emits, on a
+  one-device mesh per process (no collective in it), divided by the op passes the cost model
+  charges (every op node once forward and ``BACKWARD_FACTOR`` times backward); the same for the
+  plain eager module is written as a comment;
+- op bandwidth: a training step of the same block at activation sizes (``cpu_block``), run the
+  same way; ``device.op_bandwidth`` is the rate of the ops' memory traffic at which the cost
+  model (:func:`autoplan.planner.costing.op_cost`: matmuls at the float32 peak, the overhead
+  above) predicts that measured time (:func:`fit_op_bandwidth`). Microbenchmarks of single ops
+  miss what a step's backward adds to its traced forward ops (the ``cat`` behind a ``split``,
+  copies of transposed gradients, bias-gradient sums, accumulation), the attention kernels'
+  own traffic and the caches' state; the fit puts them where the cost model can charge them;
+- with N > 1, the collectives all_reduce, all_gather, reduce_scatter and all_to_all as the
+  emitted programs run them: a DTensor ``redistribute`` (Partial → Replicate, Shard → Replicate,
+  Partial → Shard, Shard(0) → Shard(1)), gloo on CPUs and NCCL on GPUs, over message sizes from
+  a few KiB (latency) to MiBs (bandwidth). On CPUs each collective follows a little compute (a
+  small matmul whose own time is subtracted), as in a program, where ranks arrive apart and a
+  waiting rank sleeps and must be woken; back-to-back collectives would hide that. A
+  collective the backend cannot run is skipped and named in the file.
 
 The timings are fitted to the alpha-beta ring model of
 :mod:`autoplan.cost_models.communication` (``t = latency_steps·α + bytes_moved_per_device/bw``)
@@ -18,10 +45,8 @@ by least squares on relative errors (:func:`fit_alpha_beta`): one fit per collec
 as comments, which :func:`~autoplan.cost_models.load_cluster` ignores; it rejects unknown keys)
 and one joint fit over all of them, which becomes the ``intra_node`` link. One machine is one
 node: ``devices_per_node = N``; ``inter_node`` is not measured and keeps the preset's link
-(capped at the measured intra-node one), as a comment in the file says.
-
-The measuring runs in worker processes (``torch.multiprocessing`` spawn, a FileStore
-rendezvous); N = 1 measures in this process and leaves the links at the preset's.
+(capped at the measured intra-node one), as a comment in the file says. N = 1 leaves the links
+at the preset's.
 """
 
 from __future__ import annotations
@@ -44,16 +69,21 @@ from autoplan.cost_models import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
+    BACKWARD_FACTOR,
     REDUCE_SCATTER,
     ClusterSpec,
     DeviceSpec,
     LinkSpec,
     bytes_moved_per_device,
     latency_steps,
+    roofline_time,
 )
 from autoplan.cost_models.cluster import cluster_from_toml
 from autoplan.cost_models.presets import preset_table
 from autoplan.errors import AutoplanError
+
+#: A drift (:attr:`Calibration.drift`) above this is reported: the figures are not consistent.
+DRIFT_WARNING = 0.2
 
 #: The collectives measured, in the order they are measured.
 MEASURED_COLLECTIVES: tuple[str, ...] = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
@@ -150,19 +180,26 @@ class CalibrateSettings:
     gpu_skinny: tuple[int, int, int] = (32768, 8192, 512)
     cpu_copy_bytes: int = 128 * MiB
     gpu_copy_bytes: int = 1024 * MiB
+    tiny_block: tuple[int, int, int] = (2, 8, 16)  # batch, sequence, hidden of the per-op overhead's block
+    cpu_block: tuple[int, int, int] = (16, 64, 256)  # ... of the op bandwidth's block (1 MiB activations)
+    gpu_block: tuple[int, int, int] = (16, 512, 1024)
     sizes: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(7))  # 4 KiB .. 16 MiB
     gpu_sizes: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(10))  # 4 KiB .. 1 GiB
-    collective_bytes_per_repeat: int = 16 * MiB  # small messages are looped this many bytes' worth
+    collective_bytes_per_repeat: int = 16 * MiB  # CUDA: small messages are looped this many bytes' worth
     max_iters: int = 20
+    cpu_window_s: float = 0.05  # a CPU timing spans at least this long (several scheduler time slices)
+    max_window_calls: int = 1000
+    cpu_filler: int = 256  # CPUs: a square matmul of this size runs before each timed collective
 
     @classmethod
     def quick_for(cls, devices: int, backend: str = "auto") -> CalibrateSettings:
         return cls(devices, backend, repeats=3, warmup=1, matmul_max_s=0.05, cpu_square=512,
                    cpu_skinny=(2048, 512, 64), gpu_square=4096, gpu_skinny=(16384, 4096, 256),
-                   cpu_copy_bytes=32 * MiB, gpu_copy_bytes=256 * MiB,
+                   cpu_copy_bytes=32 * MiB, gpu_copy_bytes=256 * MiB, cpu_block=(8, 32, 128),
+                   gpu_block=(8, 256, 512),
                    sizes=tuple(4 * KiB * 4**i for i in range(6)),
                    gpu_sizes=tuple(4 * KiB * 4**i for i in range(8)),
-                   collective_bytes_per_repeat=4 * MiB, max_iters=10)
+                   collective_bytes_per_repeat=4 * MiB, max_iters=10, cpu_window_s=0.02)
 
 
 @dataclass
@@ -181,18 +218,31 @@ class Calibration:
     skipped: dict[str, str] = field(default_factory=dict)  # collective -> why
     seconds: float = 0.0
     load_average: float | None = None
-    op_overhead_s: float = 0.0  # a small DTensor op, measured with several processes
+    op_overhead_s: float = 0.0  # per op pass of the emitted DTensor program (tiny transformer block)
+    eager_op_overhead_s: float = 0.0  # per op pass of the same block run eagerly (a comment in the file)
+    block: dict[str, Any] = field(default_factory=dict)  # shape, seconds, op_bandwidth (fit_op_bandwidth)
+    matmul_again: float = 0.0  # the first matmul's FLOP/s measured again at the end (0: not)
+
+    @property
+    def drift(self) -> float:
+        """Relative change of the first matmul's rate between the start and the end: other
+        processes started or stopped while measuring when it is large (0 when not measured)."""
+        if not (self.matmul and self.matmul_again > 0):
+            return 0.0
+        return abs(self.matmul_again / self.matmul[0]["flops"] - 1.0)
 
     @property
     def peak_flops(self) -> dict[str, float]:
-        peaks: dict[str, float] = {}
-        for row in self.matmul:
-            peaks[row["dtype"]] = max(peaks.get(row["dtype"], 0.0), row["flops"])
-        return peaks
+        return _peaks(self.matmul)
 
     @property
     def memory_bandwidth(self) -> float:
         return max(row["bytes_per_s"] for row in self.bandwidth)
+
+    @property
+    def op_bandwidth(self) -> float:
+        """Bytes/s of the ops' memory traffic fitted to the block's step (0: not measured)."""
+        return float(self.block.get("op_bandwidth", 0.0))
 
     def fits(self) -> dict[str, LinkFit]:
         """One fit per measured collective, plus ``"all"`` (the joint fit); kinds whose
@@ -231,21 +281,21 @@ def _si(value: float, unit: str) -> str:
 def _size(nbytes: float) -> str:
     for factor, unit in ((2**30, "GiB"), (MiB, "MiB"), (KiB, "KiB")):
         if nbytes >= factor:
-            return f"{nbytes / factor:g} {unit}"
+            return f"{nbytes / factor:.4g} {unit}"
     return f"{nbytes:g} B"
 
 
 class _Worker:
-    """The measurements of one rank; ``distributed`` is False when measuring alone (N = 1)."""
+    """The measurements of one rank of an ``n``-process job (a process group exists, even for
+    n = 1)."""
 
-    def __init__(self, rank: int, n: int, settings: CalibrateSettings, device: Any, distributed: bool) -> None:
+    def __init__(self, rank: int, n: int, settings: CalibrateSettings, device: Any) -> None:
         import torch
 
         self.torch = torch
         self.rank, self.n, self.settings, self.device = rank, n, settings, device
-        self.distributed = distributed
         self.cuda = device.type == "cuda"
-        self.slowest = ", slowest rank" if distributed else ""
+        self.slowest = ", slowest rank" if n > 1 else ""
 
     # -- helpers ---------------------------------------------------------------------------
     def sync(self) -> None:
@@ -253,16 +303,13 @@ class _Worker:
             self.torch.cuda.synchronize(self.device)
 
     def barrier(self) -> None:
-        if self.distributed:
-            import torch.distributed as dist
+        import torch.distributed as dist
 
-            self.sync()
-            dist.barrier()
+        self.sync()
+        dist.barrier()
 
     def agree(self, value: float, op: str) -> float:
         """``value`` reduced over the ranks with ``op`` ("min" or "max")."""
-        if not self.distributed:
-            return value
         import torch.distributed as dist
 
         t = self.torch.tensor([value], dtype=self.torch.float64, device=self.device)
@@ -285,17 +332,29 @@ class _Worker:
             stamps.append(time.perf_counter())
         return [b - a for a, b in zip(stamps, stamps[1:])]
 
+    def window_calls(self, fn: Callable[[], Any]) -> int:
+        """Calls of ``fn`` that fill a CPU timing window of ``cpu_window_s``, the same number on
+        every rank (``fn`` may be a collective)."""
+        s = self.settings
+        one = min(self.time_calls(fn, 2))
+        calls = math.ceil(s.cpu_window_s / max(one, 1e-9))
+        return int(self.agree(float(min(max(calls, 1), s.max_window_calls)), "max"))
+
     def median_time(self, fn: Callable[[], Any], repeats: int, warmup: int, iters: int = 1) -> float:
-        """Median seconds per call (each rank's own) over ``repeats`` x ``iters`` timed calls,
-        after ``warmup`` untimed calls; the ranks start each repeat together. Timing each call
-        (not a loop's mean) keeps a call that lost the CPU to another process out of the median."""
+        """Median seconds per call (each rank's own) after ``warmup`` untimed calls; the ranks
+        start each repeat together. CUDA: ``repeats`` x ``iters`` calls each timed alone. CPU:
+        ``repeats`` windows of at least ``cpu_window_s`` (and ``iters`` calls), each giving its
+        mean per call, so that the CPU time lost to processes sharing the cores counts."""
         for _ in range(warmup):
             fn()
         self.sync()
+        if not self.cuda:
+            iters = max(iters, self.window_calls(fn))
         times: list[float] = []
         for _ in range(repeats):
             self.barrier()
-            times += self.time_calls(fn, iters)
+            calls = self.time_calls(fn, iters)
+            times += calls if self.cuda else [sum(calls) / len(calls)]
         return statistics.median(times)
 
     # -- compute ---------------------------------------------------------------------------
@@ -327,16 +386,22 @@ class _Worker:
                 if self.cuda:
                     scale = 1.0  # GPUs are fast for every dtype: keep the shapes that fill them
                 m, k, nn = (max(64, int(x * scale) // 64 * 64) for x in (m, k, nn))
-                a = torch.randn(m, k, device=self.device).to(dtype)
-                b = torch.randn(k, nn, device=self.device).to(dtype)
-                out = torch.empty(m, nn, device=self.device, dtype=dtype)
-                sec = self.median_time(lambda: torch.mm(a, b, out=out), s.repeats, s.warmup)
-                flops = self.agree(2 * m * k * nn / sec, "min")
+                flops = self.matmul_rate(dtype, (m, k, nn))
                 rows.append({"dtype": name, "shape": [m, k, nn], "kind": label, "flops": flops,
                              "repeats": s.repeats})
                 _log(self.rank, f"matmul {name:8s} {label:6s} {m}x{k}x{nn}: {_si(flops, 'FLOP/s')} "
                                 f"(median of {s.repeats}{self.slowest})")
         return rows
+
+    def matmul_rate(self, dtype: Any, shape: tuple[int, int, int]) -> float:
+        """FLOP/s of an (m x k) @ (k x n) matmul of ``dtype``, the slowest rank's median."""
+        torch, s = self.torch, self.settings
+        m, k, n = shape
+        a = torch.randn(m, k, device=self.device).to(dtype)
+        b = torch.randn(k, n, device=self.device).to(dtype)
+        out = torch.empty(m, n, device=self.device, dtype=dtype)
+        sec = self.median_time(lambda: torch.mm(a, b, out=out), s.repeats, s.warmup)
+        return self.agree(2 * m * k * n / sec, "min")
 
     def memory(self) -> list[dict[str, Any]]:
         torch, s = self.torch, self.settings
@@ -355,71 +420,101 @@ class _Worker:
                             f"(median of {s.repeats}{self.slowest})")
         return rows
 
-    # -- collectives -----------------------------------------------------------------------
-    def collective(self, kind: str, nbytes: int) -> Callable[[], Any]:
-        """A closure running ``kind`` on a float32 per-device buffer of ``nbytes`` bytes (the
-        convention of the cost model: all_gather's output, reduce_scatter's input)."""
-        import torch.distributed as dist
-
-        torch, n = self.torch, self.n
-        numel = max(n, nbytes // 4 // n * n)
-        full = torch.ones(numel, device=self.device)
-        part = torch.ones(numel // n, device=self.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        if kind == ALL_REDUCE:
-            return lambda: dist.all_reduce(full)
-        if kind == ALL_GATHER:
-            return lambda: gather(full, part)
-        if kind == REDUCE_SCATTER:
-            return lambda: scatter(part, full)
-        if kind == ALL_TO_ALL:
-            out = torch.empty_like(full)
-            return lambda: dist.all_to_all_single(out, full)
-        raise ValueError(kind)
-
-    def op_overhead(self) -> float:
-        """Seconds one op costs in an emitted program beyond its arithmetic: a training step
-        (forward + backward) of a chain of tiny element-wise ops, run through the same DTensor
-        program autoplan emits, divided by the ops it runs (each op once forward, twice
-        backward, as the cost model counts). Eager dispatch, DTensor's sharding propagation
-        and the interpreter's per-node work are all in it."""
+    def block_steps(self, shape: tuple[int, int, int], mesh: Any) -> tuple[Any, Callable[[], Any], Callable[[], Any]]:
+        """The traced graph of :func:`_block` at ``shape`` and two training steps of it
+        (forward + backward): as the DTensor program autoplan emits on ``mesh`` (one device:
+        no collective), and eagerly."""
         from autoplan.codegen.dtensor_program import build_program
         from autoplan.planner.api import make_options, plan_traced
         from autoplan.planner.load import make_model_spec
         from autoplan.planner.trace import trace
-        from torch.distributed.device_mesh import init_device_mesh
 
-        torch, s = self.torch, self.settings
-        model = _tiny_chain()
-        spec = make_model_spec(model, (torch.ones(self.n, 8),))
-        graph = trace(spec)
-        ops = sum(1 for info in graph.nodes.values() if info.kind == "op")
-        plan = plan_traced(graph, make_options(self.n, "cpu", mesh=(self.n,)))
-        mesh = init_device_mesh(self.device.type, (self.n,))
-        program = build_program(graph, plan, mesh, dict(model.named_parameters()))
-        inputs = (torch.ones(self.n, 8, device=self.device),)
+        model, inputs, loss_fn = _block(self.device, *shape)
+        graph = trace(make_model_spec(model, inputs, loss_fn))
+        plan = plan_traced(graph, make_options(1, "cpu", mesh=(1,)))
+        program = build_program(graph, plan, mesh, {**dict(model.named_parameters()), **dict(model.named_buffers())})
 
-        def step() -> None:
+        def program_step() -> None:  # as train.py: fresh gradients every step
+            program.zero_grad(set_to_none=True)
             program(*inputs)[0].backward()
 
-        sec = self.agree(self.median_time(step, s.repeats, s.warmup), "max") / (3 * ops)
-        _log(self.rank, f"op overhead ({ops} small ops, forward and backward): {sec * 1e6:.1f} us per op "
-                        f"(median{self.slowest})")
-        return sec
+        def eager_step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(*inputs), *inputs).backward()
+
+        return graph, program_step, eager_step
+
+    def ops(self, peaks: dict[str, float]) -> dict[str, Any]:
+        """The per-op overhead (DTensor program and eager; seconds per op pass) of the tiny
+        block, and the op bandwidth fitted to the activation-sized block's step
+        (:func:`fit_op_bandwidth`, with the matmul ``peaks`` measured before)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        s = self.settings
+        own = init_device_mesh(self.device.type, (self.n, 1), mesh_dim_names=("ranks", "own"))["own"]
+        graph, program_step, eager_step = self.block_steps(s.tiny_block, own)
+        passes = (1.0 + BACKWARD_FACTOR) * len(_costed_ops(graph))
+        overhead = self.agree(self.median_time(program_step, s.repeats, s.warmup), "max") / passes
+        eager = self.agree(self.median_time(eager_step, s.repeats, s.warmup), "max") / passes
+        _log(self.rank, f"op overhead (a tiny transformer block, {passes:.0f} op passes): {overhead * 1e6:.1f} us "
+                        f"per op pass as a DTensor program, {eager * 1e6:.1f} us eagerly (median{self.slowest})")
+        shape = s.gpu_block if self.cuda else s.cpu_block
+        graph, program_step, _ = self.block_steps(shape, own)
+        seconds = self.agree(self.median_time(program_step, s.repeats, s.warmup), "max")
+        bandwidth = fit_op_bandwidth(_costed_ops(graph), seconds, peaks, overhead)
+        _log(self.rank, f"op bandwidth (a transformer block, batch {shape[0]}, sequence {shape[1]}, hidden "
+                        f"{shape[2]}: {seconds * 1e3:.2f} ms a step{self.slowest}): "
+                        + (_si(bandwidth, "B/s") if bandwidth else "not fitted (matmuls and overhead explain it)"))
+        return {"op_overhead": overhead, "eager_op_overhead": eager,
+                "block": {"shape": list(shape), "seconds": seconds, "op_bandwidth": bandwidth}}
+
+    # -- collectives -----------------------------------------------------------------------
+    def collective(self, mesh: Any, kind: str, numel: int) -> Callable[[], Any]:
+        """A closure running ``kind`` as a DTensor redistribute on a float32 per-device buffer
+        of ``numel`` elements (the convention of the cost model: all_gather's output,
+        reduce_scatter's input); ``numel`` is a multiple of n²."""
+        from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+        n = self.n
+        local = self.torch.ones(numel // n if kind == ALL_GATHER else numel, device=self.device)
+        source, target = {
+            ALL_REDUCE: ([Partial()], [Replicate()]),
+            ALL_GATHER: ([Shard(0)], [Replicate()]),
+            REDUCE_SCATTER: ([Partial()], [Shard(0)]),
+            ALL_TO_ALL: ([Shard(0)], [Shard(1)]),
+        }[kind]
+        if kind == ALL_TO_ALL:
+            local = local.view(n, numel // n)
+        tensor = DTensor.from_local(local, mesh, source, run_check=False)
+        return lambda: tensor.redistribute(mesh, target)
+
+    def filler(self) -> Callable[[], Any] | None:
+        """CPUs: the small matmul that precedes each timed collective; None on CUDA."""
+        if self.cuda:
+            return None
+        size = self.settings.cpu_filler
+        a = self.torch.randn(size, size)
+        out = self.torch.empty(size, size)
+        return lambda: self.torch.mm(a, a, out=out)
 
     def collectives(self) -> tuple[list[Sample], dict[str, str]]:
+        from torch.distributed.device_mesh import init_device_mesh
+
         s = self.settings
+        mesh = init_device_mesh(self.device.type, (self.n,))
         sizes = s.gpu_sizes if self.cuda else s.sizes
+        filler = self.filler()
+        filler_s = self.median_time(filler, s.repeats, s.warmup) if filler is not None else 0.0
         samples: list[Sample] = []
         skipped: dict[str, str] = {}
         for kind in MEASURED_COLLECTIVES:
             for nbytes in sizes:
-                numel = max(self.n, nbytes // 4 // self.n * self.n)
+                step = self.n * self.n
+                numel = max(step, nbytes // 4 // step * step)
                 real_bytes = numel * 4
                 why = "failed on another rank"
                 try:
-                    fn = self.collective(kind, real_bytes)
+                    fn = self.collective(mesh, kind, numel)
                     fn()
                     self.sync()
                     ok = 1.0
@@ -430,14 +525,25 @@ class _Worker:
                     _log(self.rank, f"{kind}: skipped ({skipped[kind]})")
                     break
                 iters = max(1, min(s.max_iters, s.collective_bytes_per_repeat // real_bytes))
-                sec = self.median_time(fn, s.repeats, s.warmup, iters)
-                sec = self.agree(sec, "max")
+                timed = fn if filler is None else _after(filler, fn)
+                sec = self.median_time(timed, s.repeats, s.warmup, iters) - filler_s
+                sec = self.agree(max(sec, 1e-7), "max")
                 samples.append(Sample(kind, self.n, float(real_bytes), sec))
                 moved = bytes_moved_per_device(kind, real_bytes, self.n)
                 _log(self.rank, f"{kind:14s} {_size(real_bytes):>9s}: {sec * 1e6:10.1f} us  "
-                                f"({_si(moved / sec, 'B/s')} moved per device; median of {s.repeats}x{iters})")
-                del fn
+                                f"({_si(moved / sec, 'B/s')} moved per device; median of {s.repeats})")
+                del fn, timed
         return samples, skipped
+
+
+def _after(first: Callable[[], Any], then: Callable[[], Any]) -> Callable[[], Any]:
+    """A closure calling ``first`` then ``then``."""
+
+    def both() -> Any:
+        first()
+        return then()
+
+    return both
 
 
 def _device_for(rank: int, backend: str) -> Any:
@@ -449,49 +555,111 @@ def _device_for(rank: int, backend: str) -> Any:
     return torch.device("cpu")
 
 
-def _cpu_threads(n: int) -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
-    return max(1, cores // n)
+def _cpu_threads(n: int, default: int) -> int:
+    """Intra-op threads of one of ``n`` processes, as torchrun gives them to train.py:
+    ``OMP_NUM_THREADS`` when set, else 1 when n > 1 (torchrun's default, which keeps n
+    processes from oversubscribing the cores) and torch's ``default`` for one process."""
+    text = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if text.isdigit() and int(text) > 0:
+        return int(text)
+    return 1 if n > 1 else default
 
 
-def _tiny_chain() -> Any:
-    """A chain of small element-wise ops with one parameter, for measuring the per-op
-    overhead (torch is imported here: only the measuring processes need it)."""
+def _block(device: Any, batch: int, seq: int, hidden: int) -> tuple[Any, tuple[Any, ...], Callable[..., Any]]:
+    """A pre-LayerNorm transformer block (causal attention and a GELU MLP, residuals), its
+    input ``(batch, seq, hidden)`` and a mean-square loss: the op mix of the models autoplan
+    plans (torch is imported here: only the measuring processes need it)."""
     import torch
 
-    class Chain(torch.nn.Module):
+    F = torch.nn.functional
+    heads = max(2, hidden // 64)
+
+    class Block(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.scale = torch.nn.Parameter(torch.ones(8))
+            self.ln_1 = torch.nn.LayerNorm(hidden)
+            self.qkv = torch.nn.Linear(hidden, 3 * hidden)
+            self.proj = torch.nn.Linear(hidden, hidden)
+            self.ln_2 = torch.nn.LayerNorm(hidden)
+            self.fc = torch.nn.Linear(hidden, 4 * hidden)
+            self.out = torch.nn.Linear(4 * hidden, hidden)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            for _ in range(8):
-                x = torch.tanh(x * self.scale + 0.1)
-            return x
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2) for z in self.qkv(self.ln_1(x)).split(c, 2))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+            x = x + self.proj(y)
+            return x + self.out(F.gelu(self.fc(self.ln_2(x))))
 
-    return Chain()
+    torch.manual_seed(0)
+    model = Block().to(device)
+    x = torch.randn(batch, seq, hidden, device=device)
+    return model, (x,), lambda out, inp: ((out - inp) ** 2).mean()
 
 
-def _measure(rank: int, n: int, settings: CalibrateSettings, distributed: bool) -> dict[str, Any]:
+def _costed_ops(graph: Any) -> list[Any]:
+    """The op nodes the cost model charges (a ``getitem`` costs nothing)."""
+    return [info for info in graph.nodes.values() if info.kind == "op" and info.target != "getitem"]
+
+
+def fit_op_bandwidth(nodes: Sequence[Any], seconds: float, peaks: dict[str, float], overhead_s: float,
+                     lowest: float = 1e6, highest: float = 1e15) -> float:
+    """The op bandwidth (bytes/s) at which the cost model predicts ``seconds`` for a training
+    step of ``nodes`` (:class:`~autoplan.planner.graph.NodeInfo` of op nodes, all needing
+    gradients): ``Σ (1 + BACKWARD_FACTOR) · (roofline(flops, moved bytes) + overhead_s)`` with
+    the matmul ``peaks`` (FLOP/s by dtype), as :func:`autoplan.planner.costing.op_cost` charges
+    one device. The prediction falls as the bandwidth grows; the root is bisected (in log
+    space) between ``lowest`` and ``highest``. 0.0 when even ``highest`` predicts more than
+    ``seconds`` (the matmuls and the overhead explain the step: no rate can be told); ``lowest``
+    when even it predicts less."""
+    from autoplan.planner.costing import moved_bytes
+
+    def predicted(bandwidth: float) -> float:
+        device = DeviceSpec("fit", peaks, bandwidth, 1.0, overhead_s)
+        return sum((1.0 + BACKWARD_FACTOR) * (roofline_time(info.flops, moved_bytes(info), device,
+                                                            info.dtype or "float32") + overhead_s)
+                   for info in nodes)
+
+    if predicted(highest) >= seconds:
+        return 0.0
+    if predicted(lowest) <= seconds:
+        return lowest
+    lo, hi = math.log(lowest), math.log(highest)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if predicted(math.exp(mid)) > seconds:
+            lo = mid
+        else:
+            hi = mid
+    return math.exp((lo + hi) / 2)
+
+
+def _peaks(rows: list[dict[str, Any]]) -> dict[str, float]:
+    """The best matmul rate of each dtype (as :attr:`Calibration.peak_flops`)."""
+    peaks: dict[str, float] = {}
+    for row in rows:
+        peaks[row["dtype"]] = max(peaks.get(row["dtype"], 0.0), row["flops"])
+    return peaks
+
+
+def _measure(rank: int, n: int, settings: CalibrateSettings) -> dict[str, Any]:
     import torch
 
-    backend = settings.backend
-    device = _device_for(rank, backend)
+    device = _device_for(rank, settings.backend)
     threads = 0
     if device.type == "cpu":
-        threads = _cpu_threads(n)
+        threads = _cpu_threads(n, torch.get_num_threads())
         torch.set_num_threads(threads)
-    worker = _Worker(rank, n, settings, device, distributed)
+    worker = _Worker(rank, n, settings, device)
     result: dict[str, Any] = {"threads": threads, "matmul": worker.matmul(), "bandwidth": worker.memory(),
                               "samples": [], "skipped": {}}
-    if distributed:
-        result["op_overhead"] = worker.op_overhead()
+    result.update(worker.ops(_peaks(result["matmul"])))
+    if n > 1:
         samples, skipped = worker.collectives()
         result["samples"] = [asdict(x) for x in samples]
         result["skipped"] = skipped
+    first = result["matmul"][0]  # float32, square: measured again, to tell whether the load changed
+    result["matmul_again"] = worker.matmul_rate(torch.float32, tuple(first["shape"]))
     return result
 
 
@@ -506,7 +674,7 @@ def _spawned(rank: int, n: int, settings: CalibrateSettings, store: str, result_
         _device_for(rank, "nccl")
     dist.init_process_group(settings.backend, init_method=f"file://{store}", rank=rank, world_size=n)
     try:
-        result = _measure(rank, n, settings, True)
+        result = _measure(rank, n, settings)
         if rank == 0:
             Path(result_path).write_text(json.dumps(result))
         dist.barrier()
@@ -558,6 +726,7 @@ def resolve_backend(backend: str, devices: int) -> str:
 def calibrate(settings: CalibrateSettings) -> Calibration:
     """Measure this machine with ``settings.devices`` processes (see the module docstring)."""
     import torch
+    import torch.multiprocessing as mp
 
     n = settings.devices
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
@@ -573,28 +742,21 @@ def calibrate(settings: CalibrateSettings) -> Calibration:
         kind, name, memory = "cpu", _cpu_name(), _ram_bytes() / n
     print(f"calibrate: measuring {n} {'process' if n == 1 else 'processes'} ({backend}) on {name}"
           + (f"; load average {load:.2f} at the start" if load is not None else ""), file=sys.stderr, flush=True)
-    if n == 1:
-        threads_before = torch.get_num_threads()
+    with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
+        result_path = os.path.join(tmp, "result.json")
         try:
-            result = _measure(0, 1, settings, False)
-        finally:
-            torch.set_num_threads(threads_before)
-    else:
-        import torch.multiprocessing as mp
-
-        with tempfile.TemporaryDirectory(prefix="autoplan-calibrate-") as tmp:
-            result_path = os.path.join(tmp, "result.json")
-            try:
-                mp.spawn(_spawned, args=(n, settings, os.path.join(tmp, "store"), result_path), nprocs=n, join=True)
-            except Exception as exc:  # a worker died: its traceback is on stderr already
-                last = [l for l in str(exc).strip().splitlines() if l.strip()]
-                raise AutoplanError(f"a measuring process failed: {last[-1] if last else type(exc).__name__}") from None
-            result = json.loads(Path(result_path).read_text())
+            mp.spawn(_spawned, args=(n, settings, os.path.join(tmp, "store"), result_path), nprocs=n, join=True)
+        except Exception as exc:  # a worker died: its traceback is on stderr already
+            last = [l for l in str(exc).strip().splitlines() if l.strip()]
+            raise AutoplanError(f"a measuring process failed: {last[-1] if last else type(exc).__name__}") from None
+        result = json.loads(Path(result_path).read_text())
     return Calibration(
         devices=n, backend=backend, device_kind=kind, device_name=name, threads=result["threads"],
         memory_bytes=memory, matmul=result["matmul"], bandwidth=result["bandwidth"],
         samples=[Sample(**x) for x in result["samples"]], skipped=dict(result["skipped"]),
-        seconds=time.perf_counter() - start, load_average=load, op_overhead_s=float(result.get("op_overhead", 0.0)),
+        seconds=time.perf_counter() - start, load_average=load, op_overhead_s=float(result["op_overhead"]),
+        eager_op_overhead_s=float(result["eager_op_overhead"]), block=dict(result["block"]),
+        matmul_again=float(result["matmul_again"]),
     )
 
 
@@ -616,6 +778,12 @@ def _base_preset(cal: Calibration) -> ClusterSpec:
     return presets["h100"]
 
 
+def _drift_text(cal: Calibration) -> str:
+    return (f"the first matmul ran at {_si(cal.matmul[0]['flops'], 'FLOP/s')} at the start and "
+            f"{_si(cal.matmul_again, 'FLOP/s')} at the end: the machine's load changed while measuring; "
+            f"calibrate again on an idle machine")
+
+
 def calibration_cluster(cal: Calibration, name: str | None = None) -> ClusterSpec:
     """The cluster spec the measurement gives: one node of ``cal.devices`` devices."""
     base = _base_preset(cal)
@@ -626,9 +794,27 @@ def calibration_cluster(cal: Calibration, name: str | None = None) -> ClusterSpe
     peaks = {k: _round(v) for k, v in cal.peak_flops.items()}
     device_name = "cpu" if cal.device_kind == "cpu" else cal.device_name
     device = DeviceSpec(device_name, peaks, _round(cal.memory_bandwidth), float(int(cal.memory_bytes)),
-                        _round(cal.op_overhead_s))
+                        _round(cal.op_overhead_s), _round(cal.op_bandwidth))
     host = socket.gethostname().split(".")[0] or "this-machine"
     return ClusterSpec(name or f"{host}-{cal.devices}x{cal.device_kind}", device, cal.devices, intra, inter)
+
+
+def _op_comments(cal: Calibration) -> list[str]:
+    """Comment lines on the per-op overhead (op_overhead_us) and the op bandwidth (op_bandwidth_gbps)."""
+    lines: list[str] = []
+    if cal.op_overhead_s:
+        lines += [f"# per-op overhead (a tiny transformer block's training step, per op pass): {cal.op_overhead_s * 1e6:.3g} us",
+                  ("#   as the DTensor program autoplan emits (written as op_overhead_us); "
+                   f"{cal.eager_op_overhead_s * 1e6:.3g} us eagerly (DDP, parallelize_module).")]
+    if cal.block:
+        batch, seq, hidden = cal.block["shape"]
+        fitted = (f"{_si(cal.op_bandwidth, 'B/s')} (written as op_bandwidth_gbps)" if cal.op_bandwidth
+                  else "none fits (matmuls and overhead explain the step): memory_bandwidth_gbps applies")
+        lines += [(f"# op bandwidth: a transformer block (batch {batch}, sequence {seq}, hidden {hidden}) takes "
+                   f"{cal.block['seconds'] * 1e3:.3g} ms a step as the DTensor program;"),
+                  ("#   the cost model predicts that with matmuls at the float32 peak, the per-op overhead and the ops' "
+                   f"bytes at {fitted}.")]
+    return lines
 
 
 def calibration_toml(cal: Calibration, name: str | None = None) -> str:
@@ -648,6 +834,8 @@ def calibration_toml(cal: Calibration, name: str | None = None) -> str:
     ]
     if cal.load_average is not None:
         head.append(f"# Load average at the start: {cal.load_average:.2f} (other processes may have slowed it).")
+    if cal.drift > DRIFT_WARNING:
+        head.append(f"# WARNING: {_drift_text(cal)}")
     if cal.device_kind == "cpu":
         head.append(f"# device.memory_gb: the machine's RAM divided by {cal.devices}.")
     head += ["#", "# matmul (M x K x N):"]
@@ -655,6 +843,7 @@ def calibration_toml(cal: Calibration, name: str | None = None) -> str:
              for r in cal.matmul]
     head += ["# memory bandwidth (bytes moved / time):"]
     head += [f"#   {r['op']:4s} {_size(r['bytes'])}: {_si(r['bytes_per_s'], 'B/s')}" for r in cal.bandwidth]
+    head += _op_comments(cal)
     if cal.devices > 1:
         head += ["#", "# collectives: alpha-beta fit of t = latency_steps*alpha + bytes_moved_per_device/bandwidth",
                  "# (autoplan.cost_models.communication's ring model; least squares on relative errors):"]
@@ -758,5 +947,7 @@ def run_calibrate(argv: Sequence[str]) -> int:
           f"{_si(cluster.inter_node.bandwidth, 'B/s')}, latency {cluster.inter_node.latency * 1e6:.3g} us")
     for kind, reason in cal.skipped.items():
         print(f"skipped {kind}: {reason}")
+    if cal.drift > DRIFT_WARNING:
+        print(f"warning: {_drift_text(cal)}")
     print(f"wrote {out} in {cal.seconds:.1f} s")
     return 0

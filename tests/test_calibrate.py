@@ -16,12 +16,22 @@ from autoplan.calibrate import (
     MEASURED_COLLECTIVES,
     Calibration,
     Sample,
+    _cpu_threads,
     calibration_cluster,
     calibration_toml,
     fit_alpha_beta,
+    fit_op_bandwidth,
 )
 from autoplan.cli import main, run
-from autoplan.cost_models import ALL_REDUCE, ALL_TO_ALL, LinkSpec, collective_time, load_cluster
+from autoplan.cost_models import (
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    BACKWARD_FACTOR,
+    LinkSpec,
+    collective_time,
+    load_cluster,
+)
+from autoplan.planner.graph import NodeInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
@@ -99,6 +109,44 @@ def test_toml_reads_back_with_the_fits_as_comments(tmp_path: Path) -> None:
     assert "# inter_node: not measured" in text
 
 
+def _node(target: str, flops: float, nbytes: float) -> NodeInfo:
+    return NodeInfo("n", "op", target, (4, 4), "float32", 4, flops, nbytes, "", "", ())
+
+
+def test_op_bandwidth_fit_inverts_the_cost_model() -> None:
+    nodes = [_node("aten.linear.default", 2e9, 1e6), _node("aten.gelu.default", 0.0, 4e7),
+             _node("aten.view.default", 0.0, 4e7),  # a view moves nothing: it only costs its overhead
+             _node("aten.layer_norm.default", 0.0, 2e7)]
+    peaks, overhead, bandwidth = {"float32": 1e11}, 2e-5, 2e9
+    seconds = (1 + BACKWARD_FACTOR) * (2e9 / 1e11 + 6e7 / bandwidth + 4 * overhead)
+    assert fit_op_bandwidth(nodes, seconds, peaks, overhead) == pytest.approx(bandwidth, rel=1e-9)
+    # The matmul and the overhead alone take longer than measured: no rate can be told.
+    assert fit_op_bandwidth(nodes, (1 + BACKWARD_FACTOR) * 2e9 / 1e11, peaks, overhead) == 0.0
+    assert fit_op_bandwidth(nodes, 1e6, peaks, overhead, lowest=1e6) == 1e6  # slower than any rate: clamped
+
+
+def test_threads_follow_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert _cpu_threads(1, 8) == 8 and _cpu_threads(2, 8) == 1 and _cpu_threads(4, 8) == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert _cpu_threads(1, 8) == 3 and _cpu_threads(4, 8) == 3
+
+
+def test_toml_carries_the_op_figures_and_warns_of_drift(tmp_path: Path) -> None:
+    cal = _fake_calibration()
+    cal.op_overhead_s, cal.eager_op_overhead_s = 52.3e-6, 7.4e-6
+    cal.block = {"shape": [16, 64, 256], "seconds": 0.059, "op_bandwidth": 3.41e9}
+    text = calibration_toml(cal, "fake")
+    assert "op_overhead_us = 52.3" in text and "op_bandwidth_gbps = 3.41" in text
+    assert "7.4 us eagerly" in text and "batch 16, sequence 64, hidden 256" in text
+    assert "WARNING" not in text
+    path = tmp_path / "fake.toml"
+    path.write_text(text)
+    assert load_cluster(str(path)).device.op_bandwidth == 3.41e9
+    cal.matmul_again = cal.matmul[0]["flops"] / 2
+    assert "# WARNING: the first matmul ran at" in calibration_toml(cal, "fake")
+
+
 def test_one_device_keeps_the_preset_links(tmp_path: Path) -> None:
     cal = _fake_calibration(devices=1)
     cluster = calibration_cluster(cal)
@@ -142,6 +190,7 @@ def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.
     assert all(1e7 < v < 1e14 for v in dev.peak_flops.values()) and "bfloat16" in dev.peak_flops
     assert 1e8 < dev.memory_bandwidth < 1e13
     assert 1e8 < dev.memory_bytes < 1e13
+    assert 0 < dev.op_overhead_s < 0.1 and 0 <= dev.op_bandwidth < 1e13
     intra = cluster.intra_node
     assert 1e7 < intra.bandwidth < 1e12 and 0 <= intra.latency < 0.1
     assert cluster.inter_node.bandwidth > 0 and cluster.inter_node.latency >= 0

@@ -445,6 +445,53 @@ def test_roofline_picks_the_bound() -> None:
     assert roofline_time(1e12, 1e9, dev, "torch.bfloat16") == pytest.approx(0.25)
 
 
+def test_op_bandwidth_is_the_memory_term_and_defaults_to_the_memory_bandwidth() -> None:
+    plain = DeviceSpec("d", {"float32": 1e12}, memory_bandwidth=1e11, memory_bytes=1e9)
+    assert plain.op_bandwidth == 0.0 and plain.activation_bandwidth == 1e11
+    measured = DeviceSpec("d", {"float32": 1e12}, memory_bandwidth=1e11, memory_bytes=1e9, op_bandwidth=5e10)
+    assert measured.activation_bandwidth == 5e10
+    assert roofline_time(1e9, 1e11, measured, "float32") == pytest.approx(2.0)  # memory bound at the op rate
+    assert roofline_time(1e12, 1e9, measured, "float32") == pytest.approx(1.0)  # compute bound: unchanged
+    for name in PRESET_NAMES:  # the presets keep the streaming bandwidth
+        dev = load_cluster(name).device
+        assert dev.op_bandwidth == 0.0 and dev.activation_bandwidth == dev.memory_bandwidth
+
+
+def test_op_bandwidth_round_trips_and_presets_write_no_key(tmp_path: Path) -> None:
+    assert "op_bandwidth" not in load_cluster("h100").to_toml()
+    dev = DeviceSpec("cpu", {"float32": 1.6e11}, 1.4e10, 12e9, op_overhead_s=5.2e-5, op_bandwidth=3.4e9)
+    cluster = ClusterSpec("c", dev, 2, LinkSpec(6e8, 7e-4), LinkSpec(6e8, 7e-4))
+    text = cluster.to_toml()
+    assert "op_bandwidth_gbps = 3.4" in text
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_cluster(str(path)) == cluster
+    assert ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+    path.write_text(text.replace("op_bandwidth_gbps = 3.4", "op_bandwidth_gbps = -1"))
+    with pytest.raises(AutoplanError, match="device.op_bandwidth_gbps"):
+        load_cluster(str(path))
+
+
+def test_backward_factor_is_the_planners_default() -> None:
+    from autoplan.planner.costing import CostContext
+
+    ctx = CostContext((1,), (LinkSpec(1e9, 0.0),), load_cluster("cpu").device, OptimizerSpec())
+    assert ctx.backward_factor == cm.BACKWARD_FACTOR
+
+
+def test_views_move_no_bytes() -> None:
+    from autoplan.planner.costing import moved_bytes
+    from autoplan.planner.graph import NodeInfo
+
+    def node(target: str) -> NodeInfo:
+        return NodeInfo("n", "op", target, (8, 8), "float32", 4, 0.0, 512.0, "", "", ())
+
+    for target in ("aten.view.default", "aten.transpose.int", "aten.split.Tensor", "aten.t.default"):
+        assert moved_bytes(node(target)) == 0.0
+    for target in ("aten.add.Tensor", "aten.gelu.default", "aten.clone.default", "aten.contiguous.default"):
+        assert moved_bytes(node(target)) == 512.0
+
+
 def test_optimizer_state_bytes() -> None:
     assert OptimizerSpec("adam").state_bytes_per_param(4) == (4, 4, 8)
     mixed = OptimizerSpec("adam", mixed_precision=True)

@@ -20,7 +20,7 @@ from .communication import (
     reshard_time,
     steps_time,
 )
-from .compute import roofline_time
+from .compute import BACKWARD_FACTOR, roofline_time
 from .hardware import DeviceSpec, LinkSpec, dtype_name, parse_memory_size
 from .memory import OptimizerSpec, optimizer_step_time
 from .presets import PRESET_NAMES, load_cluster, preset_table
@@ -29,6 +29,7 @@ __all__ = [
     "ALL_GATHER",
     "ALL_REDUCE",
     "ALL_TO_ALL",
+    "BACKWARD_FACTOR",
     "COLLECTIVE_KINDS",
     "PRESET_NAMES",
     "REDUCE_SCATTER",

@@ -10,6 +10,8 @@ TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` read
     name = "h100"
     memory_gb = 80             # decimal GB
     memory_bandwidth_gbps = 3350   # GB/s
+    op_overhead_us = 0         # optional: microseconds one op costs beyond its roofline (dispatch)
+    op_bandwidth_gbps = 0      # optional: GB/s ops achieve on activations (0: memory_bandwidth_gbps)
     [device.peak_tflops]
     float32 = 67
     bfloat16 = 989
@@ -92,6 +94,7 @@ class ClusterSpec:
                 "memory_bandwidth": self.device.memory_bandwidth,
                 "memory_bytes": self.device.memory_bytes,
                 "op_overhead_s": self.device.op_overhead_s,
+                "op_bandwidth": self.device.op_bandwidth,
             },
             "intra_node": {"bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
             "inter_node": {"bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
@@ -109,6 +112,7 @@ class ClusterSpec:
                 memory_bandwidth=float(dev["memory_bandwidth"]),
                 memory_bytes=float(dev["memory_bytes"]),
                 op_overhead_s=float(dev.get("op_overhead_s", 0.0)),
+                op_bandwidth=float(dev.get("op_bandwidth", 0.0)),
             ),
             devices_per_node=int(data["devices_per_node"]),
             intra_node=LinkSpec(float(data["intra_node"]["bandwidth"]), float(data["intra_node"]["latency"])),
@@ -127,6 +131,7 @@ class ClusterSpec:
             f"memory_gb = {_to_unit(dev.memory_bytes, _GIGA)}",
             f"memory_bandwidth_gbps = {_to_unit(dev.memory_bandwidth, _GIGA)}",
             f"op_overhead_us = {_to_unit(dev.op_overhead_s, _MICRO)}",
+            *([f"op_bandwidth_gbps = {_to_unit(dev.op_bandwidth, _GIGA)}"] if dev.op_bandwidth else []),
             "",
             "[device.peak_tflops]",
             *(f"{_toml_key(k)} = {_to_unit(v, _TERA)}" for k, v in dev.peak_flops.items()),
@@ -196,7 +201,7 @@ class _TomlReader:
     """Turns parsed TOML into a ClusterSpec, reporting the first problem by file and key."""
 
     _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
-    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "peak_tflops")
+    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "op_bandwidth_gbps", "peak_tflops")
     _LINK = ("bandwidth_gbps", "latency_us")
 
     def __init__(self, source: str, presets: Mapping[str, ClusterSpec]) -> None:
@@ -255,6 +260,9 @@ class _TomlReader:
             ),
             op_overhead_s=self._number(
                 table, "op_overhead_us", "device.op_overhead_us", _MICRO, False, base.op_overhead_s if base else 0.0
+            ),
+            op_bandwidth=self._number(
+                table, "op_bandwidth_gbps", "device.op_bandwidth_gbps", _GIGA, False, base.op_bandwidth if base else 0.0
             ),
         )
 

@@ -47,6 +47,13 @@ class DeviceSpec:
     bytes/s; ``memory_bytes`` the memory per device in bytes; ``op_overhead_s`` the time one op
     costs beyond its roofline (eager dispatch, DTensor's sharding propagation), which
     ``autoplan calibrate`` measures and which dominates small models on CPUs.
+
+    ``op_bandwidth`` is the rate, in bytes/s, at which the ops of a training step read and write
+    their activations, as ``autoplan calibrate`` measures it on a mix of element-wise,
+    normalisation and softmax ops (forward and backward) at activation sizes. It differs from
+    the streaming ``memory_bandwidth`` where tensors fit in cache or where an op's arithmetic
+    (GELU's ``erf``, a softmax's ``exp``) rather than memory bounds it. 0 (the presets) means
+    ``memory_bandwidth``; :attr:`activation_bandwidth` resolves it.
     """
 
     name: str
@@ -54,6 +61,7 @@ class DeviceSpec:
     memory_bandwidth: float
     memory_bytes: float
     op_overhead_s: float = 0.0  # host-side seconds to launch one op (dispatch); 0 for the GPU presets
+    op_bandwidth: float = 0.0  # bytes/s ops achieve on activations; 0: memory_bandwidth (the presets)
 
     def __post_init__(self) -> None:
         # Own a private copy so that mutating the caller's dict cannot change a frozen spec.
@@ -64,6 +72,12 @@ class DeviceSpec:
 
     def __hash__(self) -> int:
         return hash((self.name, tuple(sorted(self.peak_flops.items())), self.memory_bandwidth, self.memory_bytes))
+
+    @property
+    def activation_bandwidth(self) -> float:
+        """Bytes/s of an op's memory traffic: ``op_bandwidth`` where measured, else
+        ``memory_bandwidth``."""
+        return self.op_bandwidth if self.op_bandwidth > 0 else self.memory_bandwidth
 
     def peak(self, dtype: object) -> float:
         """Peak FLOP/s for ``dtype``; a dtype the device does not list gets the float32 peak."""

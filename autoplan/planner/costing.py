@@ -122,11 +122,33 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
     return NodeCost(memory=MemoryParts(activations=elements * info.itemsize * ctx.activations_in_flight))
 
 
+#: ATen ops whose output is a view of their input: they move no memory, only dispatch costs.
+#: (``reshape``/``flatten`` copy when the strides do not allow a view; export's training IR
+#: records an explicit ``clone``/``contiguous`` where a copy is needed.)
+ALIASING_OPS = frozenset((
+    "view", "_unsafe_view", "reshape", "flatten", "unflatten", "expand", "expand_as", "view_as", "transpose",
+    "permute", "t", "unsqueeze", "squeeze", "alias", "detach", "slice", "select", "split", "split_with_sizes",
+    "chunk", "unbind",
+))
+
+
+def moved_bytes(info: NodeInfo) -> float:
+    """Bytes an op node reads and writes: the traced count, or none for a view."""
+    parts = info.target.split(".")
+    name = parts[1] if len(parts) > 1 and parts[0] == "aten" else info.target
+    return 0.0 if name in ALIASING_OPS else info.bytes
+
+
 def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inputs: list[bool],
             needs_grad: bool, saves_output: bool, ctx: CostContext) -> NodeCost:
-    """An op node under ``strategy``. ``grad_inputs[i]`` says whether input i needs a gradient."""
+    """An op node under ``strategy``. ``grad_inputs[i]`` says whether input i needs a gradient.
+
+    Forward: the roofline of the node's FLOPs and moved bytes (:func:`moved_bytes`; the memory
+    term at the device's :attr:`~autoplan.cost_models.DeviceSpec.activation_bandwidth`) split
+    over the shards, plus the device's per-op overhead; the backward costs ``backward_factor``
+    forwards."""
     shards = strategy.compute_shards
-    forward = roofline_time(info.flops / shards, info.bytes / shards, ctx.device, info.dtype or "float32")
+    forward = roofline_time(info.flops / shards, moved_bytes(info) / shards, ctx.device, info.dtype or "float32")
     backward = (ctx.backward_factor + (1.0 if ctx.remat else 0.0)) if needs_grad else 0.0
     compute = (forward + ctx.device.op_overhead_s) * (1.0 + backward) * ctx.microbatches
     comm = steps_seconds(backward_reduction_steps(info, strategy), ctx) * ctx.microbatches if needs_grad else 0.0

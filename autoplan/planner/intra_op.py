@@ -26,7 +26,15 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from autoplan.planner.costing import CostContext, NodeCost, edge_cost, is_floating, op_cost, storage_cost
+from autoplan.planner.costing import (
+    ALIASING_OPS,
+    CostContext,
+    NodeCost,
+    edge_cost,
+    is_floating,
+    op_cost,
+    storage_cost,
+)
 from autoplan.planner.graph import NodeInfo, TracedGraph
 from autoplan.planner.index_maps import index_map_for, op_name
 from autoplan.planner.layers import NodeClasses
@@ -40,11 +48,8 @@ from autoplan.planner.strategies import (
 from autoplan.sharding import R, ShardingSpec
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 
-VIEW_OPS = frozenset(
-    """view _unsafe_view reshape flatten unflatten expand expand_as view_as transpose permute t
-    unsqueeze squeeze alias detach slice select split split_with_sizes chunk unbind getitem
-    contiguous""".split()
-)
+# ops whose output the backward does not need saved: views, and copies of the same values
+VIEW_OPS = ALIASING_OPS | {"getitem", "contiguous"}
 
 
 STORED_KINDS = ("parameter", "buffer", "input", "constant", "activation")
