@@ -219,6 +219,8 @@ def run_case(name: str, world: int) -> dict:
         "planned_forward": planned_collectives(plan, "forward"),
         "executed_backward": _counts(bwd),
         "planned_backward": planned_collectives(plan, "backward"),
+        # the plan's, with the bucketed gradient all-reduces counted per bucket
+        "expected_backward": program.observable_collectives("backward"),
         "redistributed_forward": redistribution_collectives(redistributions),
         "redistributions": redistributions,
         "planned_where": [(c.kind, c.where, c.count) for c in plan.collectives_in("forward")],

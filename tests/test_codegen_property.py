@@ -123,7 +123,7 @@ def check_assignment(module, kwargs, mesh, graph, reference, choices: list[int])
                  "strategies": sorted({n.strategy for n in plan.nodes}),
                  "executed": {"forward": _counts(fwd), "backward": _counts(bwd)},
                  "planned": {"forward": planned_collectives(plan, "forward"),
-                             "backward": planned_collectives(plan, "backward")},
+                             "backward": program.observable_collectives("backward")},
                  "redistributions": list(program.redistributions), "bad": []}
     diffs: dict[str, float] = {}
 

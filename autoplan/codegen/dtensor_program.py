@@ -31,7 +31,7 @@ from __future__ import annotations
 import operator
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx
@@ -48,6 +48,9 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.errors import AutoplanError
+
+if TYPE_CHECKING:
+    from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.planner.graph import TracedGraph
 from autoplan.planner.plan import NodePlan, Plan
 from autoplan.sharding import parse_placement
@@ -353,7 +356,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", _spec_text(before.placements), _spec_text(after.placements)))
-            if pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos]:
+            if pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos] \
+                    and a.name not in self.program.deferred_gradients:
                 after = _reduce_gradient_on_edge(before, after)
             arrived[a] = after
         args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
@@ -408,6 +412,10 @@ class ShardedProgram(torch.nn.Module):
         # (edge, from, to) of every redistribution the last forward did, to see where
         # collectives come from
         self.redistributions: list[tuple[str, str, str]] = []
+        # parameters (placeholder names) whose gradient reduction a GradientBuckets runs
+        # after the backward instead of on their edges, and those buckets
+        self.deferred_gradients: set[str] = set()
+        self.gradient_buckets: GradientBuckets | None = None
         self._interpreter = _PlanInterpreter(self)
 
     @staticmethod
@@ -421,6 +429,15 @@ class ShardedProgram(torch.nn.Module):
                 if spec.target in consts:
                     out[spec.arg.name] = consts[spec.target]
         return out
+
+    def observable_collectives(self, phase: str) -> dict[str, int]:
+        """What ``CommDebugMode`` should count in ``phase``: the plan's collectives, with the
+        bucketed gradient all-reduces counted per bucket (:mod:`gradient_buckets`)."""
+        counts = planned_collectives(self.plan, phase)
+        if phase == "backward" and self.gradient_buckets is not None:
+            buckets = self.gradient_buckets
+            counts["all_reduce"] = counts.get("all_reduce", 0) - buckets.replaced() + buckets.launched()
+        return {kind: n for kind, n in counts.items() if n}
 
     def tensor(self, fqn: str) -> torch.Tensor:
         """The distributed parameter (or buffer) under ``fqn`` (a tied FQN gives the shared one)."""

@@ -80,8 +80,14 @@ class ParallelModule(torch.nn.Module):
         self.program = program
         self.plan = plan
         self.device_type = device_type
+        buckets = None
+        if isinstance(program, ShardedProgram):
+            from autoplan.codegen.gradient_buckets import GradientBuckets
+
+            buckets = program.gradient_buckets = GradientBuckets(program)
         for param in {id(p): p for p in program.parameters()}.values():
-            param.register_post_accumulate_grad_hook(_reduce_gradient)
+            if buckets is None or not buckets.owns(param):
+                param.register_post_accumulate_grad_hook(_reduce_gradient)
 
     @property
     def mesh(self) -> DeviceMesh:
