@@ -110,40 +110,44 @@ def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
 def _redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
     """Bring one op input to the placements the plan chose for it; in the backward, bring its
     gradient to the producer's placement (:class:`_PlannedRedistribute`)."""
-    if not (isinstance(value, DTensor) and value.requires_grad):
-        return _redistribute_value(value, specs, mesh)
-    with torch.no_grad():
-        probe = _redistribute_value(value.detach(), specs, mesh)
-    if probe.placements == value.placements and probe.shape == value.shape:
-        return value
-    return _PlannedRedistribute.apply(value, probe)
+    if isinstance(value, DTensor) and value.requires_grad and specs is not None and _changes(value, specs):
+        return _PlannedRedistribute.apply(value, specs, mesh)
+    return _redistribute_value(value, specs, mesh)
+
+
+def _changes(value: DTensor, specs: list[str]) -> bool:
+    """Whether ``specs`` ask a floating DTensor for other placements ("P" keeps a partial one)."""
+    target = _target(specs)
+    return len(target) != len(value.placements) or any(
+        not (isinstance(t, Partial) and isinstance(c, Partial)) and t != c for c, t in zip(value.placements, target))
 
 
 class _PlannedRedistribute(torch.autograd.Function):
     """One edge of the plan as one autograd node: the forward is the planned resharding
-    (computed already, passed in as ``resharded``); the backward brings the incoming gradient,
-    whatever placement the consumer's backward left it in (partial sums included), straight
-    to the producer's placement with partial → replicated, in one DTensor redistribution: the
-    collectives the plan costs for the edge's backward (``g_dst → g_src``), no more.
+    (:func:`_redistribute_value`, run without recording its steps); the backward brings the
+    incoming gradient, whatever placement the consumer's backward left it in (partial sums
+    included), straight to the producer's placement with partial → replicated, in one DTensor
+    redistribution: the collectives the plan costs for the edge's backward (``g_dst → g_src``),
+    no more.
 
     (DTensor's own chain of redistributions and local conversions would each convert the
     gradient back in turn, and let a partial gradient flow on unreduced into the producer's
     backward, reducing it wherever a later step first needs it, often in another collective.)"""
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, resharded: DTensor) -> DTensor:  # type: ignore[override]
+    def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh) -> DTensor:  # type: ignore[override]
         ctx.target = tuple(Replicate() if p.is_partial() else p for p in value.placements)
-        ctx.mesh = value.device_mesh
-        return resharded.view_as(resharded)
+        ctx.mesh = mesh
+        return _redistribute_value(value, specs, mesh)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:  # type: ignore[override]
         if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.target:
             # Redistribute gives the gradient's GLOBAL stride to the contiguous LOCAL result of
             # its collective: gradients of transposed values must be made contiguous first
             grad = _contiguous(grad) if not grad.is_contiguous() else grad
             grad = grad.redistribute(ctx.mesh, ctx.target)
-        return grad, None
+        return grad, None, None
 
 
 def _reduce_gradient_on_edge(before: Any, after: Any) -> Any:
