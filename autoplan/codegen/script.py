@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from autoplan.codegen.runtime import init_distributed, parallelize_spec
 from autoplan.errors import AutoplanError
@@ -72,13 +73,22 @@ def main() -> int:
     return 0
 
 
+def shutdown() -> None:
+    """Leave together: no rank tears its connections down while another still uses them."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     try:
-        sys.exit(main())
+        code = main()
     except AutoplanError as e:
         if os.environ.get("RANK", "0") == "0":  # one line, not one per process
             print(f"autoplan: error: {{e}}", file=sys.stderr, flush=True)
         sys.exit(2)
+    shutdown()
+    sys.exit(code)
 '''
 
 
