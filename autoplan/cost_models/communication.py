@@ -19,6 +19,7 @@ and nothing at all when n == 1.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -133,6 +134,19 @@ def reshard_steps(
     itemsize: int,
     mesh_shape: tuple[int, ...],
 ) -> list[CollectiveStep]:
+    """See :func:`_reshard_steps` (memoised: planning asks for the same few pairs of specs
+    and shapes many times)."""
+    return list(_reshard_steps(tuple(src), tuple(dst), tuple(shape), itemsize, tuple(mesh_shape)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _reshard_steps(
+    src: ShardingSpec,
+    dst: ShardingSpec,
+    shape: tuple[int, ...],
+    itemsize: int,
+    mesh_shape: tuple[int, ...],
+) -> tuple[CollectiveStep, ...]:
     """The collectives that turn a tensor of global ``shape`` (``itemsize`` bytes per element)
     from spec ``src`` into spec ``dst``, as the emitted program runs them.
 
@@ -161,7 +175,7 @@ def reshard_steps(
         if kind is not None and mesh_shape[axis] > 1:
             after = float(math.prod(local_shape(shape, tuple(cur), mesh_shape)) * itemsize)
             steps.append(CollectiveStep(kind, axis, after if kind == ALL_GATHER else before))
-    return steps
+    return tuple(steps)
 
 
 def steps_time(steps: Iterable[CollectiveStep], mesh_shape: tuple[int, ...], links: tuple[LinkSpec, ...]) -> float:

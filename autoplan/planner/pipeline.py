@@ -56,7 +56,7 @@ from autoplan.planner.plan import (
     Prediction,
     StagePlan,
 )
-from autoplan.planner.subgraph import boundary_values, extract
+from autoplan.planner.subgraph import extract
 from autoplan.planner.trace import trace
 from autoplan.solvers import evaluate, format_bytes, format_seconds
 from autoplan.solvers.intra_op import IntraOpProblem
@@ -201,15 +201,21 @@ def _link_between_stages(options: PlannerOptions, submesh: SubMesh):
         cluster.inter_node
 
 
-def _boundary_bytes(graph: TracedGraph, layers: list[Layer], cut: int) -> float:
-    """Bytes of the values layers before ``cut`` hand to layers at or after it (one microbatch)."""
-    before = [n for layer in layers[:cut] for n in layer.nodes]
-    _, produced = boundary_values(graph, before)
-    total = 0.0
-    for name in produced:
+def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
+    """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
+    (one microbatch), for every cut 0..len(layers). A value produced in layer i and last read
+    in layer j (or by the graph's output) crosses the cuts i+1..j."""
+    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    diff = [0.0] * (len(layers) + 2)
+    for name, i in layer_of.items():
+        last = max((layer_of.get(user.name, len(layers)) for user in fx_nodes[name].users), default=i)
         info = graph.nodes[name]
-        total += math.prod(info.shape or ()) * info.itemsize if info.shape is not None else 0.0
-    return total
+        if last > i and info.shape is not None:
+            nbytes = math.prod(info.shape) * info.itemsize
+            diff[i + 1] += nbytes
+            diff[last + 1] -= nbytes
+    return list(itertools.accumulate(diff))[:len(layers) + 1]
 
 
 def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
@@ -224,8 +230,7 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
                       microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
     costs = costs or _LayerCosts(options, ctx)
     link = _link_between_stages(options, submesh)
-    boundary = [_boundary_bytes(graph, layers, cut) if 0 < cut < len(layers) else 0.0
-                for cut in range(len(layers) + 1)]
+    boundary = cut_bytes(graph, layers)
 
     prefix: dict[bool, list[tuple[float, float]]] = {}
     # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
@@ -347,8 +352,11 @@ def _refine(candidates: list[_Candidate], options: PlannerOptions, popts: Pipeli
 
 def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
                    ) -> list[tuple[TracedGraph, IntraOpResult, CostContext]]:
+    """One exact intra-op ILP per stage; a stage equal to one already solved (the same layers,
+    in the same place of the pipeline) takes its answer, renamed."""
     stages = len(candidate.cuts)
     out = []
+    solved: dict[tuple, tuple[TracedGraph, IntraOpResult]] = {}
     for start, end in candidate.cuts:
         nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
         sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
@@ -356,10 +364,30 @@ def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
                           options.optimizer, microbatches=candidate.microbatches,
                           activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                           remat=options.remat)
-        result = plan_intra_op(sub, find_classes(sub), candidate.mesh, ctx, options.memory_budget,
-                               options.solver, options.time_limit_s, allow_storage=options.allow_storage)
+        key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
+               end == len(candidate.layers))
+        result = _renamed(*solved[key], sub) if key in solved else None
+        if result is None:
+            result = plan_intra_op(sub, find_classes(sub), candidate.mesh, ctx, options.memory_budget,
+                                   options.solver, options.time_limit_s, allow_storage=options.allow_storage)
+            solved[key] = (sub, result)
         out.append((sub, result, ctx))
     return out
+
+
+def _renamed(graph: TracedGraph, result: IntraOpResult, other: TracedGraph) -> IntraOpResult | None:
+    """``result`` (for ``graph``) for ``other``, a graph of the same nodes under other names;
+    None if the two differ anywhere."""
+    names, others = list(graph.nodes), list(other.nodes)
+    if len(names) != len(others) or any(
+            (a.kind, a.target, a.shape, a.dtype) != (b.kind, b.target, b.shape, b.dtype)
+            for a, b in zip(graph.nodes.values(), other.nodes.values())):
+        return None
+    to = dict(zip(names, others))
+    return replace(result, chosen={to[k]: v for k, v in result.chosen.items()},
+                   node_costs={to[k]: v for k, v in result.node_costs.items()},
+                   input_names={to[k]: [to[x] for x in v] for k, v in result.input_names.items()},
+                   needs_grad={to[k]: v for k, v in result.needs_grad.items()})
 
 
 def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, schedule: str,
@@ -367,11 +395,12 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
     results = _stage_results(candidate, options, schedule)
     link = _link_between_stages(options, candidate.submesh)
     graph, layers = candidate.graph, candidate.layers
+    crossing = cut_bytes(graph, layers)
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     latencies, memories, computes, comms, kinds = [], [], [], [], []
     for index, ((start, end), (sub, result, ctx)) in enumerate(zip(candidate.cuts, results)):
         prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
-        send_bytes = _boundary_bytes(graph, layers, end) if end < len(layers) else 0.0
+        send_bytes = crossing[end] if end < len(layers) else 0.0
         send = 2 * collective_time("send_recv", send_bytes, 2, link) if send_bytes else 0.0
         if send_bytes:
             where = f"stage {index} -> stage {index + 1}"

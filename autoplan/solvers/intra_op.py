@@ -151,7 +151,9 @@ class IntraOpSolution:
 
 def _check_finite(values: list[float], what: str, nonnegative: bool = False) -> None:
     for x in values:
-        if not isinstance(x, numbers.Real) or not math.isfinite(x):
+        # float/int first: the ABC check of numbers.Real is slow, and validation runs over
+        # every cost of every ILP the stage search builds
+        if not (type(x) in (float, int) or isinstance(x, numbers.Real)) or not math.isfinite(x):
             raise ValueError(
                 f"{what} holds {x!r}: costs and memory must be finite numbers "
                 "(leave an impossible strategy out instead of giving it an infinite cost)"
