@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pulp
 import pytest
@@ -389,3 +390,23 @@ def test_explain_names_the_largest_terms_first() -> None:
     assert "relu_1" in cost_lines[1]
     assert "3.00 GB" in text and "optimal" in lines[0]
     assert len([l for l in lines if l.startswith("  ")]) == 4  # top 2 cost + top 2 memory
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_trim_memory_fits_the_budget_and_never_beats_the_optimum(seed: int) -> None:
+    """The stage search's quick estimate under a memory budget: from the fastest assignment it
+    reaches one that fits whenever any does, and is never cheaper than the ILP's optimum."""
+    from autoplan.solvers.intra_op import least_memory, trim_memory
+
+    problem = random_problem(seed, budget_share=0.4)
+    budget = problem.memory_budget
+    fastest = solve_intra_op(replace(problem, memory_budget=None)).choices
+    trimmed = trim_memory(problem, fastest, budget)
+    if least_memory(problem) > budget:
+        assert trimmed is None
+        return
+    assert trimmed is not None
+    cost, memory = evaluate(problem, trimmed)
+    assert memory <= budget
+    assert cost >= solve_intra_op(problem).objective - 1e-9
+    assert trim_memory(problem, trimmed, budget) == trimmed  # already fits: unchanged

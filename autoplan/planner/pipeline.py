@@ -5,7 +5,10 @@ layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (
 node or whole nodes) and every logical mesh of it, each distinct layer is costed by the
 intra-op ILP once (layers with equal ops and shapes share the answer). A stage's cost is the
 sum of its layers' costs plus sending its boundary activations (and receiving their
-gradients) over the link to the next stage. Apart, every layer hands its values on
+gradients) over the link to the next stage. Where the layers' fastest plans do not fit a
+stage together, each layer is costed by its fastest plan trimmed to its share of the memory
+(:func:`autoplan.solvers.trim_memory`: a quick estimate), and failing that by its
+least-memory plan. Apart, every layer hands its values on
 replicated, as if a stage boundary followed it; the ``REFINED`` best pipelines are searched
 again with each boundary inside a stage corrected by what planning the two layers that meet
 there together changes (the ILP of the pair, once per distinct pair; usually a saving, as the
@@ -58,7 +61,7 @@ from autoplan.planner.plan import (
 )
 from autoplan.planner.subgraph import extract
 from autoplan.planner.trace import trace
-from autoplan.solvers import evaluate, format_bytes, format_seconds
+from autoplan.solvers import evaluate, format_bytes, format_seconds, trim_memory
 from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.solvers.inter_op import (
     InterOpInfeasibleError,
@@ -72,6 +75,7 @@ from autoplan.solvers.inter_op import (
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
+FAST, SHARE, LEAN = "fast", "share", "lean"  # how a layer is costed in the stage search (_LayerCosts.cost)
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
 INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedules
 ZERO_BUBBLE_LEFT = 1.0 / 3.0  # share of the interleaved bubble zero-bubble scheduling leaves (the forward's)
@@ -157,32 +161,43 @@ class _LayerCosts:
     ctx: CostContext
     cache: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
     problems: dict[str, IntraOpProblem] = field(default_factory=dict)
+    fast_choices: dict[str, list[int]] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
+    share_budget: float | None = None  # bytes per layer for SHARE
 
-    def cost(self, graph: TracedGraph, layer: Layer, lean: bool = False) -> tuple[float, float]:
-        """(seconds per step, bytes per device) of one layer: its fastest plan, or with
-        ``lean`` its least-memory plan (for stages whose fastest layers do not fit together;
-        the exact stage ILP later finds the fastest plan that fits)."""
-        key = (layer.signature, lean)
+    def cost(self, graph: TracedGraph, layer: Layer, mode: str = FAST) -> tuple[float, float]:
+        """(seconds per step, bytes per device) of one layer, by ``mode``: its fastest plan
+        (``FAST``); the fastest within ``share_budget``, its share of a stage of the pipeline's
+        average depth (``SHARE``; for stages whose fastest layers do not fit together); or its
+        least-memory plan (``LEAN``, where not even that fits). The exact stage ILP later finds
+        the fastest plan that fits the whole stage."""
+        key = (layer.signature, mode)
         if key not in self.cache:
-            if lean:  # the least-memory choice of every group (cheapest among equals): no ILP
+            if mode == LEAN:  # the least-memory choice of every group (cheapest among equals): no ILP
                 self.cost(graph, layer)
                 problem = self.problems[layer.signature]
                 choices = [min(range(len(m)), key=lambda i, m=m, c=c: (m[i], c[i]))
                            for m, c in zip(problem.memory, problem.costs)]
                 self.cache[key] = evaluate(problem, choices)
+            elif mode == SHARE:  # the FAST layer's choices, trimmed until they fit (no ILP)
+                self.cost(graph, layer)
+                problem = self.problems[layer.signature]
+                trimmed = trim_memory(problem, self.fast_choices[layer.signature], self.share_budget or 0.0)
+                self.cache[key] = evaluate(problem, trimmed) if trimmed is not None else self.cost(graph, layer, LEAN)
             else:
                 sub = extract(graph, list(layer.nodes))
                 result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                        self.options.solver, self.options.time_limit_s,
                                        allow_storage=self.options.allow_storage)
                 self.problems[layer.signature] = result.problem
+                self.fast_choices[layer.signature] = result.solution.choices
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
     def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
-        """Seconds that planning two adjacent layers together adds to planning them apart. Apart, every value the first layer hands on must leave it replicated (it could
-        be a stage boundary); together, it may stay sharded: the correction is usually a saving.
+        """Seconds that planning two adjacent layers together adds to planning them apart.
+        Apart, every value the first layer hands on must leave it replicated (it could be a
+        stage boundary); together, it may stay sharded: the correction is usually a saving.
         Memory is not corrected: apart, the handed-on value counts in both layers, which errs
         on the safe side."""
         key = (first.signature, second.signature)
@@ -228,30 +243,33 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     in_flight = activations_in_flight(schedule, microbatches, stages)
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
                       microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
-    costs = costs or _LayerCosts(options, ctx)
+    if costs is None:
+        costs = _LayerCosts(options, ctx)
+        if options.memory_budget is not None:
+            costs.share_budget = options.memory_budget * stages / len(layers)
     link = _link_between_stages(options, submesh)
     boundary = cut_bytes(graph, layers)
 
-    prefix: dict[bool, list[tuple[float, float]]] = {}
+    prefix: dict[str, list[tuple[float, float]]] = {}
     # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
     joins = list(itertools.accumulate(
         costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
 
-    def sums(lean: bool) -> list[tuple[float, float]]:
+    def sums(mode: str) -> list[tuple[float, float]]:
         """Prefix sums of the layers' (seconds, bytes): one ILP per distinct layer."""
-        if lean not in prefix:
-            answers = (costs.cost(graph, layer, lean) for layer in layers)
-            prefix[lean] = list(itertools.accumulate(answers, lambda x, y: (x[0] + y[0], x[1] + y[1]),
+        if mode not in prefix:
+            answers = (costs.cost(graph, layer, mode) for layer in layers)
+            prefix[mode] = list(itertools.accumulate(answers, lambda x, y: (x[0] + y[0], x[1] + y[1]),
                                                      initial=(0.0, 0.0)))
-        return prefix[lean]
+        return prefix[mode]
 
     def cost_fn(start: int, end: int, candidate: SubMesh) -> StageCost:
         if candidate != submesh:
             return StageCost(0.0, 0.0, feasible=False)
-        for lean in (False, True):
-            table = sums(lean)
+        for mode in (FAST, SHARE, LEAN):
+            table = sums(mode)
             seconds, memory = table[end][0] - table[start][0], table[end][1] - table[start][1]
-            if not lean:  # the boundaries inside the stage: start + 1 .. end - 1
+            if mode == FAST:  # the boundaries inside the stage: start + 1 .. end - 1
                 seconds += joins[end - 1] - joins[start]
             if options.memory_budget is None or memory <= options.memory_budget:
                 break

@@ -23,6 +23,7 @@ from autoplan.solvers.intra_op import (
     evaluate,
     explain,
     solve_intra_op,
+    trim_memory,
 )
 from autoplan.solvers.units import format_bytes, format_seconds
 
@@ -49,4 +50,5 @@ __all__ = [
     "pipeline_step_time",
     "solve_inter_op",
     "solve_intra_op",
+    "trim_memory",
 ]

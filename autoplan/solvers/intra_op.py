@@ -233,6 +233,45 @@ def evaluate(problem: IntraOpProblem, choices: list[int]) -> tuple[float, float]
     return cost, memory
 
 
+def trim_memory(problem: IntraOpProblem, choices: list[int], budget: float) -> list[int] | None:
+    """A quick feasible assignment under ``budget`` from ``choices`` (the fastest one): switch,
+    one group at a time, to the choice that frees memory for the least added cost per byte
+    (its node cost and the edges it touches, the others held), until the memory fits. None if
+    even the least-memory choices do not fit. A heuristic for estimates, not an optimum."""
+    choices = list(choices)
+    touching: dict[int, list] = {}
+    for e in problem.edges:
+        touching.setdefault(e.src, []).append(e)
+        touching.setdefault(e.dst, []).append(e)
+
+    def cost_of(g: int, i: int) -> float:
+        total = problem.costs[g][i]
+        for e in touching.get(g, ()):
+            src = i if e.src == g else choices[e.src]
+            dst = i if e.dst == g else choices[e.dst]
+            total += e.cost[src][dst]
+        return total
+
+    memory = math.fsum(problem.memory[g][i] for g, i in enumerate(choices))
+    while memory > budget:
+        best: tuple[float, int, int] | None = None
+        for g, mems in enumerate(problem.memory):
+            current = choices[g]
+            now = cost_of(g, current)
+            for i, m in enumerate(mems):
+                saved = mems[current] - m
+                if saved > 0:
+                    rate = (cost_of(g, i) - now) / saved
+                    if best is None or rate < best[0]:
+                        best = (rate, g, i)
+        if best is None:
+            return None
+        _, g, i = best
+        memory -= problem.memory[g][choices[g]] - problem.memory[g][i]
+        choices[g] = i
+    return choices
+
+
 def least_memory(problem: IntraOpProblem) -> float:
     """The least memory any assignment needs: memory is separable, so sum of group minima."""
     return math.fsum(min(m) for m in problem.memory)
