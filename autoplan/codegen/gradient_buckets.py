@@ -45,9 +45,9 @@ class _Bucket:
     done: dict[int, DTensor] = field(default_factory=dict)  # gradients finished outside the buffer
 
 
-def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[int, ...]]:
-    """Placeholder name → mesh axes, for every parameter whose gradient reduction can be
-    deferred into a bucket (see the module docstring)."""
+def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Placeholder name → (mesh axes, number of edges that read it), for every parameter whose
+    gradient reduction can be deferred into a bucket (see the module docstring)."""
     plan, mesh_shape = program.plan, tuple(program.mesh.shape)
     edges: dict[str, list[tuple[list[str] | None, tuple[int, ...]]]] = {}
     for node in program.graph_module.graph.nodes:
@@ -59,7 +59,7 @@ def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[int, ...]]
             if a.name in program.placeholder_fqn and pos < len(node_plan.inputs):
                 partial = node_plan.grad_partial[pos] if pos < len(node_plan.grad_partial) else []
                 edges.setdefault(a.name, []).append((node_plan.inputs[pos], tuple(partial)))
-    out: dict[str, tuple[int, ...]] = {}
+    out: dict[str, tuple[tuple[int, ...], int]] = {}
     for name, uses in edges.items():
         fqn = program.placeholder_fqn[name]
         stored = plan.params.get(fqn, ["R"] * len(mesh_shape))
@@ -71,7 +71,7 @@ def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[int, ...]]
             continue
         reduced = tuple(a for a in next(iter(axes)) if mesh_shape[a] > 1)
         if reduced and all(stored[a] == "R" for a in reduced):
-            out[name] = reduced
+            out[name] = (reduced, len(uses))
     return out
 
 
@@ -84,13 +84,8 @@ class GradientBuckets:
         self.mesh = program.mesh
         chosen = bucketable_parameters(program)
         program.deferred_gradients = set(chosen)
-        # how many all-reduces the plan lists for these parameters: one per edge and axis
-        self._edges = {name: 0 for name in chosen}
-        for node in program.graph_module.graph.nodes:
-            for a in node.all_input_nodes:
-                if a.name in self._edges and node.name in program.node_plans:
-                    self._edges[a.name] += 1
-        self._axes_of = chosen
+        self._axes_of = {name: axes for name, (axes, _) in chosen.items()}
+        self._edges = {name: edges for name, (_, edges) in chosen.items()}
         params = [(name, program.tensor(program.placeholder_fqn[name])) for name in chosen]
         self.buckets = self._make_buckets(reversed(params), cap_bytes)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}

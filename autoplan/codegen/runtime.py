@@ -30,6 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.dtensor_program import ShardedProgram, build_program
+from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options, plan_traced
 from autoplan.planner.graph import TracedGraph
@@ -82,8 +83,6 @@ class ParallelModule(torch.nn.Module):
         self.device_type = device_type
         buckets = None
         if isinstance(program, ShardedProgram):
-            from autoplan.codegen.gradient_buckets import GradientBuckets
-
             buckets = program.gradient_buckets = GradientBuckets(program)
         for param in {id(p): p for p in program.parameters()}.values():
             if buckets is None or not buckets.owns(param):
