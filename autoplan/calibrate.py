@@ -34,16 +34,21 @@ Each figure is the median of repeats after warm-up, the slowest rank's:
 - with N > 1, the collectives all_reduce, all_gather, reduce_scatter and all_to_all as the
   emitted programs run them: a DTensor ``redistribute`` (Partial → Replicate, Shard → Replicate,
   Partial → Shard, Shard(0) → Shard(1)), gloo on CPUs and NCCL on GPUs, over message sizes from
-  a few KiB (latency) to MiBs (bandwidth). On CPUs each collective follows a little compute (a
-  small matmul whose own time is subtracted), as in a program, where ranks arrive apart and a
-  waiting rank sleeps and must be woken; back-to-back collectives would hide that. A
-  collective the backend cannot run is skipped and named in the file.
+  a few KiB (latency) to MiBs (bandwidth). On CPUs each collective follows ``cpu_filler_s`` of
+  compute (small matmuls, whose own time is subtracted), as in a training step, where ranks
+  drift apart between collectives and a waiting rank sleeps and must be woken; back-to-back
+  collectives would hide that. The drift grows with the compute before the collective and
+  levels off after a few scheduler time slices: with 4 processes on 2 cores, a small all-reduce
+  cost 5.7 ms after 1 ms of compute, 7.6 ms after 4 ms, 8.2 after 18 and 9.3 after 72 (2
+  processes: 1.2, 1.8, 3.6 and 3.0 ms). A collective the backend cannot run is skipped and
+  named in the file.
 
 The timings are fitted to the alpha-beta ring model of
 :mod:`autoplan.cost_models.communication` (``t = latency_steps·α + bytes_moved_per_device/bw``)
-by least squares on relative errors (:func:`fit_alpha_beta`): one fit per collective (written
-as comments, which :func:`~autoplan.cost_models.load_cluster` ignores; it rejects unknown keys)
-and one joint fit over all of them, which becomes the ``intra_node`` link. One machine is one
+by least squares on relative errors (:func:`fit_alpha_beta`): one fit per collective, written
+as the ``intra_node`` link's rates for that kind (``[intra_node.all_reduce]``, ...: the kinds'
+latencies differ by 2x on gloo), and one joint fit over all of them, the link's own rates (what
+a kind without its own fit, such as send_recv, gets). One machine is one
 node: ``devices_per_node = N``; ``inter_node`` is not measured and keeps the preset's link
 (capped at the measured intra-node one), as a comment in the file says. N = 1 leaves the links
 at the preset's.
@@ -70,9 +75,11 @@ from autoplan.cost_models import (
     ALL_REDUCE,
     ALL_TO_ALL,
     BACKWARD_FACTOR,
+    COLLECTIVE_KINDS,
     REDUCE_SCATTER,
     ClusterSpec,
     DeviceSpec,
+    LinkRates,
     LinkSpec,
     bytes_moved_per_device,
     latency_steps,
@@ -189,7 +196,8 @@ class CalibrateSettings:
     max_iters: int = 20
     cpu_window_s: float = 0.05  # a CPU timing spans at least this long (several scheduler time slices)
     max_window_calls: int = 1000
-    cpu_filler: int = 256  # CPUs: a square matmul of this size runs before each timed collective
+    cpu_filler: int = 256  # CPUs: square matmuls of this size run before each timed collective ...
+    cpu_filler_s: float = 0.005  # ... for about this long (the compute between a step's collectives)
 
     @classmethod
     def quick_for(cls, devices: int, backend: str = "auto") -> CalibrateSettings:
@@ -489,13 +497,24 @@ class _Worker:
         return lambda: tensor.redistribute(mesh, target)
 
     def filler(self) -> Callable[[], Any] | None:
-        """CPUs: the small matmul that precedes each timed collective; None on CUDA."""
+        """CPUs: the compute that precedes each timed collective, small matmuls lasting about
+        ``cpu_filler_s`` (the same count on every rank); None on CUDA."""
         if self.cuda:
             return None
-        size = self.settings.cpu_filler
-        a = self.torch.randn(size, size)
-        out = self.torch.empty(size, size)
-        return lambda: self.torch.mm(a, a, out=out)
+        s = self.settings
+        a = self.torch.randn(s.cpu_filler, s.cpu_filler)
+        out = self.torch.empty(s.cpu_filler, s.cpu_filler)
+
+        def one() -> None:
+            self.torch.mm(a, a, out=out)
+
+        count = int(self.agree(float(max(1, round(s.cpu_filler_s / self.median_time(one, s.repeats, s.warmup)))), "max"))
+
+        def fill() -> None:
+            for _ in range(count):
+                one()
+
+        return fill
 
     def collectives(self) -> tuple[list[Sample], dict[str, str]]:
         from torch.distributed.device_mesh import init_device_mesh
@@ -789,7 +808,9 @@ def calibration_cluster(cal: Calibration, name: str | None = None) -> ClusterSpe
     base = _base_preset(cal)
     fits = cal.fits()
     joint = fits.get("all")
-    intra = LinkSpec(_round(joint.bandwidth), _round(joint.alpha)) if joint else base.intra_node
+    per_kind = tuple((kind, LinkRates(_round(fits[kind].bandwidth), _round(fits[kind].alpha)))
+                     for kind in COLLECTIVE_KINDS if kind in fits)
+    intra = LinkSpec(_round(joint.bandwidth), _round(joint.alpha), per_kind) if joint else base.intra_node
     inter = LinkSpec(min(base.inter_node.bandwidth, intra.bandwidth), max(base.inter_node.latency, intra.latency))
     peaks = {k: _round(v) for k, v in cal.peak_flops.items()}
     device_name = "cpu" if cal.device_kind == "cpu" else cal.device_name
@@ -850,7 +871,8 @@ def calibration_toml(cal: Calibration, name: str | None = None) -> str:
         for kind in (*MEASURED_COLLECTIVES, "all"):
             if kind in fits:
                 f = fits[kind]
-                label = "joint fit, written as intra_node" if kind == "all" else kind
+                label = ("joint fit, written as intra_node (send_recv's rates)" if kind == "all"
+                         else f"{kind} (written as intra_node.{kind})")
                 head.append(f"#   {label}: alpha = {f.alpha * 1e6:.3g} us, bandwidth = {_si(f.bandwidth, 'B/s')} "
                             f"({f.points} sizes, rms error {f.rms_rel_error:.0%})")
             elif kind in cal.skipped:

@@ -104,7 +104,10 @@ def test_toml_reads_back_with_the_fits_as_comments(tmp_path: Path) -> None:
     assert cluster.intra_node.latency == pytest.approx(70e-6, rel=1e-3)
     assert cluster.inter_node.bandwidth <= cluster.intra_node.bandwidth
     for kind in ("all_reduce", "all_gather", "reduce_scatter"):
-        assert f"#   {kind}: alpha = 70 us, bandwidth = 1.5 GB/s" in text
+        assert f"#   {kind} (written as intra_node.{kind}): alpha = 70 us, bandwidth = 1.5 GB/s" in text
+        assert f"[intra_node.{kind}]" in text
+        assert cluster.intra_node.rates(kind).latency == pytest.approx(70e-6, rel=1e-3)
+    assert "[intra_node.all_to_all]" not in text and "[inter_node." not in text
     assert "#   all_to_all: skipped, gloo could not run it" in text
     assert "# inter_node: not measured" in text
 
@@ -195,7 +198,8 @@ def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.
     assert 1e7 < intra.bandwidth < 1e12 and 0 <= intra.latency < 0.1
     assert cluster.inter_node.bandwidth > 0 and cluster.inter_node.latency >= 0
     text = out.read_text()
-    assert "joint fit, written as intra_node" in text and "#   all_reduce: alpha = " in text
+    assert "joint fit, written as intra_node" in text and "#   all_reduce (written as intra_node.all_reduce): alpha = " in text
+    assert intra.rates("all_reduce") != intra.rates("send_recv")  # the kind's own fit
 
     plan_dir = tmp_path / "plan"
     assert run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--cluster", str(out), "--no-pipeline",

@@ -472,6 +472,33 @@ def test_op_bandwidth_round_trips_and_presets_write_no_key(tmp_path: Path) -> No
         load_cluster(str(path))
 
 
+def test_per_kind_link_rates_round_trip_and_cost_each_kind(tmp_path: Path) -> None:
+    ar, rs = cm.LinkRates(2e9, 5e-5), cm.LinkRates(1e9, 3e-4)
+    link = LinkSpec(1.5e9, 1e-4, (("all_reduce", ar), ("reduce_scatter", rs)))
+    cluster = ClusterSpec("c", load_cluster("cpu").device, 4, link, LinkSpec(1e9, 1e-4))
+    text = cluster.to_toml()
+    assert "[intra_node.reduce_scatter]" in text and "[inter_node.all_reduce]" not in text
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    assert load_cluster(str(path)) == cluster
+    assert ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+    # each kind pays its own rates; a kind without its own pays the link's
+    assert cm.collective_time("all_reduce", 4e6, 4, link) == pytest.approx(1.5 * 4e6 / 2e9 + 6 * 5e-5)
+    assert cm.collective_time("reduce_scatter", 4e6, 4, link) == pytest.approx(0.75 * 4e6 / 1e9 + 3 * 3e-4)
+    assert cm.collective_time("all_gather", 4e6, 4, link) == pytest.approx(0.75 * 4e6 / 1.5e9 + 3 * 1e-4)
+    quiet = link.without_latency()
+    assert cm.collective_time("reduce_scatter", 4e6, 4, quiet) == pytest.approx(0.75 * 4e6 / 1e9)
+    # a preset's link keeps its other kinds when a file overrides one
+    path.write_text('preset = "cpu"\n[intra_node.all_gather]\nlatency_us = 7\n')
+    read = load_cluster(str(path)).intra_node
+    base = load_cluster("cpu").intra_node
+    assert read.rates("all_gather") == cm.LinkRates(base.bandwidth, 7e-6)
+    assert read.rates("all_reduce") == cm.LinkRates(base.bandwidth, base.latency)
+    path.write_text('preset = "cpu"\n[intra_node.broadcast]\nlatency_us = 7\n')
+    with pytest.raises(AutoplanError, match="intra_node.broadcast"):
+        load_cluster(str(path))
+
+
 def test_backward_factor_is_the_planners_default() -> None:
     from autoplan.planner.costing import CostContext
 

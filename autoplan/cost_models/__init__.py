@@ -21,7 +21,7 @@ from .communication import (
     steps_time,
 )
 from .compute import BACKWARD_FACTOR, roofline_time
-from .hardware import DeviceSpec, LinkSpec, dtype_name, parse_memory_size
+from .hardware import DeviceSpec, LinkRates, LinkSpec, dtype_name, parse_memory_size
 from .memory import OptimizerSpec, optimizer_step_time
 from .presets import PRESET_NAMES, load_cluster, preset_table
 
@@ -37,6 +37,7 @@ __all__ = [
     "ClusterSpec",
     "CollectiveStep",
     "DeviceSpec",
+    "LinkRates",
     "LinkSpec",
     "OptimizerSpec",
     "bytes_moved_per_device",

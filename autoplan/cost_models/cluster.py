@@ -18,6 +18,9 @@ TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` read
     [intra_node]
     bandwidth_gbps = 450       # GB/s
     latency_us = 3
+    [intra_node.reduce_scatter]  # optional: one collective kind's own rates over this link
+    bandwidth_gbps = 400
+    latency_us = 5
     [inter_node]
     bandwidth_gbps = 50
     latency_us = 10
@@ -40,7 +43,8 @@ from typing import Any
 
 from autoplan.errors import AutoplanError
 
-from .hardware import DeviceSpec, LinkSpec
+from .communication import COLLECTIVE_KINDS
+from .hardware import DeviceSpec, LinkRates, LinkSpec
 
 
 @dataclass(frozen=True)
@@ -96,8 +100,8 @@ class ClusterSpec:
                 "op_overhead_s": self.device.op_overhead_s,
                 "op_bandwidth": self.device.op_bandwidth,
             },
-            "intra_node": {"bandwidth": self.intra_node.bandwidth, "latency": self.intra_node.latency},
-            "inter_node": {"bandwidth": self.inter_node.bandwidth, "latency": self.inter_node.latency},
+            "intra_node": _link_dict(self.intra_node),
+            "inter_node": _link_dict(self.inter_node),
         }
 
     @classmethod
@@ -115,8 +119,8 @@ class ClusterSpec:
                 op_bandwidth=float(dev.get("op_bandwidth", 0.0)),
             ),
             devices_per_node=int(data["devices_per_node"]),
-            intra_node=LinkSpec(float(data["intra_node"]["bandwidth"]), float(data["intra_node"]["latency"])),
-            inter_node=LinkSpec(float(data["inter_node"]["bandwidth"]), float(data["inter_node"]["latency"])),
+            intra_node=_link_from_dict(data["intra_node"]),
+            inter_node=_link_from_dict(data["inter_node"]),
         )
 
     def to_toml(self) -> str:
@@ -143,7 +147,27 @@ class ClusterSpec:
                 f"bandwidth_gbps = {_to_unit(link.bandwidth, _GIGA)}",
                 f"latency_us = {_to_unit(link.latency, _MICRO)}",
             ]
+            for kind, rates in link.per_kind:
+                lines += [
+                    "",
+                    f"[{section}.{kind}]",
+                    f"bandwidth_gbps = {_to_unit(rates.bandwidth, _GIGA)}",
+                    f"latency_us = {_to_unit(rates.latency, _MICRO)}",
+                ]
         return "\n".join(lines) + "\n"
+
+
+def _link_dict(link: LinkSpec) -> dict[str, Any]:
+    out: dict[str, Any] = {"bandwidth": link.bandwidth, "latency": link.latency}
+    if link.per_kind:
+        out["per_kind"] = {k: {"bandwidth": r.bandwidth, "latency": r.latency} for k, r in link.per_kind}
+    return out
+
+
+def _link_from_dict(data: Mapping[str, Any]) -> LinkSpec:
+    per_kind = tuple((k, LinkRates(float(r["bandwidth"]), float(r["latency"])))
+                     for k, r in data.get("per_kind", {}).items())
+    return LinkSpec(float(data["bandwidth"]), float(data["latency"]), per_kind)
 
 
 def _axis_within_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node: int) -> bool:
@@ -203,6 +227,7 @@ class _TomlReader:
     _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
     _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "op_bandwidth_gbps", "peak_tflops")
     _LINK = ("bandwidth_gbps", "latency_us")
+    _LINK_TABLES = _LINK + COLLECTIVE_KINDS
 
     def __init__(self, source: str, presets: Mapping[str, ClusterSpec]) -> None:
         self.source = source
@@ -268,8 +293,19 @@ class _TomlReader:
 
     def _link(self, data: dict[str, Any], section: str, base: LinkSpec | None) -> LinkSpec:
         table = self._table(data, section, base is None)
-        self._check_keys(table, self._LINK, section + ".")
-        return LinkSpec(
+        self._check_keys(table, self._LINK_TABLES, section + ".")
+        rates = self._rates(table, section, LinkRates(base.bandwidth, base.latency) if base else None)
+        per_kind = dict(base.per_kind) if base else {}
+        for kind in COLLECTIVE_KINDS:
+            if kind in table:
+                dotted = f"{section}.{kind}"
+                kind_table = self._table(table, kind, True, dotted)
+                self._check_keys(kind_table, self._LINK, dotted + ".")
+                per_kind[kind] = self._rates(kind_table, dotted, rates)
+        return LinkSpec(rates.bandwidth, rates.latency, tuple((k, per_kind[k]) for k in COLLECTIVE_KINDS if k in per_kind))
+
+    def _rates(self, table: dict[str, Any], section: str, base: LinkRates | None) -> LinkRates:
+        return LinkRates(
             bandwidth=self._number(
                 table, "bandwidth_gbps", f"{section}.bandwidth_gbps", _GIGA, True, base.bandwidth if base else None
             ),

@@ -72,7 +72,8 @@ def latency_steps(kind: str, n: int) -> int:
 def collective_time(kind: str, nbytes: float, n: int, link: LinkSpec) -> float:
     """Seconds for collective ``kind`` on ``n`` devices with a per-device buffer of ``nbytes``
     bytes (see the module docstring for which buffer) over ``link``."""
-    return bytes_moved_per_device(kind, nbytes, n) / link.bandwidth + latency_steps(kind, n) * link.latency
+    rates = link.rates(kind)
+    return bytes_moved_per_device(kind, nbytes, n) / rates.bandwidth + latency_steps(kind, n) * rates.latency
 
 
 @dataclass(frozen=True)

@@ -85,11 +85,35 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
-class LinkSpec:
-    """A link between devices: ``bandwidth`` in bytes/s per device, ``latency`` in seconds."""
+class LinkRates:
+    """What one collective kind achieves over a link: ``bandwidth`` in bytes/s per device,
+    ``latency`` in seconds per ring step."""
 
     bandwidth: float
     latency: float
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link between devices: ``bandwidth`` in bytes/s per device, ``latency`` in seconds;
+    ``per_kind`` overrides both for the collective kinds it names (``autoplan calibrate``
+    measures each kind apart: on gloo a reduce-scatter's latency is about twice an
+    all-reduce's per ring step)."""
+
+    bandwidth: float
+    latency: float
+    per_kind: tuple[tuple[str, LinkRates], ...] = ()
+
+    def rates(self, kind: str) -> LinkRates:
+        """The bandwidth and latency collective ``kind`` gets over this link."""
+        for name, rates in self.per_kind:
+            if name == kind:
+                return rates
+        return LinkRates(self.bandwidth, self.latency)
+
+    def without_latency(self) -> LinkSpec:
+        """The same bandwidths with no latency (a bucketed gradient reduction's share)."""
+        return LinkSpec(self.bandwidth, 0.0, tuple((k, LinkRates(r.bandwidth, 0.0)) for k, r in self.per_kind))
 
 
 # ---------------------------------------------------------------------------------------------

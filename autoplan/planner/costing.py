@@ -195,7 +195,7 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
     for s in steps:
         link = ctx.links[s.mesh_axis]
         if bucketed:
-            link = LinkSpec(link.bandwidth, 0.0)
+            link = link.without_latency()
         total += collective_time(s.kind, s.nbytes, ctx.mesh_shape[s.mesh_axis], link)
     return total
 

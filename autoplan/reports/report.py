@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.cost_models.cluster import ClusterSpec
-from autoplan.cost_models.communication import bytes_moved_per_device, collective_time
+from autoplan.cost_models.communication import collective_time
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.plan import (
     COLLECTIVE_KINDS,
@@ -102,8 +102,7 @@ def comm_by_kind(plan: Plan) -> tuple[dict[str, float], bool]:
             n, link = 2, cross
         if c.kind not in COLLECTIVE_KINDS:
             continue
-        seconds = (bytes_moved_per_device(c.kind, c.bytes, n) / link.bandwidth if c.bucketed
-                   else collective_time(c.kind, c.bytes, n, link))
+        seconds = collective_time(c.kind, c.bytes, n, link.without_latency() if c.bucketed else link)
         raw[c.kind] = raw.get(c.kind, 0.0) + seconds * c.count
     total = sum(raw.values())
     if total <= 0:
