@@ -6,7 +6,7 @@ For every case meant for this world size: plan the model on every rank (the plan
 must agree across ranks), build the ShardedProgram, run forward + backward on the global batch,
 and compare the loss, the model outputs, every parameter's gradient and every buffer (BatchNorm's
 running statistics) with the single-device model. The program runs inside a ParallelModule (its
-gradient reduction hook included) under CommDebugMode, forward and backward apart. Each rank
+gradient reduction hook included) under CollectiveCounter, forward and backward apart. Each rank
 writes OUT_DIR/rank{r}.json: per case the largest differences, the executed and planned
 collectives of both phases, the collectives the executor's own redistributions ask for, any
 sharded dim the mesh does not divide, the placements, or the error.
@@ -171,9 +171,7 @@ def gloo_normalised(counts: dict[str, int]) -> dict[str, int]:
 def run_case(name: str, world: int) -> dict:
     import warnings
 
-    from torch.distributed.tensor.debug import CommDebugMode
-
-    from autoplan.codegen.check import _counts
+    from autoplan.codegen.collective_counter import CollectiveCounter
     from autoplan.codegen.runtime import ParallelModule
 
     _, module_name, kwargs, mesh_shape, memory = CASES[name]
@@ -201,12 +199,10 @@ def run_case(name: str, world: int) -> dict:
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     program = build_program(graph, plan, mesh, tensors)
     pm = ParallelModule(program, plan, "cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # CommDebugMode's module tracker
-        with CommDebugMode() as fwd:
-            out = pm(*inputs)
-        with CommDebugMode() as bwd:
-            out.loss.backward()
+    with CollectiveCounter() as fwd:
+        out = pm(*inputs)
+    with CollectiveCounter() as bwd:
+        out.loss.backward()
     redistributions = list(program.redistributions)
     loss, outputs = out.loss, list(out.outputs)
 
@@ -215,9 +211,9 @@ def run_case(name: str, world: int) -> dict:
         "mesh": list(plan.mesh),
         "params": plan.params,
         "inputs": plan.inputs,
-        "executed_forward": _counts(fwd),
+        "executed_forward": dict(fwd.counts),
         "planned_forward": planned_collectives(plan, "forward"),
-        "executed_backward": _counts(bwd),
+        "executed_backward": dict(bwd.counts),
         "planned_backward": planned_collectives(plan, "backward"),
         # the plan's, with the bucketed gradient all-reduces counted per bucket
         "expected_backward": program.observable_collectives("backward"),

@@ -4,7 +4,7 @@ The planner's ``pick`` hook replaces the ILP with an arbitrary assignment (one c
 strategy group; every pick is a valid plan). ``hypothesis`` draws those assignments, the
 program is built from each, and its loss, outputs, every gradient and every buffer (BatchNorm's
 running statistics) are compared with the single-device model; the collectives it executes
-(forward and backward, ``CommDebugMode``) must equal the plan's, kind by kind.
+(forward and backward, ``CollectiveCounter``) must equal the plan's, kind by kind.
 
 The checks need several ranks. torch's ``LocalTensorMode`` (one process simulating all ranks)
 runs our interpreter, but DTensor's sharding-propagation cache is bypassed under it: every op
@@ -86,19 +86,12 @@ def _max_diff(got, want) -> tuple[float, bool]:
     return float((got - want).abs().max()), bool(torch.allclose(got, want, rtol=RTOL, atol=ATOL))
 
 
-def _counts(mode) -> dict[str, int]:
-    from autoplan.codegen.check import _counts as counts
-
-    return counts(mode)
-
-
 def check_assignment(module, kwargs, mesh, graph, reference, choices: list[int]) -> dict:
     """Plan with the given choices, run one step, compare with ``reference``."""
     import dataclasses
     import warnings
 
-    from torch.distributed.tensor.debug import CommDebugMode
-
+    from autoplan.codegen.collective_counter import CollectiveCounter
     from autoplan.codegen.dtensor_program import build_program, planned_collectives
     from autoplan.codegen.runtime import ParallelModule
     from autoplan.planner.api import make_options, plan_traced
@@ -112,16 +105,14 @@ def check_assignment(module, kwargs, mesh, graph, reference, choices: list[int])
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
     program = build_program(graph, plan, mesh, tensors)
     pm = ParallelModule(program, plan, "cpu")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with CommDebugMode() as fwd:
-            out = pm(*inputs)
-        with CommDebugMode() as bwd:
-            out.loss.backward()
+    with CollectiveCounter() as fwd:
+        out = pm(*inputs)
+    with CollectiveCounter() as bwd:
+        out.loss.backward()
     ref_loss, ref_outputs, ref_grads, ref_buffers = reference
     res: dict = {"choices": choices, "params": plan.params, "inputs": plan.inputs,
                  "strategies": sorted({n.strategy for n in plan.nodes}),
-                 "executed": {"forward": _counts(fwd), "backward": _counts(bwd)},
+                 "executed": {"forward": dict(fwd.counts), "backward": dict(bwd.counts)},
                  "planned": {"forward": planned_collectives(plan, "forward"),
                              "backward": program.observable_collectives("backward")},
                  "redistributions": list(program.redistributions), "bad": []}

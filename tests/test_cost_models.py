@@ -91,7 +91,14 @@ def test_one_device_is_free(kind: str) -> None:
 
 def test_unknown_collective_rejected() -> None:
     with pytest.raises(ValueError):
-        collective_time("broadcast", 1.0, 4, LINK)
+        collective_time("gather", 1.0, 4, LINK)
+
+
+def test_broadcast_is_a_binomial_tree() -> None:
+    link = LinkSpec(1e9, 1e-5)
+    assert collective_time("broadcast", 1e6, 8, link) == pytest.approx(1e6 / 1e9 + 3 * 1e-5)
+    assert collective_time("broadcast", 1e6, 5, link) == pytest.approx(1e6 / 1e9 + 3 * 1e-5)  # ceil(log2 5)
+    assert collective_time("broadcast", 1e6, 1, link) == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,8 +501,8 @@ def test_per_kind_link_rates_round_trip_and_cost_each_kind(tmp_path: Path) -> No
     base = load_cluster("cpu").intra_node
     assert read.rates("all_gather") == cm.LinkRates(base.bandwidth, 7e-6)
     assert read.rates("all_reduce") == cm.LinkRates(base.bandwidth, base.latency)
-    path.write_text('preset = "cpu"\n[intra_node.broadcast]\nlatency_us = 7\n')
-    with pytest.raises(AutoplanError, match="intra_node.broadcast"):
+    path.write_text('preset = "cpu"\n[intra_node.gather]\nlatency_us = 7\n')
+    with pytest.raises(AutoplanError, match="intra_node.gather"):
         load_cluster(str(path))
 
 

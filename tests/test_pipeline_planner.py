@@ -98,7 +98,14 @@ def test_pinned_pipeline_on_two_devices(small_gpt) -> None:
     assert [s.devices for s in plan.stages] == [[0], [1]]
     layers = [layer for stage in plan.stages for layer in stage.layers]
     assert layers == ["h.0", "h.1", "h.2", "h.3"]
-    assert {c.kind for c in plan.collectives if c.mesh_axis == -1} == {"send_recv"}
+    between = [c for c in plan.collectives if c.mesh_axis == -1]
+    assert {c.kind for c in between} == {"send_recv", "all_reduce", "broadcast"}
+    # the tied embedding/head weight lives on both stages: its copies' gradients are summed once a step
+    tied = [c for c in between if c.kind == "all_reduce"]
+    assert len(tied) == 1 and tied[0].stages == [0, 1] and tied[0].count == 1 and tied[0].tensor == "gradient"
+    assert [c.where for c in between if c.kind == "broadcast"] == ["loss -> every rank"]
+    assert all(c.stages == [0, 1] for c in between if c.kind == "send_recv")
+    assert all(c.stages in ([0], [1]) for c in plan.collectives if c.mesh_axis >= 0)
     assert plan.predicted.bubble_s > 0
 
 
@@ -186,3 +193,30 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     assert costs.boundary(graph, a, b) <= 1e-12
     assert abs(corrected - exact) <= abs(apart - exact) + 1e-12
     assert exact <= apart + 1e-12
+
+
+def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
+    """A value received from the stage before arrives whole (and its gradient goes back whole);
+    the model's outputs other than the loss leave no stage (a pipelined step returns only the
+    loss)."""
+    import mlp
+
+    from autoplan.planner.costing import CostContext
+    from autoplan.planner.intra_op import plan_intra_op
+    from autoplan.planner.subgraph import boundary_values, extract, loss_name
+
+    model, inputs = mlp.build(hidden=256, batch=8, seq=64, device="meta")
+    graph = trace(make_model_spec(model, inputs, mlp.loss_fn, name="mlp"))
+    ops = [n for n, info in graph.nodes.items() if info.kind == "op"]
+    second = ops[1:]  # everything after the first linear
+    reads, produced = boundary_values(graph, second)
+    assert produced == [loss_name(graph)]  # the model's output (also a graph output) stays inside
+    assert ops[0] in reads
+    sub = extract(graph, second)
+    assert sub.nodes[ops[0]].kind == "activation"
+    cluster = make_options(2, "cpu").cluster
+    ctx = CostContext((2,), cluster.mesh_links((2,)), cluster.device, make_options(2, "cpu").optimizer)
+    result = plan_intra_op(sub, find_classes(sub), (2,), ctx, None)
+    assert all(p.is_replicate for p in result.chosen[ops[0]].output_spec)
+    # (that its gradient is then gathered where a reader shards it, as the program does, the
+    # per-rank collective counts of test_gpt2_two_stages_by_two_way_sharding_passes_check show)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -72,3 +73,16 @@ def test_check_report_fails_naming_the_worst_tensor() -> None:
     report2 = CheckReport(1e-4, 1e-5, [Comparison("loss", 0.0, 1e-5)],
                           executed={"forward": {"all_reduce": 2}}, planned={"forward": {"all_reduce": 1}})
     assert report2.values_ok and not report2.collectives_ok and "<- differs" in report2.text()
+
+
+def test_pipeline_check_report_compares_every_rank() -> None:
+    agree = {"step, rank 0": {"all_gather": 2, "broadcast": 1}, "step, rank 1": {"broadcast": 1}}
+    report = CheckReport(1e-4, 1e-5, [Comparison("loss", 0.0, 1e-5)], pipelined=True,
+                         planned=dict(agree), executed=dict(agree))
+    assert report.ok and report.phases == ["step, rank 0", "step, rank 1"]
+    assert "step, rank 1 broadcast" in report.text()
+    # one rank running one collective more than its stages plan fails the whole check
+    report.executed = {**agree, "step, rank 1": {"broadcast": 1, "all_reduce": 1}}
+    assert report.values_ok and not report.ok
+    text = report.text()
+    assert re.search(r"step, rank 1 all_reduce +0 +1   <- differs", text) and "FAILED" in text

@@ -7,7 +7,7 @@ redistributed to the placement the plan chose for that op, so the collectives ha
 plan put them; in the backward, each edge brings its gradient back to the producer's placement
 in one step (:class:`_PlannedRedistribute`, :func:`_reduce_gradient_on_edge`), so the backward
 runs the collectives the plan lists too (tests compare them, kind by kind, with
-``CommDebugMode``).
+``CollectiveCounter``).
 
 Conventions:
 
@@ -435,7 +435,7 @@ class ShardedProgram(torch.nn.Module):
         return out
 
     def observable_collectives(self, phase: str) -> dict[str, int]:
-        """What ``CommDebugMode`` should count in ``phase``: the plan's collectives, with the
+        """What ``CollectiveCounter`` should count in ``phase``: the plan's collectives, with the
         bucketed gradient all-reduces counted per bucket (:mod:`gradient_buckets`)."""
         counts = planned_collectives(self.plan, phase)
         if phase == "backward" and self.gradient_buckets is not None:
@@ -507,43 +507,16 @@ def build_program(graph: TracedGraph, plan: Plan, mesh: DeviceMesh, params: dict
     return ShardedProgram(graph, plan, mesh, params)
 
 
-_KIND_OF = {
-    "all_reduce": "all_reduce",
-    "allreduce": "all_reduce",
-    "all_gather": "all_gather",
-    "allgather": "all_gather",
-    "reduce_scatter": "reduce_scatter",
-    "all_to_all": "all_to_all",
-    "alltoall": "all_to_all",
-    "broadcast": "broadcast",
-    "scatter": "scatter",
-    "send": "send_recv",
-    "recv": "send_recv",
-}
-
-
-def _kind(op: Any) -> str:
-    name = str(op).lower()
-    for key, kind in _KIND_OF.items():
-        if key in name:
-            return kind
-    return name
-
-
 def executed_collectives(program: ShardedProgram, inputs: Sequence[Any]) -> dict[str, int]:
-    """Run the program's forward once under ``CommDebugMode`` and count the collectives it
-    executes by kind (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) —
-    to set beside ``plan.collectives_in("forward")`` (:func:`planned_collectives`). Autograd
-    stays on, as in a training step; the backward is not run."""
-    from torch.distributed.tensor.debug import CommDebugMode
+    """Run the program's forward once and count the collectives it executes by kind
+    (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) — to set beside
+    ``plan.collectives_in("forward")`` (:func:`planned_collectives`). Autograd stays on, as in
+    a training step; the backward is not run."""
+    from autoplan.codegen.collective_counter import CollectiveCounter
 
-    mode = CommDebugMode()
-    with mode:
+    with CollectiveCounter() as counter:
         program(*inputs)
-    counts: Counter[str] = Counter()
-    for op, n in mode.get_comm_counts().items():
-        counts[_kind(op)] += n
-    return dict(counts)
+    return dict(counter.counts)
 
 
 def planned_collectives(plan: Plan, phase: str = "forward") -> dict[str, int]:

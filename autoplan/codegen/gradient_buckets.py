@@ -16,7 +16,7 @@ to ``cap_bytes`` of local gradient) is flattened and all-reduced asynchronously 
 its last gradient arrives; at the end of the backward the rest are launched, every reduction
 is awaited and the gradients are written back in the parameters' placements.
 
-Executed collectives (``CommDebugMode``): one all-reduce per bucket and axis instead of one
+Executed collectives (``CollectiveCounter``): one all-reduce per bucket and axis instead of one
 per parameter, edge and axis; :meth:`GradientBuckets.replaced` and
 :meth:`GradientBuckets.launched` give the two counts, so that ``--check`` compares like with
 like.

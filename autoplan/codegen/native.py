@@ -40,14 +40,14 @@ How the plan's collectives map onto the native program (:attr:`NativeProgram.col
 - tensor parallel: each planned activation collective is executed by DTensor inside the
   parallel styles (``RowwiseParallel``'s output redistribute: all-reduce or reduce-scatter in
   the forward, its dual — nothing or an all-gather — in the backward) or by the loss's own
-  ``-> output`` all-reduce. ``CommDebugMode`` sees all of them, so ``check.py`` compares
+  ``-> output`` all-reduce. ``CollectiveCounter`` sees all of them, so ``check.py`` compares
   planned with executed counts as for the interpreter.
 - DDP: the loss's ``-> output`` all-reduce is done here (``dist.all_reduce`` of one scalar;
-  ``CommDebugMode`` counts it). The plan lists one gradient all-reduce per parameter
+  ``CollectiveCounter`` counts it). The plan lists one gradient all-reduce per parameter
   (``bucketed=True``); DDP's reducer instead all-reduces flat *buckets* of gradients (25 MiB
   cap by default: one bucket for the test MLPs) during the backward — the same bytes in total,
   fewer calls. In torch 2.13 the reducer's all-reduce goes through the ``c10d`` dispatcher op,
-  so ``CommDebugMode`` does count it (measured: 1 executed for 4 planned, gloo). The comparison
+  so ``CollectiveCounter`` does count it (measured: 1 executed for 4 planned, gloo). The comparison
   in ``check.py`` should therefore set the *bucket count* against the plan's bucketed gradient
   all-reduces, not the per-parameter count: :meth:`NativeProgram.observable_collectives`
   gives the expected counts (the plan's, with those all-reduces replaced by
@@ -90,7 +90,7 @@ class CollectiveMapping:
 
     planned: str  # "all_reduce x4 backward (gradient, bucketed)"
     native: str  # "DDP reducer: all-reduce of gradient buckets"
-    observable: bool  # whether CommDebugMode is expected to count it one for one
+    observable: bool  # whether the collective counter is expected to count it one for one
 
 
 @dataclass
@@ -459,7 +459,7 @@ class NativeProgram(torch.nn.Module):
             out.append(CollectiveMapping(
                 f"all_reduce x{sum(c.count for c in grads)} backward (gradients, bucketed), {nbytes:.0f} bytes",
                 "DDP reducer: one all-reduce per flat gradient bucket (bucket_cap_mb=25), same bytes; "
-                "CommDebugMode counts buckets, not parameters", False))
+                "the collective counter counts buckets, not parameters", False))
         return out
 
     def ddp_buckets(self) -> list[int]:
@@ -470,7 +470,7 @@ class NativeProgram(torch.nn.Module):
         return [int(s) for s in sizes.replace(" ", "").split(",") if s]
 
     def observable_collectives(self, phase: str) -> dict[str, int]:
-        """What ``CommDebugMode`` should count in ``phase``: the plan's collectives, except that
+        """What ``CollectiveCounter`` should count in ``phase``: the plan's collectives, except that
         under DDP the plan's per-parameter gradient all-reduces (``bucketed=True``) become one
         all-reduce per DDP bucket (see the module docstring)."""
         counts: Counter[str] = Counter()

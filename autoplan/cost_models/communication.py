@@ -6,13 +6,14 @@ Every ``nbytes`` is the full buffer held by one device, by kind:
 - ``all_gather``: the gathered OUTPUT;
 - ``reduce_scatter``: the INPUT before scattering;
 - ``all_to_all``: the per-device buffer;
-- ``send_recv``: the message.
+- ``send_recv``, ``broadcast``: the message.
 
 Ring costs on ``n`` devices over a link of bandwidth ``bw`` (bytes/s) and latency ``α`` (s):
 
 - all_reduce: 2(n−1)/n · B/bw + 2(n−1)·α
 - all_gather, reduce_scatter, all_to_all: (n−1)/n · B/bw + (n−1)·α
 - send_recv: B/bw + α
+- broadcast (a binomial tree, as gloo and NCCL run small messages): B/bw + ⌈log2 n⌉·α
 
 and nothing at all when n == 1.
 """
@@ -33,7 +34,8 @@ ALL_GATHER = "all_gather"
 REDUCE_SCATTER = "reduce_scatter"
 ALL_TO_ALL = "all_to_all"
 SEND_RECV = "send_recv"
-COLLECTIVE_KINDS: tuple[str, ...] = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV)
+BROADCAST = "broadcast"
+COLLECTIVE_KINDS: tuple[str, ...] = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV, BROADCAST)
 
 
 def _check(kind: str, n: int) -> None:
@@ -46,13 +48,13 @@ def _check(kind: str, n: int) -> None:
 def bytes_moved_per_device(kind: str, nbytes: float, n: int) -> float:
     """Bytes each device sends over the link in a ring ``kind`` on ``n`` devices (the
     bandwidth term): 2(n−1)/n·B for all-reduce, (n−1)/n·B for all-gather, reduce-scatter and
-    all-to-all, B for send/recv; 0 when n == 1."""
+    all-to-all, B for send/recv and broadcast; 0 when n == 1."""
     _check(kind, n)
     if n == 1:
         return 0.0
     if kind == ALL_REDUCE:
         return 2 * (n - 1) / n * nbytes
-    if kind == SEND_RECV:
+    if kind in (SEND_RECV, BROADCAST):
         return float(nbytes)
     return (n - 1) / n * nbytes
 
@@ -66,6 +68,8 @@ def latency_steps(kind: str, n: int) -> int:
         return 2 * (n - 1)
     if kind == SEND_RECV:
         return 1
+    if kind == BROADCAST:
+        return math.ceil(math.log2(n))
     return n - 1
 
 

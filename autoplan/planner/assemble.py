@@ -62,15 +62,15 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             seconds += steps_seconds(forward, ctx) * ctx.microbatches
             for step in forward:
                 _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved, times=ctx.microbatches)
-            if moved == "parameter":  # the gradient reduction: once per step, in buckets
-                seconds += steps_seconds(backward, ctx, bucketed=True)
+            if moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
+                seconds += steps_seconds(backward, ctx, bucketed=True)      # step, in buckets
                 for step in backward:
                     _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "gradient", bucketed=True)
-            else:
+            else:  # through the edge's resharding, every microbatch
                 seconds += steps_seconds(backward, ctx) * ctx.microbatches
                 for step in backward:
-                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "activation",
-                         times=ctx.microbatches)
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where,
+                         "gradient" if moved == "parameter" else "activation", times=ctx.microbatches)
     order = {"forward": 0, "backward": 1, "optimizer": 2}
     return sorted(bucket.values(), key=lambda c: (order[c.phase], c.where, c.kind)), seconds
 

@@ -22,8 +22,9 @@ the input was replicated over devices that each used it for a different slice of
 the backward resharding reduces them into the producer's placement — an all-reduce into a
 replicated one, a reduce-scatter into a sharded one. This is where the gradient reduction of a
 parameter replicated over a batch-sharded mesh axis appears (once per step, in buckets as DDP
-and FSDP do: bandwidth without a latency per parameter), and the backward all-reduce of
-Megatron's column-parallel input.
+and FSDP do: bandwidth without a latency per parameter; per microbatch where the parameter is
+read in another placement than it is stored), and the backward all-reduce of Megatron's
+column-parallel input.
 """
 
 from __future__ import annotations
@@ -204,16 +205,18 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
               whole_axes: frozenset[int] = frozenset()) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
-    microbatch; the backward every microbatch for activations, once per step (bucketed, no
-    latency per parameter) for a parameter's gradient."""
+    microbatch; the backward every microbatch, except for the gradient of a parameter read as
+    it is stored, which is reduced once per step (bucketed, no latency per parameter). A
+    parameter read in another placement is resharded every microbatch, and its gradient goes
+    back through that resharding each time."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter, whole_axes)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)
-        if from_parameter:
-            cached = steps_seconds(forward, ctx) * ctx.microbatches + steps_seconds(backward, ctx, bucketed=True)
+        if from_parameter and src == dst:
+            cached = steps_seconds(backward, ctx, bucketed=True)
         else:
             cached = (steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
         ctx.cache[key] = cached

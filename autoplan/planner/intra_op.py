@@ -156,7 +156,9 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
         return _output_class_strategies(len(mesh_shape), len(view.inputs[name]))
     if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape)
-        if allow_storage is not None:
+        if info.kind == "activation":  # a value received from an earlier stage arrives whole, and its
+            strategies = [s for s in strategies if all(p == R for p in s.output_spec)]  # gradient leaves whole
+        elif allow_storage is not None:
             strategies = [s for s in strategies if allow_storage(info, s.output_spec)] or strategies[:1]
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])

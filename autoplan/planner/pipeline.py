@@ -21,7 +21,11 @@ under the memory budget.
 
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
-once per step (amortised). Schedules (:data:`SCHEDULES`):
+once per step (amortised). A stage receives its inputs whole and sends their gradients back
+whole; it hands on only what later stages read (and the loss). After the schedule, once per
+step: the gradients of a weight held by stages on several pipeline ranks (a tied embedding)
+are summed among them (all stages store it as the first chose), and the loss is broadcast to
+every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
 
 - ``gpipe``: step = Σ t_i + (B − 1)·max t_i; every stage keeps all ``B`` microbatches'
   activations;
@@ -39,12 +43,12 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from autoplan.cost_models import collective_time
+from autoplan.cost_models import ALL_REDUCE, BROADCAST, collective_time
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.assemble import node_plans, placements, predict, solver_stats
-from autoplan.planner.costing import CostContext
-from autoplan.planner.graph import TracedGraph
+from autoplan.planner.costing import CostContext, is_floating
+from autoplan.planner.graph import NodeInfo, TracedGraph
 from autoplan.planner.intra_op import IntraOpResult, emit_warnings, plan_intra_op
 from autoplan.planner.layering import Layer, make_layers
 from autoplan.planner.layers import find_classes
@@ -59,8 +63,9 @@ from autoplan.planner.plan import (
     Prediction,
     StagePlan,
 )
-from autoplan.planner.subgraph import extract
+from autoplan.planner.subgraph import extract, loss_name
 from autoplan.planner.trace import trace
+from autoplan.sharding import ShardingSpec, local_shape, spec_from_json
 from autoplan.solvers import evaluate, format_bytes, format_seconds, trim_memory
 from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.solvers.inter_op import (
@@ -219,12 +224,14 @@ def _link_between_stages(options: PlannerOptions, submesh: SubMesh):
 def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers). A value produced in layer i and last read
-    in layer j (or by the graph's output) crosses the cuts i+1..j."""
+    in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j."""
     layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    loss = loss_name(graph)
     diff = [0.0] * (len(layers) + 2)
     for name, i in layer_of.items():
-        last = max((layer_of.get(user.name, len(layers)) for user in fx_nodes[name].users), default=i)
+        last = max((layer_of.get(user.name, len(layers)) for user in fx_nodes[name].users
+                    if user.op != "output" or name == loss), default=i)
         info = graph.nodes[name]
         if last > i and info.shape is not None:
             nbytes = math.prod(info.shape) * info.itemsize
@@ -371,10 +378,19 @@ def _refine(candidates: list[_Candidate], options: PlannerOptions, popts: Pipeli
 def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
                    ) -> list[tuple[TracedGraph, IntraOpResult, CostContext]]:
     """One exact intra-op ILP per stage; a stage equal to one already solved (the same layers,
-    in the same place of the pipeline) takes its answer, renamed."""
+    in the same place of the pipeline) takes its answer, renamed. A parameter that several
+    stages read (a tied weight) is stored as the first of them chose, so that its copies'
+    gradients sum shard by shard and no stage redistributes it."""
     stages = len(candidate.cuts)
     out = []
     solved: dict[tuple, tuple[TracedGraph, IntraOpResult]] = {}
+    stored: dict[str, ShardingSpec] = {}  # FQN -> spec chosen by the first stage holding it
+
+    def allow_storage(info: NodeInfo, spec: ShardingSpec) -> bool:
+        if info.fqn in stored:
+            return spec == stored[info.fqn]
+        return options.allow_storage is None or options.allow_storage(info, spec)
+
     for start, end in candidate.cuts:
         nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
         sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
@@ -382,13 +398,19 @@ def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
                           options.optimizer, microbatches=candidate.microbatches,
                           activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                           remat=options.remat)
+        pinned = tuple(sorted((info.fqn, spec) for info in sub.nodes.values() if info.fqn in stored
+                              for spec in [stored[info.fqn]]))
         key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-               end == len(candidate.layers))
+               end == len(candidate.layers), pinned)
         result = _renamed(*solved[key], sub) if key in solved else None
         if result is None:
             result = plan_intra_op(sub, find_classes(sub), candidate.mesh, ctx, options.memory_budget,
-                                   options.solver, options.time_limit_s, allow_storage=options.allow_storage)
+                                   options.solver, options.time_limit_s, allow_storage=allow_storage)
             solved[key] = (sub, result)
+        for name, strategy in result.chosen.items():
+            info = sub.nodes[name]
+            if info.kind == "parameter" and info.fqn:
+                stored.setdefault(info.fqn, strategy.output_spec)
         out.append((sub, result, ctx))
     return out
 
@@ -418,13 +440,15 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
     latencies, memories, computes, comms, kinds = [], [], [], [], []
     for index, ((start, end), (sub, result, ctx)) in enumerate(zip(candidate.cuts, results)):
         prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
+        for c in stage_collectives:
+            c.stages = [index]
         send_bytes = crossing[end] if end < len(layers) else 0.0
         send = 2 * collective_time("send_recv", send_bytes, 2, link) if send_bytes else 0.0
         if send_bytes:
             where = f"stage {index} -> stage {index + 1}"
             stage_collectives += [
-                PlannedCollective("send_recv", "forward", -1, send_bytes, candidate.microbatches, where),
-                PlannedCollective("send_recv", "backward", -1, send_bytes, candidate.microbatches, where)]
+                PlannedCollective("send_recv", phase, -1, send_bytes, candidate.microbatches, where,
+                                  stages=[index, index + 1]) for phase in ("forward", "backward")]
         latencies.append(prediction.step_time_s / candidate.microbatches + send)
         memories.append(prediction.memory_bytes)
         computes.append(prediction.compute_s)
@@ -444,11 +468,17 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
                                      list(range(rank * size, (rank + 1) * size)), list(candidate.mesh),
                                      [n for layer in layers[start:end] for n in layer.nodes], list(stage_params),
                                      latencies[-1]))
-    step = pipeline_time(latencies, candidate.microbatches, schedule)
+    after, after_kinds = (_after_schedule(graph, stage_plans, params, options, link, collectives)
+                          if len(stage_plans) > 1 else (0.0, {}))
+    scheduled = pipeline_time(latencies, candidate.microbatches, schedule)
+    step = scheduled + after
     worst = max(memories, key=lambda m: m.peak)
     busiest = max(range(len(latencies)), key=lambda i: latencies[i])
-    predicted = Prediction(step, computes[busiest], comms[busiest], MemoryEstimate(**vars(worst)), kinds[busiest],
-                           bubble_s=max(0.0, step - candidate.microbatches * max(latencies)))
+    by_kind = dict(kinds[busiest])
+    for kind, seconds in after_kinds.items():
+        by_kind[kind] = by_kind.get(kind, 0.0) + seconds
+    predicted = Prediction(step, computes[busiest], comms[busiest] + after, MemoryEstimate(**vars(worst)), by_kind,
+                           bubble_s=max(0.0, scheduled - candidate.microbatches * max(latencies)))
     first = results[0][1]
     warnings_ = sorted({w for _, r, _ in results for w in r.warnings})
     emit_warnings(warnings_)
@@ -458,6 +488,31 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
         schedule=schedule if len(stage_plans) > 1 else "none", params=params, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name)
+
+
+def _after_schedule(graph: TracedGraph, stages: list[StagePlan], params: dict[str, list[str]],
+                    options: PlannerOptions, link, collectives: list[PlannedCollective]
+                    ) -> tuple[float, dict[str, float]]:
+    """The collectives a pipelined step runs after its schedule, appended to ``collectives``,
+    and their seconds (total and by kind): a parameter held by stages on several pipeline ranks
+    (a tied weight) has its copies' gradients all-reduced among those ranks, once per step; the
+    loss is broadcast from the last stage to every rank."""
+    seconds: dict[str, float] = {}
+    infos = {info.fqn: info for info in graph.nodes.values() if info.kind == "parameter" and info.fqn}
+    for fqn, info in infos.items():
+        owners = [i for i, st in enumerate(stages) if fqn in st.params]
+        blocks = {stages[i].devices[0] for i in owners}
+        if len(blocks) < 2 or not is_floating(info.dtype) or info.shape is None:
+            continue
+        spec = spec_from_json(params.get(fqn, ["R"] * len(stages[owners[0]].mesh)))
+        nbytes = math.prod(local_shape(info.shape, spec, tuple(stages[owners[0]].mesh))) * info.itemsize
+        seconds[ALL_REDUCE] = seconds.get(ALL_REDUCE, 0.0) + collective_time(ALL_REDUCE, nbytes, len(blocks), link)
+        collectives.append(PlannedCollective(ALL_REDUCE, "backward", -1, nbytes, 1, f"{fqn}: its copies' gradients",
+                                             "gradient", stages=owners))
+    loss_bytes = 4.0  # the float32 scalar
+    seconds[BROADCAST] = collective_time(BROADCAST, loss_bytes, options.devices, link)
+    collectives.append(PlannedCollective(BROADCAST, "forward", -1, loss_bytes, 1, "loss -> every rank", "loss"))
+    return sum(seconds.values()), seconds
 
 
 def candidate_name(c: _Candidate) -> str:

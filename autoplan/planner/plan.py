@@ -11,7 +11,7 @@ from typing import Any
 from autoplan.errors import AutoplanError
 
 PLAN_FORMAT = "autoplan.plan/1"
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "backward", "optimizer")
 
 
@@ -27,6 +27,7 @@ class PlannedCollective:
     where: str = ""  # the edge or node that needs it, e.g. "linear_1 -> sub"
     tensor: str = "activation"  # what it moves: "activation", "parameter", "gradient" (of a parameter), "loss count"
     bucketed: bool = False  # a gradient reduction done in buckets: no latency per parameter
+    stages: list[int] = field(default_factory=list)  # the pipeline stages whose ranks run it (empty: every rank)
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """Cut a contiguous run of op nodes out of a traced graph, as a graph of its own.
 
 A pipeline stage is such a run: the values it reads from earlier stages become placeholders
-of kind ``"activation"`` (parameters it reads keep their kind and FQN), and every value it
-produces that a later stage (or the loss) needs becomes an output that must leave replicated.
+of kind ``"activation"`` (parameters it reads keep their kind and FQN; they arrive whole and
+send their gradients back whole), and every value it produces that a later stage needs, and
+the loss, becomes an output that must leave replicated. The model's other outputs are not
+outputs of a stage: a pipelined step returns only the loss.
 """
 
 from __future__ import annotations
@@ -28,9 +30,19 @@ def boundary_values(graph: TracedGraph, node_names: list[str]) -> tuple[list[str
                 reads.append(inp.name)
     order = {name: i for i, name in enumerate(fx_nodes)}
     reads.sort(key=order.__getitem__)
+    loss = loss_name(graph)
     produced = [name for name in node_names
-                if any(user.name not in inside for user in fx_nodes[name].users)]
+                if any(user.name not in inside and (user.op != "output" or name == loss) for user in fx_nodes[name].users)]
     return reads, produced
+
+
+def loss_name(graph: TracedGraph) -> str | None:
+    """The loss's node name: the graph's first output. A pipeline returns only the loss, so no
+    other output of the model leaves its stage."""
+    output = next(n for n in graph.graph_module.graph.nodes if n.op == "output")
+    outs = output.args[0]
+    first = outs[0] if isinstance(outs, (tuple, list)) else outs
+    return first.name if isinstance(first, fx.Node) else None
 
 
 def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
