@@ -24,6 +24,7 @@ from autoplan.codegen.dtensor_program import planned_collectives
 from autoplan.codegen.runtime import ParallelModule, PipelinedModule
 from autoplan.planner.load import ModelSpec
 
+
 def _full(t: Any) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 

@@ -67,7 +67,6 @@ from autoplan.planner.subgraph import extract, loss_name
 from autoplan.planner.trace import trace
 from autoplan.sharding import ShardingSpec, local_shape, spec_from_json
 from autoplan.solvers import evaluate, format_bytes, format_seconds, trim_memory
-from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.solvers.inter_op import (
     InterOpInfeasibleError,
     InterOpProblem,
@@ -76,6 +75,7 @@ from autoplan.solvers.inter_op import (
     candidate_submeshes,
     solve_inter_op,
 )
+from autoplan.solvers.intra_op import IntraOpProblem
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
