@@ -62,7 +62,7 @@ CASES: dict[str, tuple[int, str, dict, tuple[int, ...], float | None]] = {
     # 4 processes
     "mlp_megatron_4": (4, "mlp", {"hidden": 1024, "batch": 8, "seq": 16}, (4,), None),
     "mlp_megatron_tight_4": (4, "mlp", {"hidden": 64, "batch": 8, "seq": 16}, (4,), 0.35e6),
-    "mlp_dp_4": (4, "mlp", {"hidden": 64, "batch": 64, "seq": 128}, (4,), None),
+    "mlp_dp_4": (4, "mlp", {"hidden": 64, "batch": 64, "seq": 512}, (4,), None),
     # widths no device count divides: hidden 30 (4h = 120 divides, 30 does not)
     "mlp_odd_4": (4, "mlp", {"hidden": 30, "batch": 8, "seq": 16}, (4,), 0.1e6),
     "mlp_odd_2x2": (4, "mlp", {"hidden": 30, "batch": 6, "seq": 10}, (2, 2), 0.1e6),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import warnings
 
 import mlp
@@ -57,12 +59,38 @@ def test_wide_batch_small_mlp_is_data_parallel(small_mlp_graph) -> None:
     assert {c.kind for c in grads} == {"all_reduce"}
     assert sum(c.bytes * c.count for c in grads) == pytest.approx(sum(
         torch.Size(s).numel() * 4 for s in [(1024, 256), (1024,), (256, 1024), (256,)]))
+    # in buckets: every byte at the link's bandwidth, and the latency of one all-reduce in all
+    from autoplan.cost_models import collective_time, load_cluster
+
+    link = load_cluster("h100").intra_node
+    bandwidth = sum(c.count * collective_time("all_reduce", c.bytes, 8, link.without_latency()) for c in grads)
+    loss = [c for c in plan.collectives if c.tensor != "gradient"]
+    others = sum(c.count * collective_time(c.kind, c.bytes, 8, link) for c in loss)
+    assert plan.predicted.comm_s == pytest.approx(bandwidth + collective_time("all_reduce", 0.0, 8, link) + others)
+
+
+def _least_memory_with_replicated_weights(graph) -> Plan:
+    """The plan with replicated weights that needs the least memory (equally fast plans may
+    hold more activations: tighten the budget until none fits)."""
+    def replicated(budget: float | None) -> Plan:
+        options = make_options(8, "h100", mesh=(8,), memory_per_device=budget)
+        return plan_traced(graph, dataclasses.replace(
+            options, allow_storage=lambda info, spec: info.kind != "parameter" or all(p.is_replicate for p in spec)))
+
+    plan = replicated(None)
+    while True:
+        try:
+            plan = replicated(plan.predicted.memory_bytes.peak * 0.99)
+        except MemoryInfeasibleError:
+            return plan
 
 
 def test_memory_budget_forces_sharded_weights(small_mlp_graph) -> None:
     free = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,)))
-    replicated_state = free.predicted.memory_bytes.params * 4  # params + grads + 2 Adam moments
-    budget = free.predicted.memory_bytes.peak - replicated_state / 2
+    least = _least_memory_with_replicated_weights(small_mlp_graph)
+    assert all(p == ["R"] for p in least.params.values())
+    replicated_state = least.predicted.memory_bytes.params * 4  # params + grads + 2 Adam moments
+    budget = least.predicted.memory_bytes.peak - replicated_state / 2
     tight = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,), memory_per_device=budget))
     assert tight.predicted.memory_bytes.peak <= budget
     assert any(p != ["R"] for p in tight.params.values())

@@ -12,7 +12,7 @@ from autoplan.planner.costing import (
     steps_seconds,
 )
 from autoplan.planner.graph import TracedGraph
-from autoplan.planner.intra_op import IntraOpResult
+from autoplan.planner.intra_op import IntraOpResult, with_parameter_edges
 from autoplan.planner.layers import NodeClasses
 from autoplan.planner.plan import (
     MemoryEstimate,
@@ -78,6 +78,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
 def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx: CostContext
             ) -> tuple[Prediction, list[PlannedCollective]]:
     """Predicted step time (compute, communication by kind) and memory of a result."""
+    ctx = with_parameter_edges(ctx, graph)
     collectives, _ = planned_collectives(graph, classes, result, ctx)
     by_kind: dict[str, float] = {}
     comm = 0.0

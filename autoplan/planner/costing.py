@@ -103,6 +103,9 @@ class CostContext:
     microbatches: int = 1  # per-microbatch work (compute, activation traffic) runs this many times a step
     activations_in_flight: int = 1  # microbatches whose activations a stage holds at once (the schedule's)
     remat: bool = False  # activation checkpointing: keep only graph inputs, recompute the forward
+    # parameter → consumer edges of the graph being planned (that carry a gradient): each bucketed
+    # gradient reduction pays this share of one collective's latency (see steps_seconds)
+    parameter_edges: int = 0
     cache: dict = field(default_factory=dict)
 
 
@@ -191,13 +194,23 @@ def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], ite
 
 
 def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool = False) -> float:
-    """Seconds of ``steps``; ``bucketed`` collectives (gradient reductions) pay no latency."""
+    """Seconds of ``steps``. ``bucketed`` collectives (gradient reductions) are flattened into
+    buckets: each pays its bandwidth, and a share ``1 / ctx.parameter_edges`` of one
+    collective's latency. The program reduces a step's bucketed gradients in a few collectives
+    per mesh axis, of which the last one's latency is not hidden behind the backward (DDP's
+    first buckets overlap with it): spread over the graph's parameter edges, a plan that reduces
+    every parameter's gradient on an axis (data parallelism) pays exactly that one latency, one
+    that reduces some of them pays their share (a linear stand-in for "once if any", which keeps
+    the ILP's edge costs separable)."""
     total = 0.0
     for s in steps:
-        link = ctx.links[s.mesh_axis]
+        link, n = ctx.links[s.mesh_axis], ctx.mesh_shape[s.mesh_axis]
         if bucketed:
-            link = link.without_latency()
-        total += collective_time(s.kind, s.nbytes, ctx.mesh_shape[s.mesh_axis], link)
+            total += collective_time(s.kind, s.nbytes, n, link.without_latency())
+            if ctx.parameter_edges:
+                total += collective_time(s.kind, 0.0, n, link) / ctx.parameter_edges
+        else:
+            total += collective_time(s.kind, s.nbytes, n, link)
     return total
 
 
@@ -211,7 +224,7 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
     back through that resharding each time."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
-    key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter, whole_axes)
+    key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter, whole_axes, ctx.parameter_edges)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import operator
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import fx
@@ -301,6 +301,15 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
     return IntraOpProblem(costs, memory, edges, memory_budget, names, choice_names)
 
 
+def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: _GraphView | None = None) -> CostContext:
+    """``ctx`` for ``graph``: with its number of parameter → consumer edges that carry a
+    gradient (:attr:`CostContext.parameter_edges`, the bucket latency's denominator)."""
+    view = view or _GraphView.of(graph)
+    edges = sum(len(view.users[name]) for name, info in graph.nodes.items()
+                if info.kind == "parameter" and view.needs_grad.get(name))
+    return ctx if edges == ctx.parameter_edges else replace(ctx, parameter_edges=edges)
+
+
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
                   memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
                   pick: Callable[[int, list[str]], int] | None = None,
@@ -313,6 +322,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     over a mesh axis means parameters replicated and inputs batch-sharded there); the first
     spec (replicated) is kept if the rule allows none."""
     view = _GraphView.of(graph)
+    ctx = with_parameter_edges(ctx, graph, view)
     messages: list[str] = []
 
     def warn(message: str) -> None:
