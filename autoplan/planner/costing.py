@@ -224,7 +224,8 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
     back through that resharding each time."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
-    key = (src, dst, shape, itemsize, carries_grad, partial_axes, from_parameter, whole_axes, ctx.parameter_edges)
+    key = (src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes,
+           ctx.parameter_edges if from_parameter else -1)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)
