@@ -38,9 +38,12 @@ every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import itertools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models import ALL_REDUCE, BROADCAST, collective_time
@@ -536,8 +539,28 @@ def _no_plan_fits(spec: ModelSpec, options: PlannerOptions) -> MemoryInfeasibleE
         f"(--memory-per-device) or more devices", least)
 
 
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """The search allocates millions of small objects (strategies, cost matrices, solver
+    models) and leaves no reference cycles worth collecting while it runs; the cyclic
+    collector's passes over them took about an eighth of the 39B case's planning time (memory
+    peak with it paused: 514 MB against 465 MB). Cycles are collected when it resumes."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()) -> Plan:
     """Search stages × sub-meshes × logical meshes × microbatches and plan the best pipeline."""
+    with _cyclic_gc_paused():
+        return _plan_pipeline(spec, options, popts)
+
+
+def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> Plan:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
     start = time.perf_counter()
