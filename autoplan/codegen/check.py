@@ -184,12 +184,15 @@ def expected_pipeline_collectives(pm: PipelinedModule) -> dict[str, int]:
     """The collectives this rank runs in one pipelined step, by the plan: those of the stages
     it holds (each as often as planned: per microbatch inside a stage, once per step for a
     gradient reduction), the reductions of tied weights it holds a copy of, and the loss's
-    broadcast. Stage-to-stage sends are point-to-point: not collectives, not counted."""
+    broadcast; the bucketed gradient all-reduces counted per bucket, as the program ran them
+    in the step just taken. Stage-to-stage sends are point-to-point: not collectives, not
+    counted."""
     mine = set(pm.program.stage_indices)
     counts: Counter[str] = Counter()
     for c in pm.plan.collectives:
         if c.kind != "send_recv" and (not c.stages or mine & set(c.stages)):
-            counts[c.kind] += c.count
+            counts[c.kind] += 0 if c.bucketed and c.kind == "all_reduce" else c.count
+    counts["all_reduce"] += pm.program.gradient_buckets_launched
     return _as_backend_runs(dict(counts))
 
 

@@ -43,7 +43,9 @@ the gradients are then exactly those of the global-batch loss, and they ACCUMULA
 successive ``train_step`` calls (torch's ``scale_grads=True`` divides the accumulated ``.grad``
 after every step, so it would also divide gradients accumulated before the step).
 After the schedule: gradients left as partial sums (a parameter replicated over a batch-sharded
-mesh axis) are reduced into the parameter's placement, once per step, not once per microbatch.
+mesh axis) are reduced into the parameter's placement, once per step, not once per microbatch,
+in buckets (one flat all-reduce per dtype, set of axes and axis, where the plan lists one per
+parameter: :attr:`PipelineProgram.gradient_buckets_launched` counts them for ``--check``).
 
 Tied weights (nanoGPT's ``wte``/``lm_head``): a parameter read by stages on different pp ranks
 is held by each of them (distributed the same way on each sub-mesh); after the step the copies'
@@ -485,6 +487,7 @@ class PipelineProgram(torch.nn.Module):
 
         stages_arg = self.pipeline_stages if _is_multi(cls) else self.pipeline_stages[0]
         self.schedule = cls(stages_arg, plan.microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.gradient_buckets_launched = 0  # flat all-reduces of the last step's bucketed gradients
         self.has_first = 0 in local_stages
         self.has_last = layout.num_stages - 1 in local_stages
         self.loss_src = plan.stages[-1].devices[0]
@@ -530,11 +533,32 @@ class PipelineProgram(torch.nn.Module):
         return loss
 
     def _finish_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
-        # partial sums (a parameter replicated over a batch-sharded axis) → the parameter's placement
+        # partial sums → the parameter's placement: summed over axes where the parameter is
+        # replicated (data parallelism over a batch-sharded axis) in buckets, one flat
+        # all-reduce per bucket and axis, as the plan costs them; anything else one by one
+        buckets: dict[tuple[tuple[int, ...], torch.dtype], list[torch.nn.Parameter]] = {}
         for p in params:
             g = p.grad
-            if isinstance(g, DTensor) and g.placements != p.placements:
+            if not isinstance(g, DTensor) or g.placements == p.placements:
+                continue
+            axes = tuple(i for i, (q, r) in enumerate(zip(g.placements, p.placements)) if q != r)
+            if all(isinstance(g.placements[i], Partial) and g.placements[i].reduce_op == "sum"
+                   and p.placements[i].is_replicate() for i in axes):
+                buckets.setdefault((axes, g.dtype), []).append(p)
+            else:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
+        for (axes, _), members in buckets.items():
+            flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])
+            for axis in axes:
+                dist.all_reduce(flat, group=self.stage_mesh.get_group(axis))
+            offset = 0
+            for p in members:
+                local = p.grad.to_local()
+                piece = flat[offset:offset + local.numel()].view_as(local)
+                p.grad = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False,
+                                            shape=p.shape, stride=p.stride())
+                offset += local.numel()
+        self.gradient_buckets_launched = sum(len(axes) for axes, _ in buckets)
         # tied weights: sum the copies' gradients over their owners
         for fqn, group in self._shared:
             p = self._local[fqn]
