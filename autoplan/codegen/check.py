@@ -190,8 +190,9 @@ def expected_pipeline_collectives(pm: PipelinedModule) -> dict[str, int]:
     mine = set(pm.program.stage_indices)
     counts: Counter[str] = Counter()
     for c in pm.plan.collectives:
-        if c.kind != "send_recv" and (not c.stages or mine & set(c.stages)):
-            counts[c.kind] += 0 if c.bucketed and c.kind == "all_reduce" else c.count
+        bucket_member = c.bucketed and c.kind == "all_reduce"  # counted per bucket below
+        if c.kind != "send_recv" and not bucket_member and (not c.stages or mine & set(c.stages)):
+            counts[c.kind] += c.count
     counts["all_reduce"] += pm.program.gradient_buckets_launched
     return _as_backend_runs(dict(counts))
 

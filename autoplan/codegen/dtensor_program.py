@@ -47,6 +47,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.errors import AutoplanError
 
 if TYPE_CHECKING:
@@ -512,8 +513,6 @@ def executed_collectives(program: ShardedProgram, inputs: Sequence[Any]) -> dict
     (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``) — to set beside
     ``plan.collectives_in("forward")`` (:func:`planned_collectives`). Autograd stays on, as in
     a training step; the backward is not run."""
-    from autoplan.codegen.collective_counter import CollectiveCounter
-
     with CollectiveCounter() as counter:
         program(*inputs)
     return dict(counter.counts)

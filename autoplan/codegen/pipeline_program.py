@@ -82,6 +82,7 @@ from autoplan.codegen.dtensor_program import (
 from autoplan.errors import AutoplanError
 from autoplan.planner.graph import TracedGraph
 from autoplan.planner.plan import NodePlan, Plan
+from autoplan.planner.subgraph import loss_name
 
 __all__ = [
     "PipelineProgram",
@@ -215,11 +216,10 @@ def pipeline_layout(graph: TracedGraph, plan: Plan) -> StageLayout:
         users = [stage_of[u] for u in n.users if u in stage_of]
         if users:
             stage_of[n] = min(users)
-    output = next(n for n in gm_nodes if n.op == "output")
-    outs = output.args[0]
-    loss_node = outs[0] if isinstance(outs, (tuple, list)) else outs
-    if not isinstance(loss_node, torch.fx.Node):
+    loss = loss_name(graph)
+    if loss is None:
         raise AutoplanError("the graph's loss is not computed by the graph")
+    loss_node = by_name[loss]
 
     user_inputs = [by_name[name] for name in graph.input_names]
     produced: dict[torch.fx.Node, int] = {n: -1 for n in user_inputs}

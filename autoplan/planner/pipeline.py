@@ -46,7 +46,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
-from autoplan.cost_models import ALL_REDUCE, BROADCAST, collective_time
+from autoplan.cost_models import ALL_REDUCE, BROADCAST, LinkSpec, collective_time
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.assemble import node_plans, placements, predict, solver_stats
@@ -218,7 +218,7 @@ class _LayerCosts:
         return self.pairs[key]
 
 
-def _link_between_stages(options: PlannerOptions, submesh: SubMesh):
+def _link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
     cluster = options.cluster
     return cluster.intra_node if submesh.nodes == 1 and submesh.devices < cluster.devices_per_node else \
         cluster.inter_node
@@ -401,8 +401,8 @@ def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
                           options.optimizer, microbatches=candidate.microbatches,
                           activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                           remat=options.remat)
-        pinned = tuple(sorted((info.fqn, spec) for info in sub.nodes.values() if info.fqn in stored
-                              for spec in [stored[info.fqn]]))
+        pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
+                              if fqn in stored))
         key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
                end == len(candidate.layers), pinned)
         result = _renamed(*solved[key], sub) if key in solved else None
@@ -494,7 +494,7 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
 
 
 def _after_schedule(graph: TracedGraph, stages: list[StagePlan], params: dict[str, list[str]],
-                    options: PlannerOptions, link, collectives: list[PlannedCollective]
+                    options: PlannerOptions, link: LinkSpec, collectives: list[PlannedCollective]
                     ) -> tuple[float, dict[str, float]]:
     """The collectives a pipelined step runs after its schedule, appended to ``collectives``,
     and their seconds (total and by kind): a parameter held by stages on several pipeline ranks

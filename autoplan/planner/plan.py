@@ -11,7 +11,6 @@ from typing import Any
 from autoplan.errors import AutoplanError
 
 PLAN_FORMAT = "autoplan.plan/1"
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 PHASES = ("forward", "backward", "optimizer")
 
 
