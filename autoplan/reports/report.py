@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autoplan.cost_models.cluster import ClusterSpec
-from autoplan.cost_models.communication import collective_time
+from autoplan.cost_models.communication import COLLECTIVE_KINDS, collective_time
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.plan import (
-    COLLECTIVE_KINDS,
     Alternative,
     MemoryEstimate,
     Plan,
