@@ -29,7 +29,7 @@ from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.planner.api import make_options  # noqa: E402
 from autoplan.planner.load import make_model_spec  # noqa: E402
 from autoplan.planner.manual import cost_manual, parse_manual  # noqa: E402
-from autoplan.planner.meshes import mesh_label  # noqa: E402
+from autoplan.planner.meshes import meshes_label  # noqa: E402
 from autoplan.planner.pipeline import plan_pipeline  # noqa: E402
 
 SUITE = {  # name: (devices, hidden, layers, heads, Megatron baseline)
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--case", action="append", choices=list(SUITE), help="cases to run (default: all)")
     parser.add_argument("--cluster", default="v100-16g")
     args = parser.parse_args()
-    header = ("model", "GPUs", "plan time", "stages", "stage mesh", "microbatches", "schedule",
+    header = ("model", "GPUs", "plan time", "stages", "stage meshes", "microbatches", "schedule",
               "found samples/s", "Megatron samples/s", "found/Megatron")
     print(" | ".join(header))
     print(" | ".join("---" for _ in header))
@@ -70,7 +70,7 @@ def main() -> None:
                 if alt.predicted else "-"
         else:
             mega, ratio = "(no published plan)", "-"
-        print(f"{name} | {devices} | {elapsed:.1f} s | {len(plan.stages)} | {mesh_label(plan.mesh)} | "
+        print(f"{name} | {devices} | {elapsed:.1f} s | {len(plan.stages)} | {meshes_label([s.mesh for s in plan.stages])} | "
               f"{plan.microbatches} | {plan.schedule} | {found:.2f} | {mega} | {ratio}", flush=True)
         bars.append((name, found, BATCH / alt.predicted.step_time_s if baseline and alt.predicted else None))
     _plot(bars, ROOT / "benchmarks" / "figures" / "plan_quality.png")

@@ -118,6 +118,12 @@ CASES["gpt_k1_3stages_1f1b"] = (3, "gpt", 1, 3, 4, "1f1b", None, True)
 CASES["gpt_mid_k1_1f1b"] = (2, "gpt_mid", 1, 2, 2, "1f1b", None, False)
 CASES["mlp_dp_k2_gpipe"] = (4, "mlp_dp", 2, 2, 2, "gpipe", None, True)
 CASES["mlp_dp_k2_interleaved1f1b"] = (4, "mlp_dp", 2, 4, 2, "interleaved1f1b", None, False)
+# two stages of 4 devices on different logical meshes: the only world size where two meshes of
+# one sub-mesh size differ ((4,) against (2, 2))
+CASES["mlp_k4_mixed_1f1b"] = (8, "mlp", 4, 2, 2, "1f1b", 2.5e5, True)
+CASES["mlp_dp_k4_mixed_gpipe"] = (8, "mlp_dp", 4, 2, 2, "gpipe", None, False)
+# case name -> the logical mesh of each stage (the other cases: (k,) for every stage)
+STAGE_MESHES = {"mlp_k4_mixed_1f1b": [(4,), (2, 2)], "mlp_dp_k4_mixed_gpipe": [(2, 2), (4,)]}
 
 
 def split_plan(plan: Plan, graph: TracedGraph, starts: list[str], microbatches: int, schedule: str,
@@ -153,6 +159,20 @@ def split_plan(plan: Plan, graph: TracedGraph, starts: list[str], microbatches: 
     return dataclasses.replace(plan, stages=stages, devices=k * pp, microbatches=microbatches, schedule=schedule)
 
 
+def mixed_plan(plans: list[Plan]) -> Plan:
+    """Stage s of ``plans[s]`` (each the same pipeline split of one model, on its own logical
+    mesh): its nodes' and parameters' placements come from the plan of its mesh."""
+    stages = [p.stages[s] for s, p in enumerate(plans)]
+    nodes, params = [], {}
+    for stage, p in zip(stages, plans):
+        mine = set(stage.nodes)
+        nodes += [n for n in p.nodes if n.name in mine]
+        params.update({f: p.params[f] for f in stage.params if f in p.params})
+    planned = {n.name for n in nodes}
+    nodes += [n for n in plans[0].nodes if n.name not in planned]  # nodes no stage lists
+    return dataclasses.replace(plans[0], stages=stages, nodes=nodes, params=params)
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
@@ -171,15 +191,17 @@ _MESHES: dict[tuple, object] = {}
 def run_case(name: str) -> dict:
     world, model_name, k, num_stages, microbatches, schedule, memory, second = CASES[name]
     build, loss_fn, starts = MODELS[model_name]
-    key = (model_name, k, microbatches, memory)
-    if key not in _PLANS:
-        model, inputs = build()
-        graph = trace(make_model_spec(model, microbatch_inputs(inputs, microbatches), loss_fn))
-        plan = plan_traced(graph, make_options(k, "cpu", mesh=(k,), memory_per_device=memory))
-        _PLANS[key] = plan, graph
-    base, graph = _PLANS[key]
     pp = world // k
-    plan = split_plan(base, graph, starts[num_stages], microbatches, schedule, pp)
+    split = []
+    for mesh in STAGE_MESHES.get(name, [(k,)]):
+        key = (model_name, mesh, microbatches, memory)
+        if key not in _PLANS:
+            model, inputs = build()
+            graph = trace(make_model_spec(model, microbatch_inputs(inputs, microbatches), loss_fn))
+            _PLANS[key] = plan_traced(graph, make_options(k, "cpu", mesh=mesh, memory_per_device=memory)), graph
+        base, graph = _PLANS[key]
+        split.append(split_plan(base, graph, starts[num_stages], microbatches, schedule, pp))
+    plan = mixed_plan(split) if len(split) > 1 else split[0]
     assert plan.devices == world
 
     ref_model, ref_inputs = build()
@@ -189,12 +211,13 @@ def run_case(name: str) -> dict:
 
     model, inputs = build()
     tensors = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers())
-    mesh_key = (plan.devices // k, k)
+    mesh_key = (plan.devices // k, *plan.mesh)
     program = build_pipeline(graph, plan, tensors, "cpu", world_mesh=_MESHES.get(mesh_key))
     _MESHES[mesh_key] = program.mesh
     loss = program.train_step(*inputs)
-    result: dict = {"stages_here": program.stage_indices, "params": {f: v for f, v in base.params.items()},
-                    "inputs": base.inputs}
+    result: dict = {"stages_here": program.stage_indices, "params": plan.params, "inputs": base.inputs,
+                    "stage_meshes": {s: list(m.shape) for s, m in program.stage_meshes.items()},
+                    "buckets": program.gradient_buckets_launched}
     result["loss_diff"], result["loss_ok"] = _diff(loss, ref_loss)
     params = program.named_plan_parameters()
     grad_diffs, bad, missing = {}, [], []

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from pipeline_worker import CASES, MODELS, split_plan
+from pipeline_worker import CASES, MODELS, STAGE_MESHES, split_plan
 
 WORKER = Path(__file__).resolve().parent / "pipeline_worker.py"
 WORLDS = sorted({case[0] for case in CASES.values()})
@@ -109,3 +109,22 @@ def test_layout_boundaries():
     wrong.stages[1].devices, wrong.stages[2].devices = wrong.stages[2].devices, wrong.stages[1].devices
     with pytest.raises(AutoplanError, match="pp rank"):
         pipeline_layout(graph, wrong)
+
+
+def test_stages_on_different_logical_meshes(results):
+    """Two stages of 4 devices, one on mesh (4,) and one on (2, 2): each rank's stage runs on
+    its own stage's mesh, both stages hold sharded parameters (or, data-parallel, sum partial
+    gradients on their own mesh's axes), and the values match the single device
+    (test_matches_single_device)."""
+    for name, meshes in STAGE_MESHES.items():
+        per_rank = _case(results, name)
+        k = CASES[name][2]
+        for rank, res in enumerate(per_rank):
+            stage = rank // k
+            assert res["stage_meshes"] == {str(stage): list(meshes[stage])}
+        for stage in range(len(meshes)):
+            ranks = per_rank[stage * k:(stage + 1) * k]
+            if CASES[name][1] == "mlp_dp":
+                assert all(res["buckets"] >= len(meshes[stage]) for res in ranks), name
+            else:
+                assert all(res["sharded"] for res in ranks), name

@@ -229,3 +229,57 @@ def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
     assert all(p.is_replicate for p in result.chosen[ops[0]].output_spec)
     # (that its gradient is then gathered where a reader shards it, as the program does, the
     # per-rank collective counts of test_gpt2_two_stages_by_two_way_sharding_passes_check show)
+
+
+def _synthetic_stage_search(model_spec, prefer: dict[int, tuple[int, ...]], monkeypatch):
+    """The stage search of a 2-stage pipeline on 8 devices, stages of 4, with layer costs
+    replaced: layer i takes 1 s on the mesh ``prefer[i]`` and 2 s on any other."""
+    from autoplan.planner import pipeline as pipeline_module
+    from autoplan.solvers.inter_op import SubMesh
+
+    graph = trace(model_spec)
+    layers = make_layers(graph, find_classes(graph), None)
+    index = {layer.signature + layer.name: i for i, layer in enumerate(layers)}
+
+    def cost(self, graph_, layer, mode=pipeline_module.FAST):
+        i = index[layer.signature + layer.name]
+        return (1.0 if self.ctx.mesh_shape == prefer[i] else 2.0), 1.0
+
+    monkeypatch.setattr(pipeline_module._LayerCosts, "cost", cost)
+    options = make_options(8, "cpu")
+    meshes = [(4,), (2, 2)]
+    found = pipeline_module._search_submesh(graph, layers, options, PipelineOptions(stages=2), "1f1b", 2,
+                                            SubMesh(1, 4), meshes)
+    uniform = [pipeline_module._search_submesh(graph, layers, options, PipelineOptions(stages=2), "1f1b", 2,
+                                               SubMesh(1, 4), [m]) for m in meshes]
+    return layers, found, uniform
+
+
+def test_each_stage_gets_its_own_logical_mesh(monkeypatch) -> None:
+    """Layers that run faster on (4,) and layers that run faster on (2, 2): the search puts
+    them in different stages, each on its faster mesh, and beats every one-mesh pipeline."""
+    from pipeline_worker import build_mlp, mlp_loss
+
+    model, inputs = build_mlp()
+    spec = make_model_spec(model, inputs, mlp_loss, name="mlp")
+    layers, found, uniform = _synthetic_stage_search(spec, {0: (4,), 1: (4,), 2: (2, 2), 3: (2, 2)}, monkeypatch)
+    assert len(layers) == 4
+    assert found.cuts == [(0, 2), (2, 4)] and found.meshes == [(4,), (2, 2)]
+    assert all(found.step_time_s < u.step_time_s for u in uniform)
+
+
+def test_stages_holding_a_tied_weight_share_a_logical_mesh(small_gpt, monkeypatch) -> None:
+    """nanoGPT's embedding (first layer) and head (last layer) share a weight: even where the
+    two layers would each run faster on another mesh, their stages get one mesh, the faster
+    pipeline of the two the shared mesh allows."""
+    from autoplan.planner.pipeline import tied_layers
+
+    graph = trace(small_gpt)
+    layers = make_layers(graph, find_classes(graph), None)
+    tied = tied_layers(graph, layers)
+    assert tied == {0, len(layers) - 1}
+    prefer = {i: (4,) for i in range(len(layers))}
+    prefer[len(layers) - 1] = (2, 2)
+    _, found, uniform = _synthetic_stage_search(small_gpt, prefer, monkeypatch)
+    assert len(set(found.meshes)) == 1
+    assert found.step_time_s == min(u.step_time_s for u in uniform)

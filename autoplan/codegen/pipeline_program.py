@@ -9,11 +9,14 @@ global loss (the same on every rank).
 
 Layout
 ------
-All stages share the logical mesh shape ``plan.mesh`` (k devices). The job's ``plan.devices``
-ranks form a world ``DeviceMesh`` of shape ``(pp, *plan.mesh)`` with dim names
+Every stage holds k devices; each has its own logical mesh ``StagePlan.mesh`` (``(4,)`` for one
+stage, ``(2, 2)`` for the next, say). For every distinct stage mesh shape the job's
+``plan.devices`` ranks form a world ``DeviceMesh`` of shape ``(pp, *shape)`` with dim names
 ``("pp", "m0", "m1", ...)``: pp rank p owns the contiguous ranks ``p*k .. p*k+k-1``, and a
-stage's sub-mesh is the slice at this rank's pp coordinate. The ``pp`` process group of a rank
-links the ranks with the same sub-mesh coordinate in every pp rank; stages send over it.
+stage's sub-mesh is the slice of its shape's world mesh at this rank's pp coordinate. The
+``pp`` process group of a rank links the ranks with the same position ``rank % k`` in every pp
+rank (the same for every shape); stages send over it. Values cross between stages whole
+(replicated), so neighbouring stages need not agree on their meshes.
 
 Mapping ``plan.stages`` to ranks: ``plan.stages[s].devices`` must be exactly one pp rank's block.
 ``len(plan.stages) == pp`` for the single-stage schedules (``gpipe``, ``1f1b``): stage s on pp
@@ -179,11 +182,11 @@ def pipeline_layout(graph: TracedGraph, plan: Plan) -> StageLayout:
     num_stages = len(plan.stages)
     if num_stages < 2:
         raise AutoplanError("the plan has one stage: run it with build_program, not build_pipeline")
-    k = math.prod(plan.mesh)
+    k = math.prod(plan.stages[0].mesh)
     for s, st in enumerate(plan.stages):
-        if list(st.mesh) != list(plan.mesh):
-            raise AutoplanError(f"stage {s} has mesh {st.mesh}, the plan's mesh is {plan.mesh}: every stage must "
-                                f"have the same logical mesh")
+        if math.prod(st.mesh) != k:
+            raise AutoplanError(f"stage {s} has mesh {st.mesh} of {math.prod(st.mesh)} devices, stage 0 has {k}: "
+                                f"every stage must hold the same number of devices")
     if plan.devices % k:
         raise AutoplanError(f"{plan.devices} devices do not divide into sub-meshes of {k}")
     pp = plan.devices // k
@@ -375,8 +378,8 @@ class PipelineProgram(torch.nn.Module):
     """This rank's part of a pipelined plan. See the module docstring.
 
     ``stages`` are this rank's stage modules (several with virtual stages), ``schedule`` the
-    torch schedule object, ``mesh`` the world ``DeviceMesh`` ``(pp, *plan.mesh)`` and
-    ``stage_mesh`` this rank's sub-mesh."""
+    torch schedule object, ``mesh`` the world ``DeviceMesh`` ``(pp, *plan.mesh)`` (stage 0's
+    logical mesh), ``stage_meshes`` the sub-mesh of each of this rank's stages by stage index."""
 
     def __init__(self, graph: TracedGraph, plan: Plan, params: dict[str, torch.Tensor], device_type: str = "cpu",
                  world_mesh: DeviceMesh | None = None, loss_reduction: str = "mean") -> None:
@@ -399,19 +402,19 @@ class PipelineProgram(torch.nn.Module):
         self.input_names = list(graph.input_names)
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device(device_type)
-        shape = (layout.pp, *plan.mesh)
-        names = ("pp", *(f"m{i}" for i in range(len(plan.mesh))))
-        if world_mesh is None:
-            world_mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-        elif tuple(world_mesh.shape) != shape or tuple(world_mesh.mesh_dim_names or ()) != names \
-                or world_mesh.mesh.flatten().tolist() != list(range(plan.devices)):
-            raise AutoplanError(f"world mesh {tuple(world_mesh.shape)} {world_mesh.mesh_dim_names} is not "
-                                f"{shape} {names} over ranks 0..{plan.devices - 1} in order")
-        self.mesh = world_mesh
-        self.stage_mesh = world_mesh[names[1:]] if len(names) > 2 else world_mesh[names[1]]
-        self.pp_group = world_mesh.get_group("pp")
-        self.pp_rank = world_mesh.get_local_rank("pp")
-        k = math.prod(plan.mesh)
+        # one world mesh per distinct stage mesh shape, created in stage order on every rank
+        world_meshes: dict[tuple[int, ...], DeviceMesh] = {}
+        for st in plan.stages:
+            shape = tuple(st.mesh)
+            if shape not in world_meshes:
+                reuse = world_mesh if shape == tuple(plan.stages[0].mesh) else None
+                world_meshes[shape] = _world_mesh(device_type, layout.pp, shape, plan.devices, reuse)
+        self.mesh = world_meshes[tuple(plan.stages[0].mesh)]
+        self.pp_group = self.mesh.get_group("pp")
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        local_stages = layout.stages_of_rank(self.pp_rank)
+        self.stage_meshes = {s: _slice(world_meshes[tuple(plan.stages[s].mesh)]) for s in local_stages}
+        k = math.prod(plan.stages[0].mesh)
         self.coordinate = dist.get_rank() % k
 
         # parameters of this rank's stages, distributed on the sub-mesh; one object per FQN
@@ -419,23 +422,34 @@ class PipelineProgram(torch.nn.Module):
         self.tied = tied
         placeholder_fqn = {name: tied.get(fqn, fqn) for name, fqn in graph.param_names.items()}
         buffer_fqns = {info.fqn for info in graph.nodes.values() if info.kind == "buffer" and info.fqn}
-        local_stages = layout.stages_of_rank(self.pp_rank)
         self.stage_indices = local_stages
         owners: dict[str, set[int]] = {}
+        holder: dict[str, DeviceMesh] = {}  # FQN -> the sub-mesh of this rank's first stage reading it
         for s in range(layout.num_stages):
             for node in layout.param_nodes[s]:
                 if node.name in placeholder_fqn:
-                    owners.setdefault(placeholder_fqn[node.name], set()).add(layout.stage_rank[s])
+                    fqn = placeholder_fqn[node.name]
+                    owners.setdefault(fqn, set()).add(layout.stage_rank[s])
+                    if s in self.stage_meshes:
+                        mesh = holder.setdefault(fqn, self.stage_meshes[s])
+                        if tuple(mesh.shape) != tuple(self.stage_meshes[s].shape):
+                            raise AutoplanError(f"{fqn} is read by stages on logical meshes {tuple(mesh.shape)} and "
+                                                f"{tuple(self.stage_meshes[s].shape)} of one pipeline rank: "
+                                                "the stages holding a parameter must share a logical mesh")
         self._local: dict[str, torch.Tensor] = {}
         for fqn in sorted(f for f, ranks in owners.items() if self.pp_rank in ranks):
             if fqn not in params:
                 raise AutoplanError(f"no tensor given for {fqn}: pass model.named_parameters() and named_buffers()")
             tensor = params[fqn].detach().to(self.device)
-            specs = plan.params.get(fqn, ["R"] * len(plan.mesh))
+            mesh = holder[fqn]
+            specs = plan.params.get(fqn, ["R"] * mesh.ndim)
+            if len(specs) != mesh.ndim:
+                raise AutoplanError(f"plan stores {fqn} as {specs}, but its stage's mesh has {mesh.ndim} axes: "
+                                    "the stages holding a parameter must share a logical mesh")
             placements = to_dtensor_placements(specs)
             if any(isinstance(p, Partial) for p in placements):
                 raise AutoplanError(f"plan stores {fqn} as partial sums ({specs}): a parameter must be R or S(d)")
-            dt = distribute_tensor(tensor.clone(), self.stage_mesh, placements, src_data_rank=None)
+            dt = distribute_tensor(tensor.clone(), mesh, placements, src_data_rank=None)
             if fqn in buffer_fqns or not tensor.is_floating_point():
                 self._local[fqn] = dt
             else:
@@ -443,7 +457,7 @@ class PipelineProgram(torch.nn.Module):
         constants = ShardedProgram._lifted_constants(graph)
         node_plans = {np_.name: np_ for np_ in plan.nodes}
         self.stage_modules = torch.nn.ModuleList(
-            _StageModule(s, layout, self.stage_mesh, node_plans, self._local, placeholder_fqn, constants,
+            _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
                          graph.graph_module) for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):
@@ -536,7 +550,7 @@ class PipelineProgram(torch.nn.Module):
         # partial sums → the parameter's placement: summed over axes where the parameter is
         # replicated (data parallelism over a batch-sharded axis) in buckets, one flat
         # all-reduce per bucket and axis, as the plan costs them; anything else one by one
-        buckets: dict[tuple[tuple[int, ...], torch.dtype], list[torch.nn.Parameter]] = {}
+        buckets: dict[tuple[DeviceMesh, tuple[int, ...], torch.dtype], list[torch.nn.Parameter]] = {}
         for p in params:
             g = p.grad
             if not isinstance(g, DTensor) or g.placements == p.placements:
@@ -544,13 +558,13 @@ class PipelineProgram(torch.nn.Module):
             axes = tuple(i for i, (q, r) in enumerate(zip(g.placements, p.placements)) if q != r)
             if all(isinstance(g.placements[i], Partial) and g.placements[i].reduce_op == "sum"
                    and p.placements[i].is_replicate() for i in axes):
-                buckets.setdefault((axes, g.dtype), []).append(p)
+                buckets.setdefault((p.device_mesh, axes, g.dtype), []).append(p)
             else:
                 p.grad = g.redistribute(p.device_mesh, p.placements)
-        for (axes, _), members in buckets.items():
+        for (mesh, axes, _), members in buckets.items():
             flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])
             for axis in axes:
-                dist.all_reduce(flat, group=self.stage_mesh.get_group(axis))
+                dist.all_reduce(flat, group=mesh.get_group(axis))
             offset = 0
             for p in members:
                 local = p.grad.to_local()
@@ -558,7 +572,7 @@ class PipelineProgram(torch.nn.Module):
                 p.grad = DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False,
                                             shape=p.shape, stride=p.stride())
                 offset += local.numel()
-        self.gradient_buckets_launched = sum(len(axes) for axes, _ in buckets)
+        self.gradient_buckets_launched = sum(len(axes) for _, axes, _ in buckets)
         # tied weights: sum the copies' gradients over their owners
         for fqn, group in self._shared:
             p = self._local[fqn]
@@ -569,6 +583,27 @@ class PipelineProgram(torch.nn.Module):
                                         shape=p.shape, stride=p.stride())
 
 
+def _world_mesh(device_type: str, pp: int, shape: tuple[int, ...], devices: int,
+                reuse: DeviceMesh | None) -> DeviceMesh:
+    """The ``(pp, *shape)`` mesh named ``("pp", "m0", ...)`` over ranks 0..devices-1 in order
+    (``reuse`` when it is that mesh)."""
+    full = (pp, *shape)
+    names = ("pp", *(f"m{i}" for i in range(len(shape))))
+    if reuse is None:
+        return init_device_mesh(device_type, full, mesh_dim_names=names)
+    if tuple(reuse.shape) != full or tuple(reuse.mesh_dim_names or ()) != names \
+            or reuse.mesh.flatten().tolist() != list(range(devices)):
+        raise AutoplanError(f"world mesh {tuple(reuse.shape)} {reuse.mesh_dim_names} is not "
+                            f"{full} {names} over ranks 0..{devices - 1} in order")
+    return reuse
+
+
+def _slice(world: DeviceMesh) -> DeviceMesh:
+    """This rank's sub-mesh of a ``(pp, m0, ...)`` world mesh."""
+    names = world.mesh_dim_names or ()
+    return world[names[1:]] if len(names) > 2 else world[names[1]]
+
+
 def build_pipeline(graph: TracedGraph, plan: Plan, params: dict[str, torch.Tensor], device_type: str = "cpu",
                    world_mesh: DeviceMesh | None = None, loss_reduction: str = "mean") -> PipelineProgram:
     """This rank's :class:`PipelineProgram` for a pipelined ``plan`` (``len(plan.stages) > 1``).
@@ -576,7 +611,8 @@ def build_pipeline(graph: TracedGraph, plan: Plan, params: dict[str, torch.Tenso
     Call it in every rank of a job of ``plan.devices`` processes. ``graph`` is the graph traced
     for ONE microbatch (the plan's), ``params`` the model's parameters and buffers by FQN (the
     same full tensors on every rank; each rank keeps what its stages read, sharded).
-    ``world_mesh`` reuses a ``(pp, *plan.mesh)`` mesh named ``("pp", "m0", ...)``;
+    ``world_mesh`` reuses a ``(pp, *plan.mesh)`` mesh named ``("pp", "m0", ...)`` for the stages
+    on ``plan.mesh`` (stage 0's logical mesh; the others get their own);
     ``loss_reduction`` says whether the model's loss is a mean over the batch (the gradient is
     then that of the mean over microbatches) or a sum."""
     return PipelineProgram(graph, plan, params, device_type, world_mesh, loss_reduction)

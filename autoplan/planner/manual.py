@@ -87,7 +87,8 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    candidate = _Candidate(manual.microbatches, submesh, mesh, list(zip(bounds, bounds[1:])), math.inf, graph, layers)
+    candidate = _Candidate(manual.microbatches, submesh, [mesh] * manual.pp, list(zip(bounds, bounds[1:])), math.inf,
+                           graph, layers)
     return _assemble(spec, candidate, opts, manual.schedule, {})
 
 

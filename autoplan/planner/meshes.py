@@ -33,3 +33,15 @@ def parse_mesh(text: str, devices: int) -> tuple[int, ...]:
 
 def mesh_label(shape: tuple[int, ...] | list[int]) -> str:
     return "x".join(str(x) for x in shape)
+
+
+def meshes_label(meshes: list[tuple[int, ...]] | list[list[int]]) -> str:
+    """The logical mesh of each stage, runs of equal ones counted: ``4, 2x2 ×14, 4``."""
+    runs: list[list] = []
+    for mesh in meshes:
+        label = mesh_label(mesh)
+        if runs and runs[-1][0] == label:
+            runs[-1][1] += 1
+        else:
+            runs.append([label, 1])
+    return ", ".join(label if count == 1 else f"{label} ×{count}" for label, count in runs)

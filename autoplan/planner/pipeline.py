@@ -14,10 +14,13 @@ again with each boundary inside a stage corrected by what planning the two layer
 there together changes (the ILP of the pair, once per distinct pair; usually a saving, as the
 value may stay sharded). For a stage of two layers that is the stage's own ILP; in a longer
 one, boundaries interact only through the layers between them. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
-recurrence) cuts the layers into stages that all get the same sub-mesh shape and logical mesh
-(so that the emitted program is a 2-D mesh: pipeline × stage mesh). The best (``B``, sub-mesh,
-logical mesh, stages) is then planned exactly: one intra-op ILP per stage over all its nodes,
-under the memory budget.
+recurrence) cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline
+stages pair rank i of one stage with rank i of the next), each stage on the logical mesh of that
+shape where its layers run fastest within the budget. Stages holding a tied weight share one
+logical mesh, so that its copies are stored alike; the DP runs once for each mesh they may
+take. Interleaved schedules cut their chunks after the search, so their stages share one
+logical mesh. The best (``B``, sub-mesh, stages and their logical meshes) is then planned
+exactly: one intra-op ILP per stage over all its nodes, under the memory budget.
 
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
@@ -132,13 +135,13 @@ class _Candidate:
 
     microbatches: int
     submesh: SubMesh
-    mesh: tuple[int, ...]
+    meshes: list[tuple[int, ...]]  # the logical mesh of each stage
     cuts: list[tuple[int, int]]
     step_time_s: float
     graph: TracedGraph
     layers: list[Layer]
     schedule: str = "1f1b"
-    costs: _LayerCosts | None = None  # the layer ILPs of its sub-mesh and logical mesh, for a second search
+    costs: dict[tuple[int, ...], _LayerCosts] | None = None  # the layer ILPs per logical mesh, for a second search
     boundaries: bool = False  # whether the search costed the boundaries inside stages
 
     @property
@@ -158,7 +161,10 @@ def interleave(candidate: _Candidate) -> _Candidate:
         raise AutoplanError(f"the interleaved schedule needs at least {chunks} layers for {ranks} pipeline ranks; "
                             f"the model has {layers}: use 1f1b or fewer stages")
     bounds = [round(i * layers / chunks) for i in range(chunks + 1)]
-    return replace(candidate, cuts=list(zip(bounds, bounds[1:])), interleaved=True)
+    if len(set(candidate.meshes)) > 1:
+        raise AutoplanError("an interleaved pipeline needs one logical mesh for all its stages")
+    return replace(candidate, cuts=list(zip(bounds, bounds[1:])), meshes=candidate.meshes[:1] * chunks,
+                   interleaved=True)
 
 
 @dataclass
@@ -243,58 +249,119 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
     return list(itertools.accumulate(diff))[:len(layers) + 1]
 
 
-def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
-                    schedule: str, microbatches: int, submesh: SubMesh, mesh: tuple[int, ...],
-                    boundaries: bool = False, costs: _LayerCosts | None = None) -> _Candidate | None:
-    """The best pipeline on one sub-mesh shape and logical mesh; ``boundaries`` adds the
-    correction of every boundary inside a stage (:meth:`_LayerCosts.boundary`)."""
+def tied_layers(graph: TracedGraph, layers: list[Layer]) -> set[int]:
+    """The layers that read a parameter another layer also reads (a tied embedding and head):
+    the stages holding them must store it alike, so they share a logical mesh."""
+    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    out: set[int] = set()
+    for node in graph.graph_module.graph.nodes:
+        info = graph.nodes.get(node.name)
+        if info is None or info.kind != "parameter":
+            continue
+        readers = {layer_of[user.name] for user in node.users if user.name in layer_of}
+        if len(readers) > 1:
+            out |= readers
+    return out
+
+
+def _layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: int, in_flight: int,
+                 stages: int, num_layers: int) -> _LayerCosts:
     cluster = options.cluster
-    stages = options.devices // submesh.size
-    in_flight = activations_in_flight(schedule, microbatches, stages)
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
                       microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
-    if costs is None:
-        costs = _LayerCosts(options, ctx)
-        if options.memory_budget is not None:
-            costs.share_budget = options.memory_budget * stages / len(layers)
-    link = _link_between_stages(options, submesh)
-    boundary = cut_bytes(graph, layers)
+    costs = _LayerCosts(options, ctx)
+    if options.memory_budget is not None:
+        costs.share_budget = options.memory_budget * stages / num_layers
+    return costs
 
-    prefix: dict[str, list[tuple[float, float]]] = {}
-    # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
-    joins = list(itertools.accumulate(
-        costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
 
-    def sums(mode: str) -> list[tuple[float, float]]:
-        """Prefix sums of the layers' (seconds, bytes): one ILP per distinct layer."""
-        if mode not in prefix:
-            answers = (costs.cost(graph, layer, mode) for layer in layers)
-            prefix[mode] = list(itertools.accumulate(answers, lambda x, y: (x[0] + y[0], x[1] + y[1]),
-                                                     initial=(0.0, 0.0)))
-        return prefix[mode]
+class _RangeTable:
+    """One logical mesh's layer costs as prefix sums: any layer range's (seconds per step,
+    bytes per device) in O(1), each distinct layer solved once."""
 
-    def cost_fn(start: int, end: int, candidate: SubMesh) -> StageCost:
-        if candidate != submesh:
-            return StageCost(0.0, 0.0, feasible=False)
+    def __init__(self, graph: TracedGraph, layers: list[Layer], costs: _LayerCosts, boundaries: bool) -> None:
+        self.graph, self.layers, self.costs = graph, layers, costs
+        self.prefix: dict[str, list[tuple[float, float]]] = {}
+        # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
+        self.joins = list(itertools.accumulate(
+            costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
+
+    def _sums(self, mode: str) -> list[tuple[float, float]]:
+        if mode not in self.prefix:
+            answers = (self.costs.cost(self.graph, layer, mode) for layer in self.layers)
+            self.prefix[mode] = list(itertools.accumulate(answers, lambda x, y: (x[0] + y[0], x[1] + y[1]),
+                                                          initial=(0.0, 0.0)))
+        return self.prefix[mode]
+
+    def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
+        """Layers [start, end): their fastest plans if they fit ``budget`` together, else
+        trimmed to their shares, else their least-memory plans (which may still not fit)."""
         for mode in (FAST, SHARE, LEAN):
-            table = sums(mode)
+            table = self._sums(mode)
             seconds, memory = table[end][0] - table[start][0], table[end][1] - table[start][1]
             if mode == FAST:  # the boundaries inside the stage: start + 1 .. end - 1
-                seconds += joins[end - 1] - joins[start]
-            if options.memory_budget is None or memory <= options.memory_budget:
+                seconds += self.joins[end - 1] - self.joins[start]
+            if budget is None or memory <= budget:
                 break
+        return seconds, memory
+
+
+def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
+                    schedule: str, microbatches: int, submesh: SubMesh, meshes: list[tuple[int, ...]],
+                    boundaries: bool = False, costs: dict[tuple[int, ...], _LayerCosts] | None = None,
+                    ) -> _Candidate | None:
+    """The best pipeline on one sub-mesh shape, each stage on the fastest of ``meshes`` (its
+    logical mesh) that fits; ``boundaries`` adds the correction of every boundary inside a
+    stage (:meth:`_LayerCosts.boundary`). Stages holding a tied parameter share one logical
+    mesh: with several meshes, the DP runs once for each mesh those stages may take."""
+    stages = options.devices // submesh.size
+    in_flight = activations_in_flight(schedule, microbatches, stages)
+    if costs is None:
+        costs = {}
+    for mesh in meshes:
+        if mesh not in costs:
+            costs[mesh] = _layer_costs(options, mesh, microbatches, in_flight, stages, len(layers))
+    tables = {mesh: _RangeTable(graph, layers, costs[mesh], boundaries) for mesh in meshes}
+    link = _link_between_stages(options, submesh)
+    boundary = cut_bytes(graph, layers)
+    budget = options.memory_budget
+    tied = tied_layers(graph, layers)
+
+    def stage_cost(start: int, end: int, allowed: list[tuple[int, ...]]) -> StageCost:
         send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
-        return StageCost(seconds / microbatches + send, memory, logical_mesh=mesh)
+        best, best_rank = None, None
+        for mesh in allowed:
+            seconds, memory = tables[mesh].cost(start, end, budget)
+            fits = budget is None or memory <= budget
+            rank = (not fits, seconds if fits else memory)  # the fastest that fits, else the leanest
+            if best_rank is None or rank < best_rank:
+                best, best_rank = StageCost(seconds / microbatches + send, memory, logical_mesh=mesh), rank
+        assert best is not None
+        return best
 
     nodes, per_node = cluster_shape(options)
-    problem = InterOpProblem(len(layers), nodes, per_node, microbatches, options.memory_budget, pinned_stages=stages,
+    problem = InterOpProblem(len(layers), nodes, per_node, microbatches, budget, pinned_stages=stages,
                              submeshes=(submesh,))
-    try:
-        solution = solve_inter_op(problem, cost_fn)
-    except InterOpInfeasibleError:
+    found = None
+    for tied_mesh in (meshes if tied and len(meshes) > 1 else [None]):
+        def cost_fn(start: int, end: int, candidate: SubMesh, tied_mesh: tuple[int, ...] | None = tied_mesh
+                    ) -> StageCost:
+            if candidate != submesh:
+                return StageCost(0.0, 0.0, feasible=False)
+            holds_tied = tied_mesh is not None and any(start <= i < end for i in tied)
+            return stage_cost(start, end, [tied_mesh] if holds_tied else meshes)
+
+        try:
+            solution = solve_inter_op(problem, cost_fn)
+        except InterOpInfeasibleError:
+            continue
+        if found is None or solution.step_time_s < found.step_time_s:
+            found = solution
+    if found is None:
         return None
-    latencies = [s.cost.latency_s for s in solution.stages]
-    return _Candidate(microbatches, submesh, mesh, [(s.start, s.end) for s in solution.stages],
+    latencies = [s.cost.latency_s for s in found.stages]
+    return _Candidate(microbatches, submesh, [s.cost.logical_mesh for s in found.stages],
+                      [(s.start, s.end) for s in found.stages],
                       pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
                       graph, layers, schedule, costs, boundaries)
 
@@ -358,8 +425,10 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
             for submesh in _submeshes(options, popts, len(layers)):
                 if (microbatches == 1) != (submesh.size == options.devices) and popts.microbatches is None:
                     continue  # one microbatch only without a pipeline; a pipeline only with several
-                for mesh in _stage_meshes(options, submesh):
-                    found = _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh, mesh)
+                meshes = _stage_meshes(options, submesh)
+                # interleaved chunks are cut after the search, so they share one logical mesh
+                for group in ([[m] for m in meshes] if schedule in INTERLEAVED else [meshes] if meshes else []):
+                    found = _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh, group)
                     if found is not None:
                         candidates.append(found)
     return _refine(candidates, options, popts), trace_s
@@ -371,7 +440,8 @@ def _refine(candidates: list[_Candidate], options: PlannerOptions, popts: Pipeli
     best first."""
     candidates = sorted(candidates, key=lambda c: c.step_time_s)
     for i, c in enumerate(candidates[:REFINED]):
-        again = _search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh, c.mesh,
+        again = _search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh,
+                                list(c.costs or {}),
                                 boundaries=True, costs=c.costs)
         if again is not None:
             candidates[i] = again
@@ -394,20 +464,23 @@ def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
             return spec == stored[info.fqn]
         return options.allow_storage is None or options.allow_storage(info, spec)
 
-    for start, end in candidate.cuts:
+    for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
         nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
         sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
-        ctx = CostContext(candidate.mesh, options.cluster.mesh_links(candidate.mesh), options.cluster.device,
+        ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
                           options.optimizer, microbatches=candidate.microbatches,
                           activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                           remat=options.remat)
         pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
                               if fqn in stored))
+        if any(len(spec) != len(mesh) for _, spec in pinned):
+            raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
+                                "the stages holding it must share one")
         key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-               end == len(candidate.layers), pinned)
+               end == len(candidate.layers), pinned, mesh)
         result = _renamed(*solved[key], sub) if key in solved else None
         if result is None:
-            result = plan_intra_op(sub, find_classes(sub), candidate.mesh, ctx, options.memory_budget,
+            result = plan_intra_op(sub, find_classes(sub), mesh, ctx, options.memory_budget,
                                    options.solver, options.time_limit_s, allow_storage=allow_storage)
             solved[key] = (sub, result)
         for name, strategy in result.chosen.items():
@@ -468,7 +541,7 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
             inputs.setdefault(name, spec_)
         size, rank = candidate.submesh.size, index % candidate.ranks
         stage_plans.append(StagePlan([layer.name for layer in layers[start:end]],
-                                     list(range(rank * size, (rank + 1) * size)), list(candidate.mesh),
+                                     list(range(rank * size, (rank + 1) * size)), list(candidate.meshes[index]),
                                      [n for layer in layers[start:end] for n in layer.nodes], list(stage_params),
                                      latencies[-1]))
     after, after_kinds = (_after_schedule(graph, stage_plans, params, options, link, collectives)
@@ -487,7 +560,7 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
     emit_warnings(warnings_)
     return Plan(
         graph_hash=graph.graph_hash, devices=options.devices, cluster=options.cluster.to_dict(),
-        mesh=list(candidate.mesh), stages=stage_plans, microbatches=candidate.microbatches,
+        mesh=list(candidate.meshes[0]), stages=stage_plans, microbatches=candidate.microbatches,
         schedule=schedule if len(stage_plans) > 1 else "none", params=params, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name)
@@ -519,7 +592,9 @@ def _after_schedule(graph: TracedGraph, stages: list[StagePlan], params: dict[st
 
 
 def candidate_name(c: _Candidate) -> str:
-    return (f"{len(c.cuts)} stage(s) x mesh {mesh_label(c.mesh)}, {c.microbatches} microbatch(es)")
+    meshes = ("mesh " + mesh_label(c.meshes[0]) if len(set(c.meshes)) == 1
+              else "meshes " + "/".join(mesh_label(m) for m in c.meshes))
+    return f"{len(c.cuts)} stage(s) x {meshes}, {c.microbatches} microbatch(es)"
 
 
 def _no_plan_fits(spec: ModelSpec, options: PlannerOptions) -> MemoryInfeasibleError:
@@ -574,7 +649,7 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     search_s = time.perf_counter() - start - trace_s
     plan = _assemble(spec, best, options, schedule, {})
     plan.timings_s = {"trace": trace_s, "search": search_s, "total": time.perf_counter() - start}
-    plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.mesh], None,
+    plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], None,
                                      f"{format_seconds(c.step_time_s)} per step in the stage search")
                          for c in candidates[1:6]]
     return plan
