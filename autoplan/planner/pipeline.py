@@ -6,21 +6,28 @@ node or whole nodes) and every logical mesh of it, each distinct layer is costed
 intra-op ILP once (layers with equal ops and shapes share the answer). A stage's cost is the
 sum of its layers' costs plus sending its boundary activations (and receiving their
 gradients) over the link to the next stage. Where the layers' fastest plans do not fit a
-stage together, each layer is costed by its fastest plan trimmed to its share of the memory
-(:func:`autoplan.solvers.trim_memory`: a quick estimate), and failing that by its
-least-memory plan. Apart, every layer hands its values on
+stage together, each layer gets its least memory plus a share of what the budget leaves, in
+proportion to what its fastest plan needs beyond that, and is costed by its fastest plan
+trimmed to that share (:func:`autoplan.solvers.trim_memory`: a quick estimate); where not even
+the least-memory plans fit, the stage is absent. Apart, every layer hands its values on
 replicated, as if a stage boundary followed it; the ``REFINED`` best pipelines are searched
 again with each boundary inside a stage corrected by what planning the two layers that meet
 there together changes (the ILP of the pair, once per distinct pair; usually a saving, as the
 value may stay sharded). For a stage of two layers that is the stage's own ILP; in a longer
-one, boundaries interact only through the layers between them. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
+one, boundaries interact through the layers between them, which the sum misses: over every
+range of Alpa's GPT-1.3B it is within 0.01% of the range's own ILP
+(``benchmarks/range_costs.py``), for three small layers on H100s latency-bound 16% above it. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
 recurrence) cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline
 stages pair rank i of one stage with rank i of the next), each stage on the logical mesh of that
 shape where its layers run fastest within the budget. Stages holding a tied weight share one
 logical mesh, so that its copies are stored alike; the DP runs once for each mesh they may
 take. Interleaved schedules cut their chunks after the search, so their stages share one
-logical mesh. The best (``B``, sub-mesh, stages and their logical meshes) is then planned
-exactly: one intra-op ILP per stage over all its nodes, under the memory budget.
+logical mesh. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
+the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
+exactly: one intra-op ILP per stage over all its nodes, under the memory budget; the fastest
+exact plan wins, and the others are listed as alternatives with their exact figures. (The
+search's estimates run 1–9% above the exact plans, not by the same factor for every pipeline:
+near ties are settled exactly.)
 
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
@@ -42,6 +49,7 @@ every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import itertools
 import math
@@ -86,8 +94,9 @@ from autoplan.solvers.intra_op import IntraOpProblem
 SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble")
 INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
-FAST, SHARE, LEAN = "fast", "share", "lean"  # how a layer is costed in the stage search (_LayerCosts.cost)
+FAST, LEAN = "fast", "lean"  # how a layer is costed in the stage search (_LayerCosts.cost)
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
+RERANK_MARGIN = 0.05  # of those, the ones within 5% of the search's best are planned exactly; the fastest wins
 INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedules
 ZERO_BUBBLE_LEFT = 1.0 / 3.0  # share of the interleaved bubble zero-bubble scheduling leaves (the forward's)
 _SCHEDULE_ALIASES = {"gpipe": "gpipe", "schedulegpipe": "gpipe", "1f1b": "1f1b", "schedule1f1b": "1f1b",
@@ -150,6 +159,7 @@ class _Candidate:
         return len(self.cuts) // INTERLEAVE if self.interleaved else len(self.cuts)
 
     interleaved: bool = False
+    tied_mesh: tuple[int, ...] | None = None  # the logical mesh of the stages holding a tied weight, if pinned
 
 
 def interleave(candidate: _Candidate) -> _Candidate:
@@ -173,18 +183,15 @@ class _LayerCosts:
 
     options: PlannerOptions
     ctx: CostContext
-    cache: dict[tuple[str, bool], tuple[float, float]] = field(default_factory=dict)
+    cache: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     problems: dict[str, IntraOpProblem] = field(default_factory=dict)
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
+    trims: dict[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
-    share_budget: float | None = None  # bytes per layer for SHARE
 
     def cost(self, graph: TracedGraph, layer: Layer, mode: str = FAST) -> tuple[float, float]:
         """(seconds per step, bytes per device) of one layer, by ``mode``: its fastest plan
-        (``FAST``); the fastest within ``share_budget``, its share of a stage of the pipeline's
-        average depth (``SHARE``; for stages whose fastest layers do not fit together); or its
-        least-memory plan (``LEAN``, where not even that fits). The exact stage ILP later finds
-        the fastest plan that fits the whole stage."""
+        (``FAST``, its own ILP) or its least-memory plan (``LEAN``)."""
         key = (layer.signature, mode)
         if key not in self.cache:
             if mode == LEAN:  # the least-memory choice of every group (cheapest among equals): no ILP
@@ -193,11 +200,6 @@ class _LayerCosts:
                 choices = [min(range(len(m)), key=lambda i, m=m, c=c: (m[i], c[i]))
                            for m, c in zip(problem.memory, problem.costs)]
                 self.cache[key] = evaluate(problem, choices)
-            elif mode == SHARE:  # the FAST layer's choices, trimmed until they fit (no ILP)
-                self.cost(graph, layer)
-                problem = self.problems[layer.signature]
-                trimmed = trim_memory(problem, self.fast_choices[layer.signature], self.share_budget or 0.0)
-                self.cache[key] = evaluate(problem, trimmed) if trimmed is not None else self.cost(graph, layer, LEAN)
             else:
                 sub = extract(graph, list(layer.nodes))
                 result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
@@ -208,12 +210,25 @@ class _LayerCosts:
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
+    def trimmed(self, graph: TracedGraph, layer: Layer, budget: float) -> tuple[float, float]:
+        """The layer's fastest plan trimmed until it fits ``budget`` bytes
+        (:func:`autoplan.solvers.trim_memory`, a greedy estimate: no ILP); its least-memory plan
+        where even that does not fit."""
+        key = (layer.signature, budget)
+        if key not in self.trims:
+            self.cost(graph, layer)
+            problem = self.problems[layer.signature]
+            choices = trim_memory(problem, self.fast_choices[layer.signature], budget)
+            self.trims[key] = evaluate(problem, choices) if choices is not None else self.cost(graph, layer, LEAN)
+        return self.trims[key]
+
     def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
-        """Seconds that planning two adjacent layers together adds to planning them apart.
-        Apart, every value the first layer hands on must leave it replicated (it could be a
-        stage boundary); together, it may stay sharded: the correction is usually a saving.
-        Memory is not corrected: apart, the handed-on value counts in both layers, which errs
-        on the safe side."""
+        """Seconds that planning two adjacent layers together adds to planning them apart (their
+        fastest plans). Apart, every value the first layer hands on must leave it replicated (it
+        could be a stage boundary); together, it may stay sharded: the correction is usually a
+        saving. Memory is not corrected: apart, the handed-on value counts in both layers, which
+        errs on the safe side (the pair's own plan may differ from both layers', so a memory
+        correction taken from it can err on the unsafe side)."""
         key = (first.signature, second.signature)
         if key not in self.pairs:
             sub = extract(graph, list(first.nodes) + list(second.nodes))
@@ -264,20 +279,22 @@ def tied_layers(graph: TracedGraph, layers: list[Layer]) -> set[int]:
     return out
 
 
-def _layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: int, in_flight: int,
-                 stages: int, num_layers: int) -> _LayerCosts:
+def _layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: int, in_flight: int) -> _LayerCosts:
     cluster = options.cluster
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
                       microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
-    costs = _LayerCosts(options, ctx)
-    if options.memory_budget is not None:
-        costs.share_budget = options.memory_budget * stages / num_layers
-    return costs
+    return _LayerCosts(options, ctx)
 
 
 class _RangeTable:
-    """One logical mesh's layer costs as prefix sums: any layer range's (seconds per step,
-    bytes per device) in O(1), each distinct layer solved once."""
+    """One logical mesh's layer costs as prefix sums: a layer range's (seconds per step, bytes
+    per device) in O(1) where its fastest plans fit, each distinct layer solved once.
+
+    A range's fastest plan is the sum of its layers' plus, with ``boundaries``, the correction
+    of every boundary inside it (:meth:`_LayerCosts.boundary`): over every range of Alpa's
+    GPT-1.3B within 0.01% of the range's own ILP (``benchmarks/range_costs.py``). Where that
+    does not fit the budget, every layer gets its least memory plus a share of what is left,
+    in proportion to what its fastest plan needs beyond that, and is trimmed to it."""
 
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: _LayerCosts, boundaries: bool) -> None:
         self.graph, self.layers, self.costs = graph, layers, costs
@@ -289,38 +306,53 @@ class _RangeTable:
     def _sums(self, mode: str) -> list[tuple[float, float]]:
         if mode not in self.prefix:
             answers = (self.costs.cost(self.graph, layer, mode) for layer in self.layers)
-            self.prefix[mode] = list(itertools.accumulate(answers, lambda x, y: (x[0] + y[0], x[1] + y[1]),
-                                                          initial=(0.0, 0.0)))
+            self.prefix[mode] = list(itertools.accumulate(answers, _add, initial=(0.0, 0.0)))
         return self.prefix[mode]
+
+    def _range(self, mode: str, start: int, end: int) -> tuple[float, float]:
+        table = self._sums(mode)
+        return table[end][0] - table[start][0], table[end][1] - table[start][1]
 
     def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
         """Layers [start, end): their fastest plans if they fit ``budget`` together, else
-        trimmed to their shares, else their least-memory plans (which may still not fit)."""
-        for mode in (FAST, SHARE, LEAN):
-            table = self._sums(mode)
-            seconds, memory = table[end][0] - table[start][0], table[end][1] - table[start][1]
-            if mode == FAST:  # the boundaries inside the stage: start + 1 .. end - 1
-                seconds += self.joins[end - 1] - self.joins[start]
-            if budget is None or memory <= budget:
-                break
-        return seconds, memory
+        trimmed to their shares, else their least-memory plans (which then do not fit)."""
+        seconds, memory = self._range(FAST, start, end)
+        seconds += self.joins[end - 1] - self.joins[start]
+        if budget is None or memory <= budget:
+            return seconds, memory
+        lean = self._range(LEAN, start, end)
+        if lean[1] >= budget:
+            return lean
+        layers = self.layers[start:end]
+        fast = [self.costs.cost(self.graph, layer) for layer in layers]
+        least = [self.costs.cost(self.graph, layer, LEAN)[1] for layer in layers]
+        spare = [max(0.0, f[1] - m) for f, m in zip(fast, least)]
+        scale = (budget - lean[1]) / sum(spare) if sum(spare) else 0.0
+        shares = (self.costs.trimmed(self.graph, layer, m + extra * scale)
+                  for layer, m, extra in zip(layers, least, spare))
+        return functools.reduce(_add, shares, (0.0, 0.0))
+
+
+def _add(x: tuple[float, float], y: tuple[float, float]) -> tuple[float, float]:
+    return x[0] + y[0], x[1] + y[1]
 
 
 def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
                     schedule: str, microbatches: int, submesh: SubMesh, meshes: list[tuple[int, ...]],
                     boundaries: bool = False, costs: dict[tuple[int, ...], _LayerCosts] | None = None,
-                    ) -> _Candidate | None:
-    """The best pipeline on one sub-mesh shape, each stage on the fastest of ``meshes`` (its
+                    tied_meshes: list[tuple[int, ...]] | None = None) -> list[_Candidate]:
+    """The best pipelines on one sub-mesh shape, each stage on the fastest of ``meshes`` (its
     logical mesh) that fits; ``boundaries`` adds the correction of every boundary inside a
     stage (:meth:`_LayerCosts.boundary`). Stages holding a tied parameter share one logical
-    mesh: with several meshes, the DP runs once for each mesh those stages may take."""
+    mesh: with several meshes, the DP runs once for each mesh those stages may take (each of
+    ``tied_meshes``, default all), and each run's best is a candidate."""
     stages = options.devices // submesh.size
     in_flight = activations_in_flight(schedule, microbatches, stages)
     if costs is None:
         costs = {}
     for mesh in meshes:
         if mesh not in costs:
-            costs[mesh] = _layer_costs(options, mesh, microbatches, in_flight, stages, len(layers))
+            costs[mesh] = _layer_costs(options, mesh, microbatches, in_flight)
     tables = {mesh: _RangeTable(graph, layers, costs[mesh], boundaries) for mesh in meshes}
     link = _link_between_stages(options, submesh)
     boundary = cut_bytes(graph, layers)
@@ -342,8 +374,8 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     nodes, per_node = cluster_shape(options)
     problem = InterOpProblem(len(layers), nodes, per_node, microbatches, budget, pinned_stages=stages,
                              submeshes=(submesh,))
-    found = None
-    for tied_mesh in (meshes if tied and len(meshes) > 1 else [None]):
+    found = []
+    for tied_mesh in ((tied_meshes or meshes) if tied and len(meshes) > 1 else [None]):
         def cost_fn(start: int, end: int, candidate: SubMesh, tied_mesh: tuple[int, ...] | None = tied_mesh
                     ) -> StageCost:
             if candidate != submesh:
@@ -355,15 +387,12 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
             solution = solve_inter_op(problem, cost_fn)
         except InterOpInfeasibleError:
             continue
-        if found is None or solution.step_time_s < found.step_time_s:
-            found = solution
-    if found is None:
-        return None
-    latencies = [s.cost.latency_s for s in found.stages]
-    return _Candidate(microbatches, submesh, [s.cost.logical_mesh for s in found.stages],
-                      [(s.start, s.end) for s in found.stages],
-                      pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
-                      graph, layers, schedule, costs, boundaries)
+        latencies = [s.cost.latency_s for s in solution.stages]
+        found.append(_Candidate(microbatches, submesh, [s.cost.logical_mesh for s in solution.stages],
+                                [(s.start, s.end) for s in solution.stages],
+                                pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
+                                graph, layers, schedule, costs, boundaries, tied_mesh=tied_mesh))
+    return found
 
 
 def cluster_shape(options: PlannerOptions) -> tuple[int, int]:
@@ -428,9 +457,8 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
                 meshes = _stage_meshes(options, submesh)
                 # interleaved chunks are cut after the search, so they share one logical mesh
                 for group in ([[m] for m in meshes] if schedule in INTERLEAVED else [meshes] if meshes else []):
-                    found = _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh, group)
-                    if found is not None:
-                        candidates.append(found)
+                    candidates += _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh,
+                                                  group)
     return _refine(candidates, options, popts), trace_s
 
 
@@ -441,10 +469,10 @@ def _refine(candidates: list[_Candidate], options: PlannerOptions, popts: Pipeli
     candidates = sorted(candidates, key=lambda c: c.step_time_s)
     for i, c in enumerate(candidates[:REFINED]):
         again = _search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh,
-                                list(c.costs or {}),
-                                boundaries=True, costs=c.costs)
-        if again is not None:
-            candidates[i] = again
+                                list(c.costs or {}), boundaries=True, costs=c.costs,
+                                tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
+        if again:
+            candidates[i] = again[0]
     return sorted(candidates, key=lambda c: c.step_time_s)
 
 
@@ -642,14 +670,25 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     candidates, trace_s = search_pipelines(spec, options, popts)
     if not candidates:
         raise _no_plan_fits(spec, options)
-    best = candidates[0]
     schedule = popts.schedule or "1f1b"
-    if schedule in INTERLEAVED:
-        best = interleave(best)
     search_s = time.perf_counter() - start - trace_s
-    plan = _assemble(spec, best, options, schedule, {})
+    close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
+    planned: list[tuple[Plan, _Candidate]] = []
+    errors: list[AutoplanError] = []
+    for candidate in close:
+        try:
+            chosen = interleave(candidate) if schedule in INTERLEAVED else candidate
+            planned.append((_assemble(spec, chosen, options, schedule, {}), candidate))
+        except AutoplanError as e:
+            errors.append(e)
+    if not planned:
+        raise errors[0]
+    plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
     plan.timings_s = {"trace": trace_s, "search": search_s, "total": time.perf_counter() - start}
-    plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], None,
-                                     f"{format_seconds(c.step_time_s)} per step in the stage search")
-                         for c in candidates[1:6]]
+    plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], p.predicted,
+                                     f"{format_seconds(c.step_time_s)} per step in the stage search; planned exactly")
+                         for p, c in planned if c is not best]
+    plan.alternatives += [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], None,
+                                      f"{format_seconds(c.step_time_s)} per step in the stage search")
+                          for c in candidates[len(close):][:max(0, 6 - len(planned))]]
     return plan
