@@ -320,3 +320,17 @@ def test_close_pipelines_are_planned_exactly_and_the_fastest_wins(small_gpt, mon
     assert len(exact) >= 2
     assert all("planned exactly" in a.reason for a in exact)
     assert all(plan.predicted.step_time_s <= a.predicted.step_time_s for a in exact)
+
+
+def test_stages_on_their_own_logical_meshes_pass_check(tmp_path: Path) -> None:
+    """examples/funnel.py on 8 processes, 2 stages of 4: the planner gives the first stage (a
+    wide block, tensor-parallel) a 1-D mesh and the second a 2×2 mesh (data- × tensor-parallel),
+    and the emitted program matches the single device and runs the planned collectives."""
+    result = _run_check([str(ROOT / "examples" / "funnel.py"), "--devices", "8", "--stages", "2",
+                         "--microbatches", "2"], tmp_path)
+    assert result.returncode == 0 and "check: PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "stage meshes 4, 2x2" in result.stdout
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert [s["mesh"] for s in plan["stages"]] == [[4], [2, 2]]
+    assert plan["params"]["wide.0.up.weight"] == ["S(0)"]
+    assert plan["params"]["wide.1.up.weight"] == ["R", "S(0)"]
