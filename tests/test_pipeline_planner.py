@@ -243,7 +243,7 @@ def _synthetic_stage_search(model_spec, prefer: dict[int, tuple[int, ...]], monk
 
     def cost(self, graph_, layer, mode=pipeline_module.FAST):
         i = index[layer.signature + layer.name]
-        return (1.0 if self.ctx.mesh_shape == prefer[i] else 2.0), 1.0
+        return (1.0 if self.ctx.mesh_shape == prefer[i] else 2.0), 1e7  # bytes: more than any received value
 
     monkeypatch.setattr(pipeline_module._LayerCosts, "cost", cost)
     options = make_options(8, "cpu")
@@ -334,3 +334,29 @@ def test_stages_on_their_own_logical_meshes_pass_check(tmp_path: Path) -> None:
     assert [s["mesh"] for s in plan["stages"]] == [[4], [2, 2]]
     assert plan["params"]["wide.0.up.weight"] == ["S(0)"]
     assert plan["params"]["wide.1.up.weight"] == ["R", "S(0)"]
+
+
+def test_a_range_counts_received_values_as_its_own_ilp_does(small_gpt) -> None:
+    """Apart, each layer keeps what it receives from an earlier layer; a range keeps only what
+    it receives from before it. On one device (one plan per layer) the search's memory of
+    every layer range is then the range's own ILP's, byte for byte; before, every boundary
+    inside the range counted its activation twice. A weight two layers of the range read (the
+    tied embedding and head) is still counted by both: more than the range needs, never less."""
+    from autoplan.planner.intra_op import plan_intra_op
+    from autoplan.planner.pipeline import _layer_costs, _RangeTable, tied_layers
+    from autoplan.planner.subgraph import extract
+
+    graph = trace(small_gpt)
+    layers = make_layers(graph, find_classes(graph))
+    table = _RangeTable(graph, layers, _layer_costs(make_options(1, "h100"), (1,), 4, 2), boundaries=False)
+    checked = 0
+    for start in range(len(layers)):
+        for end in range(start + 1, len(layers) + 1):
+            sub = extract(graph, [n for layer in layers[start:end] for n in layer.nodes])
+            exact = plan_intra_op(sub, find_classes(sub), (1,), table.costs.ctx, None).solution.memory
+            if tied_layers(graph, layers) <= set(range(start, end)):
+                assert table.cost(start, end, None)[1] > exact
+            else:
+                assert table.cost(start, end, None)[1] == pytest.approx(exact, rel=1e-9), (start, end)
+            checked += table.counted_apart(start, end) > 0
+    assert checked >= len(layers) - 1  # ranges of two or more layers had something to subtract

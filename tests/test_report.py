@@ -16,7 +16,7 @@ from autoplan.cli import launch, run
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.planner.load import load_model_file
 from autoplan.planner.manual import cost_manual, parse_manual
-from autoplan.planner.meshes import mesh_label
+from autoplan.planner.meshes import meshes_label
 from autoplan.planner.pipeline import PipelineOptions, plan_pipeline
 from autoplan.planner.plan import Plan
 from autoplan.reports import parse_train_log, write_report
@@ -118,7 +118,7 @@ def test_numbers_in_the_report_are_the_plans(which: str, request: pytest.Fixture
     page = (out / "report.html").read_text()
     summary = _summary(page)
     p = plan.predicted
-    assert summary["mesh"] == mesh_label(plan.mesh)
+    assert summary["mesh (per stage)"] == meshes_label([s.mesh for s in plan.stages] or [plan.mesh])
     assert summary["microbatches"] == str(plan.microbatches)
     assert summary["stages"] == str(len(plan.stages))
     assert summary["schedule"] == plan.schedule
@@ -128,7 +128,7 @@ def test_numbers_in_the_report_are_the_plans(which: str, request: pytest.Fixture
     assert f"params {format_bytes(p.memory_bytes.params)}" in summary["memory by kind"]
     # the same figures in the Markdown, and every image it names is beside it
     md = (out / "report.md").read_text()
-    assert f"| mesh | {mesh_label(plan.mesh)} |" in md
+    assert f"| mesh (per stage) | {meshes_label([s.mesh for s in plan.stages] or [plan.mesh])} |" in md
     assert f"| predicted step time | {format_seconds(p.step_time_s)} " in md
     assert f"| memory per device (peak) | {format_bytes(p.memory_bytes.peak)} of " in md
     images = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md)

@@ -45,3 +45,10 @@ def meshes_label(meshes: list[tuple[int, ...]] | list[list[int]]) -> str:
         else:
             runs.append([label, 1])
     return ", ".join(label if count == 1 else f"{label} ×{count}" for label, count in runs)
+
+
+def stage_meshes_text(meshes: list[tuple[int, ...]] | list[list[int]]) -> str:
+    """``mesh 2x2`` when every stage has that logical mesh, else ``stage meshes 4, 2x2 ×2``."""
+    if len({tuple(m) for m in meshes}) == 1:
+        return f"mesh {mesh_label(meshes[0])}"
+    return f"stage meshes {meshes_label(meshes)}"

@@ -5,7 +5,8 @@ layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (
 node or whole nodes) and every logical mesh of it, each distinct layer is costed by the
 intra-op ILP once (layers with equal ops and shapes share the answer). A stage's cost is the
 sum of its layers' costs plus sending its boundary activations (and receiving their
-gradients) over the link to the next stage. Where the layers' fastest plans do not fit a
+gradients) over the link to the next stage; its memory counts what a layer receives from
+another layer of the stage as the stage's ILP does (:meth:`_RangeTable.counted_apart`). Where the layers' fastest plans do not fit a
 stage together, each layer gets its least memory plus a share of what the budget leaves, in
 proportion to what its fastest plan needs beyond that, and is costed by its fastest plan
 trimmed to that share (:func:`autoplan.solvers.trim_memory`: a quick estimate); where not even
@@ -39,7 +40,9 @@ every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
 
 - ``gpipe``: step = Σ t_i + (B − 1)·max t_i; every stage keeps all ``B`` microbatches'
   activations;
-- ``1f1b``: the same step time; a stage keeps at most ``min(B, S)`` microbatches' activations;
+- ``1f1b``: the same step time; a stage keeps at most ``min(B, S)`` microbatches' activations
+  (stage ``s`` of torch's ``Schedule1F1B`` keeps ``min(B, S − s)``: every stage is counted as
+  the first, more than later stages need, never less);
 - ``interleaved1f1b``: ``v = 2`` chunks per pipeline rank; the bubble shrinks to
   ``(D − 1)·max t / v`` (``D`` ranks), activations as 1F1B;
 - ``interleavedzerobubble``: as interleaved, with the weight-gradient half of each backward
@@ -294,10 +297,18 @@ class _RangeTable:
     of every boundary inside it (:meth:`_LayerCosts.boundary`): over every range of Alpa's
     GPT-1.3B within 0.01% of the range's own ILP (``benchmarks/range_costs.py``). Where that
     does not fit the budget, every layer gets its least memory plus a share of what is left,
-    in proportion to what its fastest plan needs beyond that, and is trimmed to it."""
+    in proportion to what its fastest plan needs beyond that, and is trimmed to it.
+
+    Memory is counted as the range's own ILP counts it: apart, a layer keeps every value it
+    receives from an earlier layer as a (replicated) input, so a value read by several layers
+    of the range, or produced inside it, is counted more often than the range counts it (once
+    as the range's input, or not at all: it is then an op's output). The excess is subtracted
+    (:meth:`counted_apart`); user inputs, which may be sharded, are left counted as they are."""
 
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: _LayerCosts, boundaries: bool) -> None:
         self.graph, self.layers, self.costs = graph, layers, costs
+        self.reads = layer_inputs(graph, layers)
+        self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
@@ -313,24 +324,59 @@ class _RangeTable:
         table = self._sums(mode)
         return table[end][0] - table[start][0], table[end][1] - table[start][1]
 
+    def counted_apart(self, start: int, end: int) -> float:
+        """Bytes per device that layers [start, end) costed apart count beyond the range's own
+        count of the values they receive from other layers (see the class docstring)."""
+        if start not in self.excess:
+            apart, once, received, out = 0.0, 0.0, set(), [0.0]
+            for layer in range(start, len(self.layers)):
+                for name, (producer, nbytes) in self.reads[layer].items():
+                    apart += nbytes
+                    if producer < start and name not in received:
+                        received.add(name)
+                        once += nbytes
+                out.append((apart - once) * self.costs.ctx.activations_in_flight)
+            self.excess[start] = out
+        return self.excess[start][end - start]
+
     def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
         """Layers [start, end): their fastest plans if they fit ``budget`` together, else
         trimmed to their shares, else their least-memory plans (which then do not fit)."""
+        excess = self.counted_apart(start, end)
         seconds, memory = self._range(FAST, start, end)
         seconds += self.joins[end - 1] - self.joins[start]
-        if budget is None or memory <= budget:
-            return seconds, memory
+        if budget is None or memory - excess <= budget:
+            return seconds, memory - excess
         lean = self._range(LEAN, start, end)
-        if lean[1] >= budget:
-            return lean
+        if lean[1] - excess >= budget:
+            return lean[0], lean[1] - excess
         layers = self.layers[start:end]
         fast = [self.costs.cost(self.graph, layer) for layer in layers]
         least = [self.costs.cost(self.graph, layer, LEAN)[1] for layer in layers]
         spare = [max(0.0, f[1] - m) for f, m in zip(fast, least)]
-        scale = (budget - lean[1]) / sum(spare) if sum(spare) else 0.0
+        scale = (budget + excess - lean[1]) / sum(spare) if sum(spare) else 0.0
         shares = (self.costs.trimmed(self.graph, layer, m + extra * scale)
                   for layer, m, extra in zip(layers, least, spare))
-        return functools.reduce(_add, shares, (0.0, 0.0))
+        seconds, memory = functools.reduce(_add, shares, (0.0, 0.0))
+        return seconds, memory - excess
+
+
+def layer_inputs(graph: TracedGraph, layers: list[Layer]) -> list[dict[str, tuple[int, float]]]:
+    """For each layer, the values it reads that an earlier layer produced: name -> (producing
+    layer, bytes of the whole value). Parameters, buffers and user inputs are not listed."""
+    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    out: list[dict[str, tuple[int, float]]] = []
+    for i, layer in enumerate(layers):
+        reads: dict[str, tuple[int, float]] = {}
+        for name in layer.nodes:
+            for source in fx_nodes[name].all_input_nodes:
+                producer = layer_of.get(source.name, i)
+                info = graph.nodes.get(source.name)
+                if producer != i and info is not None and info.kind == "op" and info.shape is not None:
+                    reads[source.name] = (producer, math.prod(info.shape) * info.itemsize)
+        out.append(reads)
+    return out
 
 
 def _add(x: tuple[float, float], y: tuple[float, float]) -> tuple[float, float]:

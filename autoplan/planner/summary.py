@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoplan.planner.meshes import mesh_label, meshes_label
+from autoplan.planner.meshes import stage_meshes_text
 from autoplan.planner.plan import Plan, Prediction
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -20,19 +20,12 @@ def _prediction_line(p: Prediction) -> str:
             f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device")
 
 
-def _mesh_text(plan: Plan) -> str:
-    meshes = [tuple(s.mesh) for s in plan.stages] or [tuple(plan.mesh)]
-    if len(set(meshes)) == 1:
-        return f"mesh {mesh_label(meshes[0])}"
-    return f"stage meshes {meshes_label(meshes)}"
-
-
 def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     m = plan.predicted.memory_bytes
     budget = plan.cluster.get("device", {}).get("memory_bytes")
     lines = [
         f"autoplan: {plan.model or 'model'} on {plan.devices} x {plan.cluster.get('device', {}).get('name', '?')}"
-        f" ({plan.cluster.get('name', '')}), {_mesh_text(plan)}",
+        f" ({plan.cluster.get('name', '')}), {stage_meshes_text([s.mesh for s in plan.stages] or [plan.mesh])}",
         f"predicted: {_prediction_line(plan.predicted)}",
         f"memory per device: params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, "
         f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}"

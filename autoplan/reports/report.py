@@ -16,7 +16,7 @@ from pathlib import Path
 
 from autoplan.cost_models.cluster import ClusterSpec
 from autoplan.cost_models.communication import COLLECTIVE_KINDS, collective_time
-from autoplan.planner.meshes import mesh_label
+from autoplan.planner.meshes import mesh_label, meshes_label, stage_meshes_text
 from autoplan.planner.plan import (
     Alternative,
     MemoryEstimate,
@@ -134,7 +134,7 @@ def summary_section(plan: Plan) -> Section:
         ["model", plan.model or "model"],
         ["devices", f"{plan.devices} x {device.get('name', '?')}"],
         ["cluster", _cluster_line(plan)],
-        ["mesh", mesh_label(plan.mesh)],
+        ["mesh (per stage)", meshes_label([s.mesh for s in plan.stages] or [plan.mesh])],
         ["stages", str(len(plan.stages))],
         ["microbatches", str(plan.microbatches)],
         ["schedule", plan.schedule],
@@ -353,7 +353,7 @@ def _versus(baseline_s: float, found_s: float) -> str:
 
 
 def _plan_shape(plan: Plan) -> str:
-    shape = f"mesh {mesh_label(plan.mesh)}"
+    shape = _meshes(plan)
     if len(plan.stages) > 1:
         shape = f"{len(plan.stages)} stages x {shape}, {plan.microbatches} microbatches"
     return shape
@@ -416,8 +416,12 @@ def build_report(plan: Plan, baselines: list[Alternative] | None = None, run: Ru
     if run is not None:
         sections.append(run_section(plan, run, progress, len(sections) + 1))
     title = f"autoplan report: {plan.model or 'model'} on {plan.devices} x " \
-            f"{plan.cluster.get('device', {}).get('name', '?')}, mesh {mesh_label(plan.mesh)}"
+            f"{plan.cluster.get('device', {}).get('name', '?')}, {_meshes(plan)}"
     return Document(title, sections)
+
+
+def _meshes(plan: Plan) -> str:
+    return stage_meshes_text([s.mesh for s in plan.stages] or [plan.mesh])
 
 
 def write_report(plan: Plan, folder: str | Path, spec=None, options=None, baselines: list[Alternative] | None = None,
