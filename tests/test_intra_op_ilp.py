@@ -410,3 +410,42 @@ def test_trim_memory_fits_the_budget_and_never_beats_the_optimum(seed: int) -> N
     assert memory <= budget
     assert cost >= solve_intra_op(problem).objective - 1e-9
     assert trim_memory(problem, trimmed, budget) == trimmed  # already fits: unchanged
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_trim_memory_together_fits_the_shared_budget_and_never_beats_the_optimum(seed: int) -> None:
+    """Two independent problems, the second standing for several identical copies, under one
+    budget: the trimmed assignment fits it whenever any does, and costs no less than the
+    optimum of the problems merged into one ILP (copies scaled by their count)."""
+    from autoplan.solvers.intra_op import least_memory, trim_memory_together
+
+    first, second = random_problem(seed), random_problem(1000 + seed)
+    copies = 1 + seed % 3
+    merged = _merged([first, second], [1, copies])
+    budget = least_memory(merged) + 0.4 * (evaluate(merged, solve_intra_op(merged).choices)[1] - least_memory(merged))
+    budget = math.floor(budget) + 0.5  # integral memory: no assignment within a tolerance of it
+    fastest = [solve_intra_op(p).choices for p in (first, second)]
+    trimmed = trim_memory_together([first, second], [1, copies], fastest, budget)
+    if least_memory(merged) > budget:
+        assert trimmed is None
+        return
+    assert trimmed is not None
+    cost, memory = evaluate(merged, trimmed[0] + trimmed[1])
+    assert memory <= budget
+    assert cost >= solve_intra_op(replace(merged, memory_budget=budget)).objective - 1e-9
+    if least_memory(first) <= budget:  # one problem of one copy: the single-problem greedy
+        from autoplan.solvers.intra_op import trim_memory
+
+        assert trim_memory_together([first], [1], [fastest[0]], budget) == [trim_memory(first, fastest[0], budget)]
+
+
+def _merged(problems: list[IntraOpProblem], counts: list[int]) -> IntraOpProblem:
+    """Independent problems as one, each problem's costs and memory scaled by its count."""
+    costs, memory, edges, offset = [], [], [], 0
+    for problem, count in zip(problems, counts):
+        costs += [[c * count for c in group] for group in problem.costs]
+        memory += [[m * count for m in group] for group in problem.memory]
+        edges += [Edge(e.src + offset, e.dst + offset, [[c * count for c in row] for row in e.cost])
+                  for e in problem.edges]
+        offset += len(problem.costs)
+    return IntraOpProblem(costs, memory, edges)

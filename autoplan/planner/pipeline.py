@@ -7,10 +7,9 @@ intra-op ILP once (layers with equal ops and shapes share the answer). A stage's
 sum of its layers' costs plus sending its boundary activations (and receiving their
 gradients) over the link to the next stage; its memory counts what a layer receives from
 another layer of the stage as the stage's ILP does (:meth:`_RangeTable.counted_apart`). Where the layers' fastest plans do not fit a
-stage together, each layer gets its least memory plus a share of what the budget leaves, in
-proportion to what its fastest plan needs beyond that, and is costed by its fastest plan
-trimmed to that share (:func:`autoplan.solvers.trim_memory`: a quick estimate); where not even
-the least-memory plans fit, the stage is absent. Apart, every layer hands its values on
+stage together, they are trimmed together until they fit, each step freeing memory where it
+costs the least time per byte (:func:`autoplan.solvers.trim_memory_together`: a quick
+estimate); where not even the least-memory plans fit, the stage is absent. Apart, every layer hands its values on
 replicated, as if a stage boundary followed it; the ``REFINED`` best pipelines are searched
 again with each boundary inside a stage corrected by what planning the two layers that meet
 there together changes (the ILP of the pair, once per distinct pair; usually a saving, as the
@@ -51,6 +50,7 @@ every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
@@ -83,7 +83,12 @@ from autoplan.planner.plan import (
 from autoplan.planner.subgraph import extract, loss_name
 from autoplan.planner.trace import trace
 from autoplan.sharding import ShardingSpec, local_shape, spec_from_json
-from autoplan.solvers import evaluate, format_bytes, format_seconds, trim_memory
+from autoplan.solvers import (
+    evaluate,
+    format_bytes,
+    format_seconds,
+    trim_memory_together,
+)
 from autoplan.solvers.inter_op import (
     InterOpInfeasibleError,
     InterOpProblem,
@@ -189,7 +194,7 @@ class _LayerCosts:
     cache: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
     problems: dict[str, IntraOpProblem] = field(default_factory=dict)
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
-    trims: dict[tuple[str, float], tuple[float, float]] = field(default_factory=dict)
+    trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
 
     def cost(self, graph: TracedGraph, layer: Layer, mode: str = FAST) -> tuple[float, float]:
@@ -213,16 +218,24 @@ class _LayerCosts:
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
-    def trimmed(self, graph: TracedGraph, layer: Layer, budget: float) -> tuple[float, float]:
-        """The layer's fastest plan trimmed until it fits ``budget`` bytes
-        (:func:`autoplan.solvers.trim_memory`, a greedy estimate: no ILP); its least-memory plan
-        where even that does not fit."""
-        key = (layer.signature, budget)
+    def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float) -> tuple[float, float] | None:
+        """(seconds, bytes) of ``layers``' fastest plans trimmed together until they fit
+        ``budget`` bytes (:func:`autoplan.solvers.trim_memory_together`, a greedy estimate, no
+        ILP: each step frees memory where it costs the least time per byte, in any layer; equal
+        layers switch alike, as their classes do in the ILP). None if even their least-memory
+        plans do not fit."""
+        counts = collections.Counter(layer.signature for layer in layers)
+        key = (tuple(sorted(counts.items())), budget)
         if key not in self.trims:
-            self.cost(graph, layer)
-            problem = self.problems[layer.signature]
-            choices = trim_memory(problem, self.fast_choices[layer.signature], budget)
-            self.trims[key] = evaluate(problem, choices) if choices is not None else self.cost(graph, layer, LEAN)
+            for layer in layers:
+                self.cost(graph, layer)
+            signatures = sorted(counts)
+            problems = [self.problems[sig] for sig in signatures]
+            choices = trim_memory_together(problems, [counts[sig] for sig in signatures],
+                                           [self.fast_choices[sig] for sig in signatures], budget)
+            self.trims[key] = None if choices is None else functools.reduce(_add, (
+                (counts[sig] * seconds, counts[sig] * memory) for sig, problem, chosen in
+                zip(signatures, problems, choices) for seconds, memory in [evaluate(problem, chosen)]), (0.0, 0.0))
         return self.trims[key]
 
     def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
@@ -296,8 +309,8 @@ class _RangeTable:
     A range's fastest plan is the sum of its layers' plus, with ``boundaries``, the correction
     of every boundary inside it (:meth:`_LayerCosts.boundary`): over every range of Alpa's
     GPT-1.3B within 0.01% of the range's own ILP (``benchmarks/range_costs.py``). Where that
-    does not fit the budget, every layer gets its least memory plus a share of what is left,
-    in proportion to what its fastest plan needs beyond that, and is trimmed to it.
+    does not fit the budget, the layers' fastest plans are trimmed together until they fit
+    (:meth:`_LayerCosts.trimmed`), and the boundary corrections are added as they are.
 
     Memory is counted as the range's own ILP counts it: apart, a layer keeps every value it
     receives from an earlier layer as a (replicated) input, so a value read by several layers
@@ -343,22 +356,16 @@ class _RangeTable:
         """Layers [start, end): their fastest plans if they fit ``budget`` together, else
         trimmed to their shares, else their least-memory plans (which then do not fit)."""
         excess = self.counted_apart(start, end)
+        joins = self.joins[end - 1] - self.joins[start]
         seconds, memory = self._range(FAST, start, end)
-        seconds += self.joins[end - 1] - self.joins[start]
         if budget is None or memory - excess <= budget:
-            return seconds, memory - excess
+            return seconds + joins, memory - excess
         lean = self._range(LEAN, start, end)
-        if lean[1] - excess >= budget:
+        trimmed = None if lean[1] - excess >= budget else \
+            self.costs.trimmed(self.graph, self.layers[start:end], budget + excess)
+        if trimmed is None:
             return lean[0], lean[1] - excess
-        layers = self.layers[start:end]
-        fast = [self.costs.cost(self.graph, layer) for layer in layers]
-        least = [self.costs.cost(self.graph, layer, LEAN)[1] for layer in layers]
-        spare = [max(0.0, f[1] - m) for f, m in zip(fast, least)]
-        scale = (budget + excess - lean[1]) / sum(spare) if sum(spare) else 0.0
-        shares = (self.costs.trimmed(self.graph, layer, m + extra * scale)
-                  for layer, m, extra in zip(layers, least, spare))
-        seconds, memory = functools.reduce(_add, shares, (0.0, 0.0))
-        return seconds, memory - excess
+        return trimmed[0] + joins, trimmed[1] - excess
 
 
 def layer_inputs(graph: TracedGraph, layers: list[Layer]) -> list[dict[str, tuple[int, float]]]:

@@ -24,6 +24,7 @@ from autoplan.solvers.intra_op import (
     explain,
     solve_intra_op,
     trim_memory,
+    trim_memory_together,
 )
 from autoplan.solvers.units import format_bytes, format_seconds
 
@@ -51,4 +52,5 @@ __all__ = [
     "solve_inter_op",
     "solve_intra_op",
     "trim_memory",
+    "trim_memory_together",
 ]
