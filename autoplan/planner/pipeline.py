@@ -1,28 +1,37 @@
 """The inter-op pass: pipeline stages, sub-meshes, microbatches and the schedule.
 
-For every candidate microbatch count ``B`` the model is traced for one microbatch and cut into
-layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (a slice of a
-node or whole nodes) and every logical mesh of it, each distinct layer is costed by the
-intra-op ILP once (layers with equal ops and shapes share the answer). A stage's cost is the
-sum of its layers' costs plus sending its boundary activations (and receiving their
-gradients) over the link to the next stage; its memory counts what a layer receives from
-another layer of the stage as the stage's ILP does (:meth:`_RangeTable.counted_apart`). Where the layers' fastest plans do not fit a
-stage together, they are trimmed together until they fit, each step freeing memory where it
-costs the least time per byte (:func:`autoplan.solvers.trim_memory_together`: a quick
-estimate); where not even the least-memory plans fit, the stage is absent. Apart, every layer hands its values on
-replicated, as if a stage boundary followed it; the ``REFINED`` best pipelines are searched
-again with each boundary inside a stage corrected by what planning the two layers that meet
-there together changes (the ILP of the pair, once per distinct pair; usually a saving, as the
-value may stay sharded). For a stage of two layers that is the stage's own ILP; in a longer
-one, boundaries interact through the layers between them, which the sum misses: over every
-range of Alpa's GPT-1.3B it is within 0.01% of the range's own ILP
-(``benchmarks/range_costs.py``), for three small layers on H100s latency-bound 16% above it. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's
-recurrence) cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline
-stages pair rank i of one stage with rank i of the next), each stage on the logical mesh of that
+Layers. For every candidate microbatch count ``B`` the model is traced for one microbatch and
+cut into layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (a
+slice of a node or whole nodes) and every logical mesh of it, each distinct layer is costed
+by the intra-op ILP once (layers with equal ops and shapes share the answer).
+
+Ranges (:class:`_RangeTable`). A stage's cost is the sum of its layers' costs plus sending its
+boundary activations (and receiving their gradients) over the link to the next stage:
+
+- apart, every layer hands its values on replicated, as if a stage boundary followed it; the
+  ``REFINED`` best pipelines are searched again with each boundary inside a stage corrected
+  by what planning the two layers that meet there together changes (the ILP of the pair, once
+  per distinct pair; usually a saving, as the value may stay sharded). For a stage of two
+  layers that is the stage's own ILP; in a longer one, boundaries interact through the layers
+  between them, which the sum misses: over every range of Alpa's GPT-1.3B it is within 0.01%
+  of the range's own ILP (``benchmarks/range_costs.py``), for three small latency-bound
+  layers on H100s 16% above it;
+- memory counts what a layer receives from another layer of the stage as the stage's ILP does
+  (:meth:`_RangeTable.counted_apart`);
+- where the layers' fastest plans do not fit the budget together, they are trimmed together
+  until they fit, each step freeing memory where it costs the least time per byte
+  (:func:`autoplan.solvers.trim_memory_together`: a quick estimate); where not even the
+  least-memory plans fit, the stage is absent.
+
+Stages. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's recurrence)
+cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline stages
+pair rank i of one stage with rank i of the next), each stage on the logical mesh of that
 shape where its layers run fastest within the budget. Stages holding a tied weight share one
 logical mesh, so that its copies are stored alike; the DP runs once for each mesh they may
 take. Interleaved schedules cut their chunks after the search, so their stages share one
-logical mesh. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
+logical mesh.
+
+Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
 exactly: one intra-op ILP per stage over all its nodes, under the memory budget; the fastest
 exact plan wins, and the others are listed as alternatives with their exact figures. (The
