@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 import time
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
