@@ -330,6 +330,9 @@ def test_stages_on_their_own_logical_meshes_pass_check(tmp_path: Path) -> None:
                          "--microbatches", "2"], tmp_path)
     assert result.returncode == 0 and "check: PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     assert "stage meshes 4, 2x2" in result.stdout
+    # the summary's stage table: layers, devices and logical mesh of each stage
+    assert re.search(r"^  0 +wide\.0 +0-3 +4 ", result.stdout, re.M)
+    assert re.search(r"^  1 +wide\.1, narrow\.0, narrow\.1 +4-7 +2x2 ", result.stdout, re.M)
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert [s["mesh"] for s in plan["stages"]] == [[4], [2, 2]]
     assert plan["params"]["wide.0.up.weight"] == ["S(0)"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoplan.planner.meshes import stage_meshes_text
+from autoplan.planner.meshes import mesh_label, stage_meshes_text
 from autoplan.planner.plan import Plan, Prediction
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -13,6 +13,39 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
     out = [line, "  ".join("-" * w for w in widths)]
     out += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows]
     return out
+
+
+def ranges_label(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``0-2, 5``."""
+    out: list[str] = []
+    for v in sorted(values):
+        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == v - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{v}"
+        elif out and "-" not in out[-1] and int(out[-1]) == v - 1:
+            out[-1] = f"{out[-1]}-{v}"
+        else:
+            out.append(str(v))
+    return ", ".join(out)
+
+
+def layers_label(layers: list[str]) -> str:
+    """The first and last of many layers, all of a few."""
+    if len(layers) <= 3:
+        return ", ".join(layers)
+    return f"{layers[0]} ... {layers[-1]} ({len(layers)} layers)"
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    """The stages of a pipelined plan: layers, devices, logical mesh, latency per microbatch."""
+    if len(plan.stages) < 2:
+        return []
+    lines = ["", f"pipeline: {len(plan.stages)} stages, {plan.microbatches} microbatches, schedule {plan.schedule}, "
+                 f"bubble {format_seconds(plan.predicted.bubble_s)} per step"]
+    rows = [[str(i), layers_label(s.layers), ranges_label(s.devices), mesh_label(s.mesh), str(len(s.params)),
+             format_seconds(s.latency_s)] for i, s in enumerate(plan.stages)]
+    lines += ["  " + r for r in _table(rows, ["stage", "layers", "devices", "mesh", "parameters",
+                                              "per microbatch (fwd+bwd)"])]
+    return lines
 
 
 def _prediction_line(p: Prediction) -> str:
@@ -38,6 +71,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
                      f"{s.num_variables} variables, {s.num_constraints} constraints, {format_seconds(s.solve_time_s)}")
     if plan.timings_s:
         lines.append("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items()))
+    lines += _pipeline_lines(plan)
     lines += ["", "parameters:"]
     lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.params.items()],
                                        ["parameter", "placement"])]

@@ -23,6 +23,7 @@ from autoplan.planner.plan import (
     Plan,
     Prediction,
 )
+from autoplan.planner.summary import layers_label, ranges_label
 from autoplan.reports import figures
 from autoplan.reports.document import (
     Document,
@@ -55,25 +56,6 @@ def _quiet(message: str) -> None:
 def _budget(plan: Plan) -> float | None:
     value = plan.cluster.get("device", {}).get("memory_bytes")
     return float(value) if value else None
-
-
-def _ranges(values: list[int]) -> str:
-    """``[0, 1, 2, 5]`` → ``0-2, 5``."""
-    out: list[str] = []
-    for v in sorted(values):
-        if out and "-" in out[-1] and int(out[-1].split("-")[1]) == v - 1:
-            out[-1] = f"{out[-1].split('-')[0]}-{v}"
-        elif out and "-" not in out[-1] and int(out[-1]) == v - 1:
-            out[-1] = f"{out[-1]}-{v}"
-        else:
-            out.append(str(v))
-    return ", ".join(out)
-
-
-def _layers_label(layers: list[str]) -> str:
-    if len(layers) <= 3:
-        return ", ".join(layers)
-    return f"{layers[0]} ... {layers[-1]} ({len(layers)} layers)"
 
 
 def comm_by_kind(plan: Plan) -> tuple[dict[str, float], bool]:
@@ -154,7 +136,7 @@ def summary_section(plan: Plan) -> Section:
         rows.append(["planning time", ", ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items())])
     rows.append(["graph hash", plan.graph_hash])
     blocks: list = [Table(["", ""], rows)]
-    stage_rows = [[str(i), _layers_label(s.layers), _ranges(s.devices), mesh_label(s.mesh), str(len(s.params)),
+    stage_rows = [[str(i), layers_label(s.layers), ranges_label(s.devices), mesh_label(s.mesh), str(len(s.params)),
                    format_seconds(s.latency_s)] for i, s in enumerate(plan.stages)]
     blocks.append(Table(["stage", "layers", "devices", "mesh", "parameters", "latency per microbatch (fwd+bwd)"],
                         stage_rows, caption="pipeline stages" if len(plan.stages) > 1 else "the single stage"))
@@ -232,14 +214,14 @@ def placements_section(plan: Plan, progress: Progress) -> Section:
         "(x count).")]
     if groups:
         shown = groups[:MAX_MAP_ROWS]
-        rows = [(g.label + (f"  [stage {_ranges(sorted(g.stages))}]" if pipeline and g.stages else ""), g.placements)
+        rows = [(g.label + (f"  [stage {ranges_label(sorted(g.stages))}]" if pipeline and g.stages else ""), g.placements)
                 for g in shown]
         more = f" (first {MAX_MAP_ROWS} of {len(groups)} rows)" if len(groups) > MAX_MAP_ROWS else ""
         blocks.append(Figure("report_placements", figures.placement_map(rows, axes, "parameter placements" + more),
                              f"placement of every parameter per mesh axis{more}"))
     header = ["module", "parameter", "count"] + (["stage"] if pipeline else []) + axes
     table_rows = [[g.module or "(top)", g.leaf, str(len(g.names))]
-                  + ([_ranges(sorted(g.stages))] if pipeline else []) + list(g.placements) for g in groups]
+                  + ([ranges_label(sorted(g.stages))] if pipeline else []) + list(g.placements) for g in groups]
     blocks.append(Table(header, table_rows, caption="parameter placements", collapsed=len(table_rows) > 40))
     if plan.inputs:
         blocks.append(Table(["input"] + axes, [[k, *v] for k, v in plan.inputs.items()], caption="input placements"))
