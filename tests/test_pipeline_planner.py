@@ -363,3 +363,37 @@ def test_a_range_counts_received_values_as_its_own_ilp_does(small_gpt) -> None:
                 assert table.cost(start, end, None)[1] == pytest.approx(exact, rel=1e-9), (start, end)
             checked += table.counted_apart(start, end) > 0
     assert checked >= len(layers) - 1  # ranges of two or more layers had something to subtract
+
+
+@pytest.mark.parametrize("budget", [4.2e6, 3.0e6])
+def test_interleaved_stages_share_their_ranks_memory(small_gpt, budget: float) -> None:
+    """With the interleaved schedule a pipeline rank holds two stages: together they fit the
+    device's memory (each stage alone got all of it before), and the plan's memory is the
+    fullest rank's. Without a budget the ranks need more than either budget here."""
+    popts = PipelineOptions(stages=2, microbatches=4, schedule="interleaved1f1b")
+
+    def per_rank(plan) -> list[float]:
+        return [sum(s.memory_bytes for s in plan.stages[rank::2]) for rank in range(2)]
+
+    free = plan_pipeline(small_gpt, make_options(4, "cpu"), popts)
+    assert min(per_rank(free)) > budget
+    plan = plan_pipeline(small_gpt, make_options(4, "cpu", memory_per_device=budget), popts)
+    assert len(plan.stages) == 4 and all(s.memory_bytes > 0 for s in plan.stages)
+    assert max(per_rank(plan)) <= budget
+    assert plan.predicted.memory_bytes.peak == pytest.approx(max(per_rank(plan)))
+
+
+def test_a_ranks_memory_is_split_among_its_stages() -> None:
+    """Stage s on rank s % 2: each stage gets its least need plus a share of what is left in
+    proportion to what its fastest plans need beyond that; a rank's shares add up to the
+    budget. One stage per rank: each gets the whole budget."""
+    from autoplan.planner.pipeline import _split_budget
+
+    least, fast = [1.0, 2.0, 3.0, 2.0], [5.0, 2.0, 5.0, 6.0]
+    shares = _split_budget(10.0, least, fast, ranks=2)
+    assert shares[0] + shares[2] == pytest.approx(10.0) and shares[1] + shares[3] == pytest.approx(10.0)
+    assert all(share >= need for share, need in zip(shares, least))
+    assert shares[0] == pytest.approx(1.0 + 6.0 * 4.0 / 6.0)  # rank 0: 6 left, needs beyond least 4 and 2
+    assert shares[1] == pytest.approx(2.0)  # rank 1: stage 1 needs no more than its least
+    assert _split_budget(10.0, least, fast, ranks=4) == [10.0] * 4
+    assert _split_budget(None, least, fast, ranks=2) == [None] * 4

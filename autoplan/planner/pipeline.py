@@ -52,7 +52,9 @@ every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
   (stage ``s`` of torch's ``Schedule1F1B`` keeps ``min(B, S − s)``: every stage is counted as
   the first, more than later stages need, never less);
 - ``interleaved1f1b``: ``v = 2`` chunks per pipeline rank; the bubble shrinks to
-  ``(D − 1)·max t / v`` (``D`` ranks), activations as 1F1B;
+  ``(D − 1)·max t / v`` (``D`` ranks); each chunk keeps ``min(B, v·D)`` microbatches'
+  activations (torch's schedule keeps at most ``(v − 1)·D + 2(D − 1)`` chunk-forwards on a rank,
+  at most ``2D − 2`` of them in one chunk), and a rank's chunks share its memory;
 - ``interleavedzerobubble``: as interleaved, with the weight-gradient half of each backward
   scheduled into the bubble, which leaves about a third of it.
 """
@@ -113,6 +115,7 @@ INTERLEAVED = frozenset({"interleaved1f1b", "interleavedzerobubble"})
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
 FAST, LEAN = "fast", "lean"  # how a layer is costed in the stage search (_LayerCosts.cost)
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
+BUDGET_RETRIES = 2  # times a rank's stages are planned again when one's memory share proves too small
 RERANK_MARGIN = 0.05  # of those, the ones within 5% of the search's best are planned exactly; the fastest wins
 INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedules
 ZERO_BUBBLE_LEFT = 1.0 / 3.0  # share of the interleaved bubble zero-bubble scheduling leaves (the forward's)
@@ -361,6 +364,10 @@ class _RangeTable:
             self.excess[start] = out
         return self.excess[start][end - start]
 
+    def least_memory(self, start: int, end: int) -> float:
+        """Bytes per device of layers [start, end)'s least-memory plans."""
+        return self._range(LEAN, start, end)[1] - self.counted_apart(start, end)
+
     def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
         """Layers [start, end): their fastest plans if they fit ``budget`` together, else
         trimmed to their shares, else their least-memory plans (which then do not fit)."""
@@ -409,7 +416,8 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     mesh: with several meshes, the DP runs once for each mesh those stages may take (each of
     ``tied_meshes``, default all), and each run's best is a candidate."""
     stages = options.devices // submesh.size
-    in_flight = activations_in_flight(schedule, microbatches, stages)
+    # interleaved: the exact plans count each of a rank's INTERLEAVE chunks as a stage
+    in_flight = activations_in_flight(schedule, microbatches, stages * (INTERLEAVE if schedule in INTERLEAVED else 1))
     if costs is None:
         costs = {}
     for mesh in meshes:
@@ -541,43 +549,109 @@ def _refine(candidates: list[_Candidate], options: PlannerOptions, popts: Pipeli
 def _stage_results(candidate: _Candidate, options: PlannerOptions, schedule: str
                    ) -> list[tuple[TracedGraph, IntraOpResult, CostContext]]:
     """One exact intra-op ILP per stage; a stage equal to one already solved (the same layers,
-    in the same place of the pipeline) takes its answer, renamed. A parameter that several
-    stages read (a tied weight) is stored as the first of them chose, so that its copies'
-    gradients sum shard by shard and no stage redistributes it."""
-    stages = len(candidate.cuts)
-    out = []
+    in the same place of the pipeline, the same budget) takes its answer, renamed. A parameter
+    that several stages read (a tied weight) is stored as the first of them chose, so that its
+    copies' gradients sum shard by shard and no stage redistributes it.
+
+    A pipeline rank holding several stages (interleaved) splits its memory among them
+    (:func:`_split_budget`); where a stage's share proves smaller than the least it needs (the
+    search's estimate can be low: a tied weight pinned to the first stage's placement), the
+    rank's stages are planned again with that stage's least need, up to ``BUDGET_RETRIES``
+    times."""
+    stages, ranks = len(candidate.cuts), candidate.ranks
     solved: dict[tuple, tuple[TracedGraph, IntraOpResult]] = {}
     stored: dict[str, ShardingSpec] = {}  # FQN -> spec chosen by the first stage holding it
+    results: dict[int, tuple[TracedGraph, IntraOpResult, CostContext]] = {}
+    least, fast = _stage_needs(candidate)
+    for rank in range(ranks):
+        mine = list(range(rank, stages, ranks))
+        for attempt in range(BUDGET_RETRIES + 1):
+            kept = dict(stored)
+            budgets = _split_budget(options.memory_budget, least, fast, ranks)
+            needed = sum(least[t] for t in mine)
+            if options.memory_budget is not None and len(mine) > 1 and needed > options.memory_budget:
+                raise MemoryInfeasibleError(
+                    f"the {len(mine)} stages of pipeline rank {rank} need at least {format_bytes(needed)} per device "
+                    f"together, more than {format_bytes(options.memory_budget)}: give more memory or use 1f1b", needed)
+            try:
+                for s in mine:
+                    results[s] = _plan_stage(candidate, s, budgets[s], options, schedule, solved, stored)
+                break
+            except MemoryInfeasibleError as e:
+                stored.clear()
+                stored.update(kept)
+                if attempt == BUDGET_RETRIES or len(mine) == 1 or e.least_memory_bytes <= least[s]:
+                    raise
+                least[s] = e.least_memory_bytes
+    return [results[s] for s in range(stages)]
+
+
+def _plan_stage(candidate: _Candidate, index: int, budget: float | None, options: PlannerOptions, schedule: str,
+                solved: dict[tuple, tuple[TracedGraph, IntraOpResult]], stored: dict[str, ShardingSpec],
+                ) -> tuple[TracedGraph, IntraOpResult, CostContext]:
+    """The exact ILP of one stage under ``budget``; records the placements of the parameters it
+    stores first in ``stored``."""
+    stages = len(candidate.cuts)
+    (start, end), mesh = candidate.cuts[index], candidate.meshes[index]
 
     def allow_storage(info: NodeInfo, spec: ShardingSpec) -> bool:
         if info.fqn in stored:
             return spec == stored[info.fqn]
         return options.allow_storage is None or options.allow_storage(info, spec)
 
+    nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
+    sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
+    ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
+                      options.optimizer, microbatches=candidate.microbatches,
+                      activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
+                      remat=options.remat)
+    pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
+                          if fqn in stored))
+    if any(len(spec) != len(mesh) for _, spec in pinned):
+        raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
+                            "the stages holding it must share one")
+    key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
+           end == len(candidate.layers), pinned, mesh, budget)
+    result = _renamed(*solved[key], sub) if key in solved else None
+    if result is None:
+        result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,
+                               options.solver, options.time_limit_s, allow_storage=allow_storage)
+        solved[key] = (sub, result)
+    for name, strategy in result.chosen.items():
+        info = sub.nodes[name]
+        if info.kind == "parameter" and info.fqn:
+            stored.setdefault(info.fqn, strategy.output_spec)
+    return sub, result, ctx
+
+
+def _stage_needs(candidate: _Candidate) -> tuple[list[float], list[float]]:
+    """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
+    layer count, least 0, where they are not at hand)."""
+    least, fast = [], []
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
-        nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
-        sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
-        ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
-                          options.optimizer, microbatches=candidate.microbatches,
-                          activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
-                          remat=options.remat)
-        pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
-                              if fqn in stored))
-        if any(len(spec) != len(mesh) for _, spec in pinned):
-            raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
-                                "the stages holding it must share one")
-        key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-               end == len(candidate.layers), pinned, mesh)
-        result = _renamed(*solved[key], sub) if key in solved else None
-        if result is None:
-            result = plan_intra_op(sub, find_classes(sub), mesh, ctx, options.memory_budget,
-                                   options.solver, options.time_limit_s, allow_storage=allow_storage)
-            solved[key] = (sub, result)
-        for name, strategy in result.chosen.items():
-            info = sub.nodes[name]
-            if info.kind == "parameter" and info.fqn:
-                stored.setdefault(info.fqn, strategy.output_spec)
-        out.append((sub, result, ctx))
+        if candidate.costs and mesh in candidate.costs:
+            table = _RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False)
+            least.append(table.least_memory(start, end))
+            fast.append(max(least[-1], table.cost(start, end, None)[1]))
+        else:
+            least.append(0.0)
+            fast.append(float(end - start))
+    return least, fast
+
+
+def _split_budget(budget: float | None, least: list[float], fast: list[float], ranks: int) -> list[float | None]:
+    """Each stage's share of the device memory (stage ``s`` on rank ``s % ranks``): all of it
+    where a rank holds one stage; where it holds several, each gets its least need plus a share
+    of what the rank's budget leaves, in proportion to what its fastest plans need beyond that."""
+    stages = len(least)
+    if budget is None or ranks == stages:
+        return [budget] * stages
+    out: list[float | None] = []
+    for s in range(stages):
+        mine = range(s % ranks, stages, ranks)
+        spare = budget - sum(least[t] for t in mine)
+        extra = sum(fast[t] - least[t] for t in mine)
+        out.append(least[s] + max(0.0, spare) * ((fast[s] - least[s]) / extra if extra > 0 else 1.0 / len(mine)))
     return out
 
 
@@ -633,12 +707,12 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
         stage_plans.append(StagePlan([layer.name for layer in layers[start:end]],
                                      list(range(rank * size, (rank + 1) * size)), list(candidate.meshes[index]),
                                      [n for layer in layers[start:end] for n in layer.nodes], list(stage_params),
-                                     latencies[-1]))
+                                     latencies[-1], memories[-1].peak))
     after, after_kinds = (_after_schedule(graph, stage_plans, params, options, link, collectives)
                           if len(stage_plans) > 1 else (0.0, {}))
     scheduled = pipeline_time(latencies, candidate.microbatches, schedule)
     step = scheduled + after
-    worst = max(memories, key=lambda m: m.peak)
+    worst = max(_per_rank(memories, candidate.ranks), key=lambda m: m.peak)
     busiest = max(range(len(latencies)), key=lambda i: latencies[i])
     by_kind = dict(kinds[busiest])
     for kind, seconds in after_kinds.items():
@@ -654,6 +728,18 @@ def _assemble(spec: ModelSpec, candidate: _Candidate, options: PlannerOptions, s
         schedule=schedule if len(stage_plans) > 1 else "none", params=params, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name)
+
+
+def _per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:
+    """Each pipeline rank's memory: the sum over the stages it holds (stage ``s`` on rank
+    ``s % ranks``; several with the interleaved schedules). The sum of the peaks bounds the
+    rank's peak from above."""
+    out = []
+    for rank in range(ranks):
+        mine = memories[rank::ranks]
+        out.append(MemoryEstimate(*(sum(getattr(m, f) for m in mine)
+                                    for f in ("params", "grads", "optimizer", "activations", "peak"))))
+    return out
 
 
 def _after_schedule(graph: TracedGraph, stages: list[StagePlan], params: dict[str, list[str]],

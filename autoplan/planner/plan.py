@@ -64,6 +64,7 @@ class StagePlan:
     nodes: list[str] = field(default_factory=list)
     params: list[str] = field(default_factory=list)
     latency_s: float = 0.0  # predicted forward + backward of one microbatch (pipelines)
+    memory_bytes: float = 0.0  # predicted peak memory per device of this stage (its rank holds the sum of its stages')
 
 
 @dataclass
