@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import re
 
 from autoplan.errors import AutoplanError
@@ -37,13 +38,7 @@ def mesh_label(shape: tuple[int, ...] | list[int]) -> str:
 
 def meshes_label(meshes: list[tuple[int, ...]] | list[list[int]]) -> str:
     """The logical mesh of each stage, runs of equal ones counted: ``4, 2x2 ×14, 4``."""
-    runs: list[list] = []
-    for mesh in meshes:
-        label = mesh_label(mesh)
-        if runs and runs[-1][0] == label:
-            runs[-1][1] += 1
-        else:
-            runs.append([label, 1])
+    runs = [(label, len(list(group))) for label, group in itertools.groupby(mesh_label(m) for m in meshes)]
     return ", ".join(label if count == 1 else f"{label} ×{count}" for label, count in runs)
 
 

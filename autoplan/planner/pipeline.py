@@ -63,7 +63,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import gc
 import itertools
 import math
@@ -245,9 +244,13 @@ class _LayerCosts:
             problems = [self.problems[sig] for sig in signatures]
             choices = trim_memory_together(problems, [counts[sig] for sig in signatures],
                                            [self.fast_choices[sig] for sig in signatures], budget)
-            self.trims[key] = None if choices is None else functools.reduce(_add, (
-                (counts[sig] * seconds, counts[sig] * memory) for sig, problem, chosen in
-                zip(signatures, problems, choices) for seconds, memory in [evaluate(problem, chosen)]), (0.0, 0.0))
+            total = None
+            if choices is not None:
+                total = (0.0, 0.0)
+                for sig, problem, chosen in zip(signatures, problems, choices):
+                    seconds, memory = evaluate(problem, chosen)
+                    total = _add(total, (counts[sig] * seconds, counts[sig] * memory))
+            self.trims[key] = total
         return self.trims[key]
 
     def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
@@ -277,7 +280,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers). A value produced in layer i and last read
     in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j."""
-    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    layer_of = _layer_index(layers)
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     loss = loss_name(graph)
     diff = [0.0] * (len(layers) + 2)
@@ -292,10 +295,15 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
     return list(itertools.accumulate(diff))[:len(layers) + 1]
 
 
+def _layer_index(layers: list[Layer]) -> dict[str, int]:
+    """Node name -> the index of the layer holding it."""
+    return {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+
+
 def tied_layers(graph: TracedGraph, layers: list[Layer]) -> set[int]:
     """The layers that read a parameter another layer also reads (a tied embedding and head):
     the stages holding them must store it alike, so they share a logical mesh."""
-    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    layer_of = _layer_index(layers)
     out: set[int] = set()
     for node in graph.graph_module.graph.nodes:
         info = graph.nodes.get(node.name)
@@ -330,9 +338,10 @@ class _RangeTable:
     as the range's input, or not at all: it is then an op's output). The excess is subtracted
     (:meth:`counted_apart`); user inputs, which may be sharded, are left counted as they are."""
 
-    def __init__(self, graph: TracedGraph, layers: list[Layer], costs: _LayerCosts, boundaries: bool) -> None:
+    def __init__(self, graph: TracedGraph, layers: list[Layer], costs: _LayerCosts, boundaries: bool,
+                 reads: list[dict[str, tuple[int, float]]] | None = None) -> None:
         self.graph, self.layers, self.costs = graph, layers, costs
-        self.reads = layer_inputs(graph, layers)
+        self.reads = layer_inputs(graph, layers) if reads is None else reads  # one per graph and layers
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
@@ -387,7 +396,7 @@ class _RangeTable:
 def layer_inputs(graph: TracedGraph, layers: list[Layer]) -> list[dict[str, tuple[int, float]]]:
     """For each layer, the values it reads that an earlier layer produced: name -> (producing
     layer, bytes of the whole value). Parameters, buffers and user inputs are not listed."""
-    layer_of = {name: i for i, layer in enumerate(layers) for name in layer.nodes}
+    layer_of = _layer_index(layers)
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     out: list[dict[str, tuple[int, float]]] = []
     for i, layer in enumerate(layers):
@@ -423,7 +432,8 @@ def _search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpt
     for mesh in meshes:
         if mesh not in costs:
             costs[mesh] = _layer_costs(options, mesh, microbatches, in_flight)
-    tables = {mesh: _RangeTable(graph, layers, costs[mesh], boundaries) for mesh in meshes}
+    reads = layer_inputs(graph, layers)
+    tables = {mesh: _RangeTable(graph, layers, costs[mesh], boundaries, reads) for mesh in meshes}
     link = _link_between_stages(options, submesh)
     boundary = cut_bytes(graph, layers)
     budget = options.memory_budget
@@ -525,8 +535,10 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
                 if (microbatches == 1) != (submesh.size == options.devices) and popts.microbatches is None:
                     continue  # one microbatch only without a pipeline; a pipeline only with several
                 meshes = _stage_meshes(options, submesh)
+                if not meshes:
+                    continue
                 # interleaved chunks are cut after the search, so they share one logical mesh
-                for group in ([[m] for m in meshes] if schedule in INTERLEAVED else [meshes] if meshes else []):
+                for group in [[m] for m in meshes] if schedule in INTERLEAVED else [meshes]:
                     candidates += _search_submesh(graph, layers, options, popts, schedule, microbatches, submesh,
                                                   group)
     return _refine(candidates, options, popts), trace_s
@@ -628,9 +640,10 @@ def _stage_needs(candidate: _Candidate) -> tuple[list[float], list[float]]:
     """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
     layer count, least 0, where they are not at hand)."""
     least, fast = [], []
+    reads = layer_inputs(candidate.graph, candidate.layers)
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
         if candidate.costs and mesh in candidate.costs:
-            table = _RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False)
+            table = _RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads)
             least.append(table.least_memory(start, end))
             fast.append(max(least[-1], table.cost(start, end, None)[1]))
         else:
