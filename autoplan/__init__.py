@@ -6,7 +6,7 @@
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import plan
-from autoplan.planner.plan import Plan
+from autoplan.plan_schema import Plan
 
 
 def __getattr__(name: str):  # parallelize pulls in torch.distributed: import it on first use

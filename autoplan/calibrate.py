@@ -26,7 +26,7 @@ Each figure is the median of repeats after warm-up, the slowest rank's:
   plain eager module is written as a comment;
 - op bandwidth: a training step of the same block at activation sizes (``cpu_block``), run the
   same way; ``device.op_bandwidth`` is the rate of the ops' memory traffic at which the cost
-  model (:func:`autoplan.planner.costing.op_cost`: matmuls at the float32 peak, the overhead
+  model (:func:`autoplan.cost_models.step_costs.op_cost`: matmuls at the float32 peak, the overhead
   above) predicts that measured time (:func:`fit_op_bandwidth`). Microbenchmarks of single ops
   miss what a step's backward adds to its traced forward ops (the ``cat`` behind a ``split``,
   copies of transposed gradients, bias-gradient sums, accumulation), the attention kernels'
@@ -434,8 +434,8 @@ class _Worker:
         no collective), and eagerly."""
         from autoplan.codegen.dtensor_program import build_program
         from autoplan.planner.api import make_options, plan_traced
-        from autoplan.planner.load import make_model_spec
-        from autoplan.planner.trace import trace
+        from autoplan.load import make_model_spec
+        from autoplan.trace.tracer import trace
 
         model, inputs, loss_fn = _block(self.device, *shape)
         graph = trace(make_model_spec(model, inputs, loss_fn))
@@ -624,14 +624,14 @@ def _costed_ops(graph: Any) -> list[Any]:
 def fit_op_bandwidth(nodes: Sequence[Any], seconds: float, peaks: dict[str, float], overhead_s: float,
                      lowest: float = 1e6, highest: float = 1e15) -> float:
     """The op bandwidth (bytes/s) at which the cost model predicts ``seconds`` for a training
-    step of ``nodes`` (:class:`~autoplan.planner.graph.NodeInfo` of op nodes, all needing
+    step of ``nodes`` (:class:`~autoplan.trace.graph.NodeInfo` of op nodes, all needing
     gradients): ``Σ (1 + BACKWARD_FACTOR) · (roofline(flops, moved bytes) + overhead_s)`` with
-    the matmul ``peaks`` (FLOP/s by dtype), as :func:`autoplan.planner.costing.op_cost` charges
+    the matmul ``peaks`` (FLOP/s by dtype), as :func:`autoplan.cost_models.step_costs.op_cost` charges
     one device. The prediction falls as the bandwidth grows; the root is bisected (in log
     space) between ``lowest`` and ``highest``. 0.0 when even ``highest`` predicts more than
     ``seconds`` (the matmuls and the overhead explain the step: no rate can be told); ``lowest``
     when even it predicts less."""
-    from autoplan.planner.costing import moved_bytes
+    from autoplan.cost_models.step_costs import moved_bytes
 
     def predicted(bandwidth: float) -> float:
         device = DeviceSpec("fit", peaks, bandwidth, 1.0, overhead_s)

@@ -19,13 +19,13 @@ from autoplan.cost_models import OptimizerSpec, parse_memory_size
 from autoplan.cost_models.presets import PRESET_NAMES
 from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options, plan_spec
-from autoplan.planner.load import load_model_file
+from autoplan.load import load_model_file
 from autoplan.codegen.script import render_train_script
 from autoplan.planner.manual import cost_manual, parse_manual
 from autoplan.planner.meshes import mesh_label, parse_mesh
 from autoplan.planner.pipeline import PipelineOptions, normalize_schedule, plan_pipeline
-from autoplan.planner.timeline import write_timeline
-from autoplan.planner.summary import summary_text
+from autoplan.reports.timeline import write_timeline
+from autoplan.reports.summary import summary_text
 
 
 def build_parser() -> argparse.ArgumentParser:

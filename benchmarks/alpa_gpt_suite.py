@@ -27,7 +27,7 @@ import gpt  # noqa: E402
 
 from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.planner.api import make_options  # noqa: E402
-from autoplan.planner.load import make_model_spec  # noqa: E402
+from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.planner.manual import cost_manual, parse_manual  # noqa: E402
 from autoplan.planner.meshes import meshes_label  # noqa: E402
 from autoplan.planner.pipeline import plan_pipeline  # noqa: E402

@@ -39,10 +39,10 @@ from autoplan.codegen.script import render_train_script  # noqa: E402
 from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
 from autoplan.planner.api import make_options, plan_spec  # noqa: E402
-from autoplan.planner.load import load_model_file  # noqa: E402
+from autoplan.load import load_model_file  # noqa: E402
 from autoplan.planner.manual import parse_manual, plan_manual  # noqa: E402
 from autoplan.planner.pipeline import PipelineOptions, plan_pipeline  # noqa: E402
-from autoplan.planner.plan import Plan  # noqa: E402
+from autoplan.plan_schema import Plan  # noqa: E402
 
 MODELS = {
     "mlp": "import mlp\nmodel, example_inputs = mlp.build(hidden=256, batch=8, seq=64)\nloss_fn = mlp.loss_fn\n",

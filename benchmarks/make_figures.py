@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import gpt  # noqa: E402
 
 from autoplan.planner.api import make_options, plan_spec  # noqa: E402
-from autoplan.planner.load import make_model_spec  # noqa: E402
+from autoplan.load import make_model_spec  # noqa: E402
 
 # GPT-3 paper shapes: name -> (hidden, layers, heads)
 SIZES = {"125M": (768, 12, 12), "1.3B": (2048, 24, 32), "6.7B": (4096, 32, 32), "13B": (5120, 40, 40),

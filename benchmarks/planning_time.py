@@ -21,7 +21,7 @@ import gpt  # noqa: E402
 import gpt2  # noqa: E402
 
 from autoplan.planner.api import make_options, plan_spec  # noqa: E402
-from autoplan.planner.load import make_model_spec  # noqa: E402
+from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.planner.meshes import mesh_label  # noqa: E402
 from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
 

@@ -32,20 +32,20 @@ import gpt  # noqa: E402
 from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.errors import MemoryInfeasibleError  # noqa: E402
 from autoplan.planner.api import make_options  # noqa: E402
-from autoplan.planner.intra_op import plan_intra_op  # noqa: E402
-from autoplan.planner.layering import make_layers  # noqa: E402
-from autoplan.planner.layers import find_classes  # noqa: E402
-from autoplan.planner.load import make_model_spec  # noqa: E402
+from autoplan.planner.mesh_plan import plan_intra_op  # noqa: E402
+from autoplan.trace.layers import make_layers  # noqa: E402
+from autoplan.trace.repeated import find_classes  # noqa: E402
+from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.planner.meshes import mesh_label  # noqa: E402
-from autoplan.planner.microbatch import microbatch_inputs  # noqa: E402
+from autoplan.trace.microbatch import microbatch_inputs  # noqa: E402
 from autoplan.planner.pipeline import (  # noqa: E402
     _layer_costs,
     _RangeTable,
     _stage_meshes,
     activations_in_flight,
 )
-from autoplan.planner.subgraph import extract  # noqa: E402
-from autoplan.planner.trace import trace  # noqa: E402
+from autoplan.trace.subgraph import extract  # noqa: E402
+from autoplan.trace.tracer import trace  # noqa: E402
 from autoplan.solvers.inter_op import SubMesh  # noqa: E402
 
 MODELS = {"1.3B": (2048, 24, 32), "2.6B": (2560, 32, 32), "6.7B": (4096, 32, 32)}  # hidden, layers, heads

@@ -119,7 +119,7 @@ def _plain_step(model: torch.nn.Module, forward: Callable[[], torch.Tensor], lr:
 
 def _plan(module, kwargs: dict, world: int):
     from autoplan.planner.api import make_options, plan_spec
-    from autoplan.planner.load import make_model_spec
+    from autoplan.load import make_model_spec
 
     model, inputs = module.build(**kwargs)
     spec = make_model_spec(model, inputs, module.loss_fn)

@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen import build_program, planned_collectives
 from autoplan.planner.api import make_options, plan_spec
-from autoplan.planner.load import make_model_spec
+from autoplan.load import make_model_spec
 
 # name -> (world size, example module, build kwargs, mesh, memory_per_device)
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "batch": 8, "seq": 32}

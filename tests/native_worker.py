@@ -28,7 +28,7 @@ from autoplan.codegen.check import check_against_single_device
 from autoplan.codegen.native import NativeProgram, recognise
 from autoplan.codegen.runtime import init_distributed, parallelize_spec
 from autoplan.planner.api import make_options, plan_spec
-from autoplan.planner.load import make_model_spec
+from autoplan.load import make_model_spec
 
 
 def _sum_loss(output: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -34,11 +34,11 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.pipeline_program import build_pipeline, stage_ranks
 from autoplan.planner.api import make_options, plan_traced
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.load import make_model_spec
-from autoplan.planner.microbatch import microbatch_inputs
-from autoplan.planner.plan import Plan, StagePlan
-from autoplan.planner.trace import trace
+from autoplan.trace.graph import TracedGraph
+from autoplan.load import make_model_spec
+from autoplan.trace.microbatch import microbatch_inputs
+from autoplan.plan_schema import Plan, StagePlan
+from autoplan.trace.tracer import trace
 
 GPT_KWARGS = {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}
 

@@ -31,7 +31,7 @@ from autoplan.cost_models import (
     collective_time,
     load_cluster,
 )
-from autoplan.planner.graph import NodeInfo
+from autoplan.trace.graph import NodeInfo
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB

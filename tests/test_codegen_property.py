@@ -170,8 +170,8 @@ def run_config(label, module_name, kwargs, mesh_shape, examples) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoplan.planner.api import make_options, plan_traced
-    from autoplan.planner.load import make_model_spec
-    from autoplan.planner.trace import trace
+    from autoplan.load import make_model_spec
+    from autoplan.trace.tracer import trace
 
     module = importlib.import_module(module_name)
     model, inputs = module.build(**kwargs)

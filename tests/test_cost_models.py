@@ -507,15 +507,15 @@ def test_per_kind_link_rates_round_trip_and_cost_each_kind(tmp_path: Path) -> No
 
 
 def test_backward_factor_is_the_planners_default() -> None:
-    from autoplan.planner.costing import CostContext
+    from autoplan.cost_models.step_costs import CostContext
 
     ctx = CostContext((1,), (LinkSpec(1e9, 0.0),), load_cluster("cpu").device, OptimizerSpec())
     assert ctx.backward_factor == cm.BACKWARD_FACTOR
 
 
 def test_views_move_no_bytes() -> None:
-    from autoplan.planner.costing import moved_bytes
-    from autoplan.planner.graph import NodeInfo
+    from autoplan.cost_models.step_costs import moved_bytes
+    from autoplan.trace.graph import NodeInfo
 
     def node(target: str) -> NodeInfo:
         return NodeInfo("n", "op", target, (8, 8), "float32", 4, 0.0, 512.0, "", "", ())

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autoplan.errors import AutoplanError
-from autoplan.planner.load import (
+from autoplan.load import (
     ModelSpec,
     default_loss,
     import_file,

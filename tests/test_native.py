@@ -78,7 +78,7 @@ def test_two_dimensional_plan_is_not_recognised():
 
     from autoplan.codegen.native import recognise
     from autoplan.planner.api import make_options, plan_spec
-    from autoplan.planner.load import make_model_spec
+    from autoplan.load import make_model_spec
 
     model, inputs = mlp.build(hidden=64, batch=64, seq=128)
     spec = make_model_spec(model, inputs, mlp.loss_fn)

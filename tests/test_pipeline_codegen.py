@@ -78,9 +78,9 @@ def test_layout_boundaries():
     from autoplan.codegen.pipeline_program import pipeline_layout, stage_ranks
     from autoplan.errors import AutoplanError
     from autoplan.planner.api import make_options, plan_traced
-    from autoplan.planner.load import make_model_spec
-    from autoplan.planner.microbatch import microbatch_inputs
-    from autoplan.planner.trace import trace
+    from autoplan.load import make_model_spec
+    from autoplan.trace.microbatch import microbatch_inputs
+    from autoplan.trace.tracer import trace
 
     build, loss_fn, starts = MODELS["gpt"]
     model, inputs = build()

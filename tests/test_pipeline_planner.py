@@ -13,9 +13,9 @@ import pytest
 
 from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options
-from autoplan.planner.layering import make_layers
-from autoplan.planner.layers import find_classes
-from autoplan.planner.load import make_model_spec
+from autoplan.trace.layers import make_layers
+from autoplan.trace.repeated import find_classes
+from autoplan.load import make_model_spec
 from autoplan.planner.manual import cost_manual, parse_manual
 from autoplan.planner.pipeline import (
     PipelineOptions,
@@ -24,8 +24,8 @@ from autoplan.planner.pipeline import (
     pipeline_time,
     plan_pipeline,
 )
-from autoplan.planner.timeline import chrome_trace, simulate, write_timeline
-from autoplan.planner.trace import trace
+from autoplan.reports.timeline import chrome_trace, simulate, write_timeline
+from autoplan.trace.tracer import trace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -182,10 +182,10 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     two adjacent layers) lets a stage keep them sharded. On a tensor-parallel mesh the
     correction is a saving, and the corrected sum over three layers is closer to the three
     layers' own ILP than the plain sum, and not below it."""
-    from autoplan.planner.costing import CostContext
-    from autoplan.planner.intra_op import plan_intra_op
+    from autoplan.cost_models.step_costs import CostContext
+    from autoplan.planner.mesh_plan import plan_intra_op
     from autoplan.planner.pipeline import _LayerCosts
-    from autoplan.planner.subgraph import extract
+    from autoplan.trace.subgraph import extract
 
     model, inputs = gpt.build(hidden=256, layers=4, heads=4, seq=64, vocab=512, batch=8, device="meta")
     graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
@@ -210,9 +210,9 @@ def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
     loss)."""
     import mlp
 
-    from autoplan.planner.costing import CostContext
-    from autoplan.planner.intra_op import plan_intra_op
-    from autoplan.planner.subgraph import boundary_values, extract, loss_name
+    from autoplan.cost_models.step_costs import CostContext
+    from autoplan.planner.mesh_plan import plan_intra_op
+    from autoplan.trace.subgraph import boundary_values, extract, loss_name
 
     model, inputs = mlp.build(hidden=256, batch=8, seq=64, device="meta")
     graph = trace(make_model_spec(model, inputs, mlp.loss_fn, name="mlp"))
@@ -290,9 +290,9 @@ def test_a_range_that_only_fits_trimmed_is_costed_within_the_budget() -> None:
     """Where a range's fastest plans do not fit the budget together, each layer is trimmed to
     its share: the range then fits, and is never costed below its own ILP under that budget
     (the trimmed layers together are one of the plans that ILP weighs)."""
-    from autoplan.planner.intra_op import plan_intra_op
+    from autoplan.planner.mesh_plan import plan_intra_op
     from autoplan.planner.pipeline import LEAN, _layer_costs, _RangeTable
-    from autoplan.planner.subgraph import extract
+    from autoplan.trace.subgraph import extract
 
     model, inputs = gpt.build(hidden=256, layers=4, heads=4, seq=64, vocab=512, batch=8, device="meta")
     graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
@@ -345,9 +345,9 @@ def test_a_range_counts_received_values_as_its_own_ilp_does(small_gpt) -> None:
     every layer range is then the range's own ILP's, byte for byte; before, every boundary
     inside the range counted its activation twice. A weight two layers of the range read (the
     tied embedding and head) is still counted by both: more than the range needs, never less."""
-    from autoplan.planner.intra_op import plan_intra_op
+    from autoplan.planner.mesh_plan import plan_intra_op
     from autoplan.planner.pipeline import _layer_costs, _RangeTable, tied_layers
-    from autoplan.planner.subgraph import extract
+    from autoplan.trace.subgraph import extract
 
     graph = trace(small_gpt)
     layers = make_layers(graph, find_classes(graph))

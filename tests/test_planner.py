@@ -13,11 +13,11 @@ import torch
 import autoplan
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import make_options, plan_traced
-from autoplan.planner.layers import find_classes
-from autoplan.planner.load import make_model_spec
+from autoplan.trace.repeated import find_classes
+from autoplan.load import make_model_spec
 from autoplan.planner.meshes import candidate_meshes, parse_mesh
-from autoplan.planner.plan import Plan
-from autoplan.planner.trace import trace
+from autoplan.plan_schema import Plan
+from autoplan.trace.tracer import trace
 
 
 def _mlp_graph(hidden: int, rows: int):
@@ -203,7 +203,7 @@ def test_predicted_step_time_is_the_ilp_objective(example: str, mesh: tuple[int,
     same number: what the solver minimised is what the plan reports."""
     from pathlib import Path
 
-    from autoplan.planner.load import load_model_file
+    from autoplan.load import load_model_file
 
     spec = load_model_file(str(Path(__file__).resolve().parent.parent / "examples" / f"{example}.py"))
     plan = plan_traced(trace(spec), make_options(4, "cpu", mesh=mesh))

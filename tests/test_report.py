@@ -14,11 +14,11 @@ import pytest
 
 from autoplan.cli import launch, run
 from autoplan.planner.api import make_options, plan_spec
-from autoplan.planner.load import load_model_file
+from autoplan.load import load_model_file
 from autoplan.planner.manual import cost_manual, parse_manual
 from autoplan.planner.meshes import meshes_label
 from autoplan.planner.pipeline import PipelineOptions, plan_pipeline
-from autoplan.planner.plan import Plan
+from autoplan.plan_schema import Plan
 from autoplan.reports import parse_train_log, write_report
 from autoplan.reports.report import comm_by_kind, placement_groups
 from autoplan.solvers import format_bytes, format_seconds

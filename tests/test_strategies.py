@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-from autoplan.planner.index_maps import index_map_for
-from autoplan.planner.strategies import enumerate_strategies, tensor_input_nodes, tensor_specs
+from autoplan.strategies.index_maps import index_map_for
+from autoplan.strategies.candidates import enumerate_strategies, tensor_input_nodes, tensor_specs
 from autoplan.sharding import P, R, S
 
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from autoplan.errors import AutoplanError
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.load import import_file, load_model_file, make_model_spec
-from autoplan.planner.trace import trace
+from autoplan.trace.graph import TracedGraph
+from autoplan.load import import_file, load_model_file, make_model_spec
+from autoplan.trace.tracer import trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

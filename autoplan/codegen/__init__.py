@@ -1,4 +1,4 @@
-"""Code generation: turn a :class:`~autoplan.planner.plan.Plan` into a runnable program.
+"""Code generation: turn a :class:`~autoplan.plan_schema.Plan` into a runnable program.
 
 ``build_program(graph, plan, mesh, params)`` runs the traced graph on DTensors with the plan's
 placements (see :mod:`autoplan.codegen.dtensor_program`)."""

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.dtensor_program import planned_collectives
 from autoplan.codegen.runtime import ParallelModule, PipelinedModule
-from autoplan.planner.load import ModelSpec
+from autoplan.load import ModelSpec
 
 
 def _full(t: Any) -> torch.Tensor:
@@ -118,7 +118,7 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
-    from autoplan.planner.trace import _tensor_leaves
+    from autoplan.trace.tracer import _tensor_leaves
 
     return list(_tensor_leaves(output))
 

@@ -52,8 +52,8 @@ from autoplan.errors import AutoplanError
 
 if TYPE_CHECKING:
     from autoplan.codegen.gradient_buckets import GradientBuckets
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.plan import NodePlan, Plan
+from autoplan.trace.graph import TracedGraph
+from autoplan.plan_schema import NodePlan, Plan
 from autoplan.sharding import parse_placement
 
 __all__ = [

@@ -72,9 +72,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.dtensor_program import to_dtensor_placements
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.load import ModelSpec
-from autoplan.planner.plan import Plan
+from autoplan.trace.graph import TracedGraph
+from autoplan.load import ModelSpec
+from autoplan.plan_schema import Plan
 from autoplan.sharding import parse_placement
 
 __all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise"]
@@ -486,7 +486,7 @@ class NativeProgram(torch.nn.Module):
 
 
 def _leaves(output: Any) -> list[Any]:
-    from autoplan.planner.trace import _tensor_leaves
+    from autoplan.trace.tracer import _tensor_leaves
 
     return list(_tensor_leaves(output))
 

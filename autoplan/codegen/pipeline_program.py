@@ -83,9 +83,9 @@ from autoplan.codegen.dtensor_program import (
     to_dtensor_placements,
 )
 from autoplan.errors import AutoplanError
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.plan import NodePlan, Plan
-from autoplan.planner.subgraph import loss_name
+from autoplan.trace.graph import TracedGraph
+from autoplan.plan_schema import NodePlan, Plan
+from autoplan.trace.subgraph import loss_name
 
 __all__ = [
     "PipelineProgram",

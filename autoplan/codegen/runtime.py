@@ -33,11 +33,11 @@ from autoplan.codegen.dtensor_program import ShardedProgram, build_program
 from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.errors import AutoplanError
 from autoplan.planner.api import make_options, plan_traced
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.load import ModelSpec, make_model_spec
-from autoplan.planner.microbatch import microbatch_inputs
-from autoplan.planner.plan import Plan
-from autoplan.planner.trace import trace
+from autoplan.trace.graph import TracedGraph
+from autoplan.load import ModelSpec, make_model_spec
+from autoplan.trace.microbatch import microbatch_inputs
+from autoplan.plan_schema import Plan
+from autoplan.trace.tracer import trace
 
 
 @dataclass(frozen=True)

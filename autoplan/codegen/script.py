@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from autoplan.codegen.runtime import init_distributed, parallelize_spec
 from autoplan.errors import AutoplanError
-from autoplan.planner.load import load_model_file
-from autoplan.planner.plan import Plan
+from autoplan.load import load_model_file
+from autoplan.plan_schema import Plan
 
 MODEL_FILE = {model_file!r}
 NAMES = dict(model_name={model_attr!r}, inputs_name={inputs_attr!r}, loss_name={loss_attr!r})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from .hardware import DeviceSpec
 
 #: The backward of an op costs this many forwards (gradients with respect to its inputs and to
-#: its weights); the default of :class:`autoplan.planner.costing.CostContext`'s
+#: its weights); the default of :class:`autoplan.cost_models.step_costs.CostContext`'s
 #: ``backward_factor``, and what ``autoplan calibrate`` assumes when it turns a measured
 #: forward + backward into a per-op rate.
 BACKWARD_FACTOR = 2.0

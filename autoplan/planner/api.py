@@ -23,14 +23,14 @@ from autoplan.planner.assemble import (
     single_stage,
     solver_stats,
 )
-from autoplan.planner.costing import CostContext
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.intra_op import IntraOpResult, StorageRule, emit_warnings, plan_intra_op
-from autoplan.planner.layers import NodeClasses, find_classes
-from autoplan.planner.load import ModelSpec, make_model_spec
+from autoplan.cost_models.step_costs import CostContext
+from autoplan.trace.graph import TracedGraph
+from autoplan.planner.mesh_plan import IntraOpResult, StorageRule, emit_warnings, plan_intra_op
+from autoplan.trace.repeated import NodeClasses, find_classes
+from autoplan.load import ModelSpec, make_model_spec
 from autoplan.planner.meshes import candidate_meshes, mesh_label
-from autoplan.planner.plan import Alternative, Plan
-from autoplan.planner.trace import trace
+from autoplan.plan_schema import Alternative, Plan
+from autoplan.trace.tracer import trace
 from autoplan.solvers import explain, format_bytes
 
 

@@ -4,17 +4,17 @@ program will run per step, and the predicted step time and memory."""
 from __future__ import annotations
 
 from autoplan.cost_models import CollectiveStep
-from autoplan.planner.costing import (
+from autoplan.cost_models.step_costs import (
     CostContext,
     MemoryParts,
     backward_reduction_steps,
     edge_steps,
     steps_seconds,
 )
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.intra_op import IntraOpResult, with_parameter_edges
-from autoplan.planner.layers import NodeClasses
-from autoplan.planner.plan import (
+from autoplan.trace.graph import TracedGraph
+from autoplan.planner.mesh_plan import IntraOpResult, with_parameter_edges
+from autoplan.trace.repeated import NodeClasses
+from autoplan.plan_schema import (
     MemoryEstimate,
     NodePlan,
     PlannedCollective,

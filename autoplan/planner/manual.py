@@ -15,10 +15,10 @@ from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.graph import NodeInfo
-from autoplan.planner.layering import make_layers
-from autoplan.planner.layers import find_classes
-from autoplan.planner.load import ModelSpec
+from autoplan.trace.graph import NodeInfo
+from autoplan.trace.layers import make_layers
+from autoplan.trace.repeated import find_classes
+from autoplan.load import ModelSpec
 from autoplan.planner.pipeline import (
     PipelineOptions,
     _assemble,
@@ -27,7 +27,7 @@ from autoplan.planner.pipeline import (
     cluster_shape,
     normalize_schedule,
 )
-from autoplan.planner.plan import Alternative, Plan
+from autoplan.plan_schema import Alternative, Plan
 from autoplan.sharding import ShardingSpec
 from autoplan.solvers.inter_op import SubMesh
 

@@ -1,7 +1,7 @@
 """The inter-op pass: pipeline stages, sub-meshes, microbatches and the schedule.
 
 Layers. For every candidate microbatch count ``B`` the model is traced for one microbatch and
-cut into layers (:mod:`autoplan.planner.layering`). For every sub-mesh shape ``(n, m)`` (a
+cut into layers (:mod:`autoplan.trace.layers`). For every sub-mesh shape ``(n, m)`` (a
 slice of a node or whole nodes) and every logical mesh of it, each distinct layer is costed
 by the intra-op ILP once (layers with equal ops and shapes share the answer).
 
@@ -74,15 +74,15 @@ from autoplan.cost_models import ALL_REDUCE, BROADCAST, LinkSpec, collective_tim
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.assemble import node_plans, placements, predict, solver_stats
-from autoplan.planner.costing import CostContext, is_floating
-from autoplan.planner.graph import NodeInfo, TracedGraph
-from autoplan.planner.intra_op import IntraOpResult, emit_warnings, plan_intra_op
-from autoplan.planner.layering import Layer, make_layers
-from autoplan.planner.layers import find_classes
-from autoplan.planner.load import ModelSpec, make_model_spec
+from autoplan.cost_models.step_costs import CostContext, is_floating
+from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
+from autoplan.trace.layers import Layer, make_layers
+from autoplan.trace.repeated import find_classes
+from autoplan.load import ModelSpec, make_model_spec
 from autoplan.planner.meshes import candidate_meshes, mesh_label
-from autoplan.planner.microbatch import batch_size, microbatch_inputs
-from autoplan.planner.plan import (
+from autoplan.trace.microbatch import batch_size, microbatch_inputs
+from autoplan.plan_schema import (
     Alternative,
     MemoryEstimate,
     Plan,
@@ -90,8 +90,8 @@ from autoplan.planner.plan import (
     Prediction,
     StagePlan,
 )
-from autoplan.planner.subgraph import extract, loss_name
-from autoplan.planner.trace import trace
+from autoplan.trace.subgraph import extract, loss_name
+from autoplan.trace.tracer import trace
 from autoplan.sharding import ShardingSpec, local_shape, spec_from_json
 from autoplan.solvers import (
     evaluate,

@@ -18,9 +18,9 @@ import torch
 
 from autoplan.errors import AutoplanError
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.load import ModelSpec
+from autoplan.load import ModelSpec
 from autoplan.planner.manual import ManualPlan, cost_manual
-from autoplan.planner.plan import Alternative, Plan
+from autoplan.plan_schema import Alternative, Plan
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,8 @@ def _microbatches(batch: int | None, pp: int, dp: int) -> int:
 
 def _layer_count(plan: Plan, spec: ModelSpec) -> int:
     """Layers as :func:`cost_manual` cuts the model (the plan's own may be cut otherwise)."""
-    from autoplan.planner.layering import make_layers
-    from autoplan.planner.layers import find_classes
+    from autoplan.trace.layers import make_layers
+    from autoplan.trace.repeated import find_classes
     from autoplan.planner.pipeline import _trace_microbatch
 
     try:

@@ -14,7 +14,7 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
-from autoplan.planner.timeline import simulate
+from autoplan.reports.timeline import simulate
 
 DPI = 100
 COMPUTE = "#4c72b0"
@@ -180,7 +180,7 @@ def comparison(entries: Sequence[tuple[str, tuple[float, float, float] | None, s
 
 def pipeline_timeline(latencies: Sequence[float], microbatches: int, schedule: str) -> bytes:
     """Every stage's forward (blue) and backward (orange) slots, from
-    :func:`autoplan.planner.timeline.simulate`; gaps are bubble."""
+    :func:`autoplan.reports.timeline.simulate`; gaps are bubble."""
     slots = simulate(list(latencies), microbatches, schedule)
     stages = len(latencies)
     end = max((s.end_s for s in slots), default=0.0)

@@ -17,13 +17,13 @@ from pathlib import Path
 from autoplan.cost_models.cluster import ClusterSpec
 from autoplan.cost_models.communication import COLLECTIVE_KINDS, collective_time
 from autoplan.planner.meshes import mesh_label, meshes_label, stage_meshes_text
-from autoplan.planner.plan import (
+from autoplan.plan_schema import (
     Alternative,
     MemoryEstimate,
     Plan,
     Prediction,
 )
-from autoplan.planner.summary import layers_label, ranges_label
+from autoplan.reports.summary import layers_label, ranges_label
 from autoplan.reports import figures
 from autoplan.reports.document import (
     Document,

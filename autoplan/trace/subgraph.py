@@ -15,7 +15,7 @@ from dataclasses import replace
 import torch
 from torch import fx
 
-from autoplan.planner.graph import NodeInfo, TracedGraph
+from autoplan.trace.graph import NodeInfo, TracedGraph
 
 
 def boundary_values(graph: TracedGraph, node_names: list[str]) -> tuple[list[str], list[str]]:

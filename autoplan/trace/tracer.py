@@ -30,8 +30,8 @@ from torch.export.graph_signature import InputKind
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autoplan.errors import AutoplanError
-from autoplan.planner.graph import NodeInfo, TracedGraph
-from autoplan.planner.load import ModelSpec, _first_line
+from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.load import ModelSpec, _first_line
 
 __all__ = ["trace", "WRAPPER_PREFIX"]
 

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass
 
 from autoplan.errors import AutoplanError
-from autoplan.planner.graph import TracedGraph
-from autoplan.planner.layers import NodeClasses, block_of
+from autoplan.trace.graph import TracedGraph
+from autoplan.trace.repeated import NodeClasses, block_of
 
 
 @dataclass(frozen=True)

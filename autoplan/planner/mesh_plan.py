@@ -3,7 +3,7 @@ chosen strategy of every node.
 
 To keep the ILP small, nodes share decision variables in three ways before it is built:
 
-1. *repeated layers* (:mod:`autoplan.planner.layers`): corresponding nodes of every copy of
+1. *repeated layers* (:mod:`autoplan.trace.repeated`): corresponding nodes of every copy of
    a block form one class and get one strategy;
 2. *followers*: a node with a single tensor input (element-wise, view, ``getitem``) whose
    strategies can take each of its producer's outputs without resharding follows the
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from autoplan.planner.costing import (
+from autoplan.cost_models.step_costs import (
     ALIASING_OPS,
     CostContext,
     NodeCost,
@@ -35,10 +35,10 @@ from autoplan.planner.costing import (
     op_cost,
     storage_cost,
 )
-from autoplan.planner.graph import NodeInfo, TracedGraph
-from autoplan.planner.index_maps import index_map_for, op_name
-from autoplan.planner.layers import NodeClasses
-from autoplan.planner.strategies import (
+from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.strategies.index_maps import index_map_for, op_name
+from autoplan.trace.repeated import NodeClasses
+from autoplan.strategies.candidates import (
     Strategy,
     enumerate_strategies,
     replicated_strategy,

@@ -1,7 +1,7 @@
 """Candidate sharding strategies per node on a device mesh.
 
 A strategy assigns to every mesh axis one *letter* of the op's index map (see
-:mod:`autoplan.planner.index_maps`), or nothing (the axis replicates the op), or — for linear
+:mod:`autoplan.strategies.index_maps`), or nothing (the axis replicates the op), or — for linear
 ops — ``P`` (partial sums flow through). From that assignment follow the spec each input must
 arrive in, the spec of each output, how many ways the work is split, and which input
 gradients come out as partial sums in the backward (an axis sharded on a letter that the
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autoplan.planner.index_maps import IndexMap, Letters
+from autoplan.strategies.index_maps import IndexMap, Letters
 from autoplan.sharding import P, Placement, R, S, ShardingSpec, is_valid, spec_name
 
 NO_LETTER = ""

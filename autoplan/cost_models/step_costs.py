@@ -42,8 +42,8 @@ from autoplan.cost_models import (
     reshard_steps,
     roofline_time,
 )
-from autoplan.planner.graph import NodeInfo
-from autoplan.planner.strategies import Strategy
+from autoplan.trace.graph import NodeInfo
+from autoplan.strategies.candidates import Strategy
 from autoplan.sharding import P, R, ShardingSpec, local_shape
 
 FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})

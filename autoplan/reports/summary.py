@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from autoplan.planner.meshes import mesh_label, stage_meshes_text
-from autoplan.planner.plan import Plan, Prediction
+from autoplan.plan_schema import Plan, Prediction
 from autoplan.solvers import format_bytes, format_seconds
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from autoplan.planner.graph import TracedGraph
+from autoplan.trace.graph import TracedGraph
 
 _INDEX = re.compile(r"^\d+$")
 

@@ -112,7 +112,7 @@ class Plan:
 
     With a pipeline (``len(stages) > 1``) the graph was traced for ONE microbatch (each user
     input cut into ``microbatches`` equal pieces along dim 0, see
-    :func:`autoplan.planner.microbatch.microbatch_inputs`), ``graph_hash`` is that graph's, and
+    :func:`autoplan.trace.microbatch.microbatch_inputs`), ``graph_hash`` is that graph's, and
     the top-level ``mesh`` is the shape shared by every stage's logical mesh."""
 
     graph_hash: str

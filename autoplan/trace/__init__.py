@@ -1,0 +1,3 @@
+"""What the model is: its ATen-level graph with shapes and costs (:mod:`tracer`, :mod:`graph`),
+the blocks it repeats (:mod:`repeated`), its cut into pipeline layers (:mod:`layers`), and
+the pieces a pipeline needs (:mod:`subgraph`, :mod:`microbatch`)."""
