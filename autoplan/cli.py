@@ -1,40 +1,40 @@
-"""The ``autoplan`` command: ``autoplan model.py --devices 8``.
+"""The ``autoplan`` command.
 
-Plans the model in ``model.py``, prints a summary (mesh, predicted step time and memory,
-the placement of every parameter, the strategy of every op, the collectives of a step) and
-writes ``plan.json`` into ``--out``. User errors print one line and exit 2.
+``autoplan model.py --devices 8`` (short for ``autoplan plan model.py ...``) plans the model in
+``model.py`` through the same front door as ``autoplan.plan`` (:mod:`autoplan.planner.front_door`),
+prints a summary and writes ``plan.json`` and ``train.py`` into ``--out``;
+``autoplan calibrate ...`` measures this machine. Every option is checked before the slow work;
+user errors print one line and exit 2, and nothing is written unless planning succeeded.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
-import tempfile
+import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
-from autoplan.cost_models import OptimizerSpec, parse_memory_size
+from autoplan.codegen.script import render_train_script
 from autoplan.cost_models.presets import PRESET_NAMES
 from autoplan.errors import AutoplanError
-from autoplan.planner.api import make_options, plan_spec
 from autoplan.load import load_model_file
-from autoplan.codegen.script import render_train_script
-from autoplan.planner.manual import cost_manual, parse_manual
+from autoplan.plan_schema import OPTIMIZER_NAMES, PRECISIONS
+from autoplan.planner.front_door import plan_model
 from autoplan.planner.meshes import mesh_label, parse_mesh
-from autoplan.planner.pipeline import PipelineOptions, normalize_schedule, plan_pipeline
-from autoplan.reports.timeline import write_timeline
+from autoplan.planner.options import PlanOptions
 from autoplan.reports.summary import summary_text
+from autoplan.reports.timeline import write_timeline
+from autoplan.solvers import SOLVER_NAMES
+
+SUBCOMMANDS = ("plan", "calibrate")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="autoplan",
-        description="Plan how to parallelize a PyTorch model over many devices (intra-op sharding by ILP).",
-        epilog="`autoplan calibrate --devices N -o FILE` measures this machine and writes a cluster file "
-               "for --cluster (see `autoplan calibrate --help`).",
-    )
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_file", help="a Python file defining `model` and `example_inputs` (optionally `loss_fn`)")
     parser.add_argument("--devices", type=int, required=True, help="number of devices to plan for")
     parser.add_argument("--cluster", default="h100",
@@ -44,13 +44,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mesh", default=None, help="pin the logical mesh, e.g. 8 or 2x4 (default: try all)")
     parser.add_argument("--model", default="model", help="name of the model in the file (default: model)")
     parser.add_argument("--inputs", default="example_inputs", help="name of the inputs (default: example_inputs)")
-    parser.add_argument("--loss", default="loss_fn", help="name of the loss function (default: loss_fn, optional)")
-    parser.add_argument("--optimizer", default="adam", help="adam, adamw, sgd or sgd-momentum (default adam)")
-    parser.add_argument("--mixed-precision", action="store_true", help="bf16 params/grads with fp32 optimizer state")
-    parser.add_argument("--solver", default="highs", choices=("highs", "cbc"), help="ILP solver (default highs)")
+    parser.add_argument("--loss", default=None,
+                        help="name of the loss function in the file (default: loss_fn if defined, else output.loss "
+                             "or the mean of the first output)")
+    train = parser.add_argument_group("training: what the emitted program carries out")
+    train.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZER_NAMES)} (default adamw)")
+    train.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 for Adam/AdamW, 1e-2 SGD)")
+    train.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: 0.01 AdamW, else 0)")
+    train.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
+                       help="fp32, or bf16 (bf16 parameters and compute, fp32 optimizer and reductions: costed only)")
+    train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
+    train.add_argument("--recompute", action="store_true", help="activation checkpointing (costed only)")
+    train.add_argument("--plan-only", action="store_true",
+                       help="allow what the emitted program cannot run yet (bf16, --recompute): a plan to read")
+    parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")
     parser.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per mesh")
     parser.add_argument("--out", default="autoplan_out", help="output folder for plan.json (default autoplan_out)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON instead of the summary")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (only JSON on stdout)")
     parser.add_argument("--run", action="store_true",
                         help="launch the emitted train.py on this machine (torch.distributed.run, one process per device)")
     parser.add_argument("--check", action="store_true",
@@ -59,7 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipe = parser.add_argument_group("pipeline (inter-op) choices; left out, the planner chooses")
     pipe.add_argument("--stages", type=int, default=None, help="pin the number of pipeline stages")
     pipe.add_argument("--microbatches", type=int, default=None, help="pin the number of microbatches")
-    pipe.add_argument("--schedule", default=None, help="pin the schedule: gpipe, 1f1b, interleaved1f1b, interleavedzerobubble (any case)")
+    pipe.add_argument("--schedule", default=None,
+                      help="pin the schedule: gpipe, 1f1b, interleaved1f1b, interleavedzerobubble (any case)")
     pipe.add_argument("--layers", type=int, default=None, help="cut the model into this many layers")
     pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
@@ -67,68 +78,107 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--report", action="store_true",
                         help="also write report.html (self-contained) and report.md with plots into --out; "
                              "with --run, the measured step times and losses too")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from autoplan.calibrate import add_calibrate_arguments
+
+    parser = argparse.ArgumentParser(
+        prog="autoplan",
+        description="Plan how to parallelize a PyTorch model over many devices, and emit the program.",
+        epilog="`autoplan model.py --devices 8` is short for `autoplan plan model.py --devices 8`.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="{plan,calibrate}")
+    _add_plan_arguments(commands.add_parser("plan", help="plan a model (the default command)",
+                                            description="Plan a model and write plan.json and train.py."))
+    add_calibrate_arguments(commands.add_parser(
+        "calibrate", help="measure this machine and write a cluster file for --cluster",
+        description="Measure this machine (matmul rates, memory bandwidth, collectives) and write a cluster TOML."))
     return parser
 
 
-def _write_atomically(path: Path, text: str) -> None:
+def options_from_args(args: argparse.Namespace) -> PlanOptions:
+    """The command line's options, checked, as the Python API takes them."""
+    if args.steps < 1:
+        raise AutoplanError(f"--steps must be at least 1, got {args.steps}")
+    precision = "bf16" if args.mixed_precision else args.precision
+    options = PlanOptions(
+        args.devices, args.cluster, parse_mesh(args.mesh) if args.mesh else None, args.memory_per_device,
+        args.devices_per_node, args.optimizer, args.lr, args.weight_decay, precision=precision,
+        recompute=args.recompute, solver=args.solver, time_limit_s=args.time_limit, pipeline=not args.no_pipeline,
+        stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, layers=args.layers,
+        manual=tuple(args.manual), plan_only=args.plan_only)
+    if args.mixed_precision:
+        print("autoplan: note: --mixed-precision is --precision bf16", file=sys.stderr)
+    return options
+
+
+def _check_out_folder(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise AutoplanError(f"--out {out} is a file, not a folder: name a folder (it is created if missing)")
+    for name in ("plan.json", "train.py"):
+        if (out / name).is_dir():
+            raise AutoplanError(f"{out / name} is a folder: remove it or choose another --out")
+
+
+def _write_file(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all, readable as any new file (umask)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def run(argv: list[str] | None = None) -> int:
-    if (sys.argv[1:] if argv is None else list(argv))[:1] == ["calibrate"]:
-        from autoplan.calibrate import run_calibrate  # `autoplan calibrate ...`: measure this machine
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool) -> Iterator[None]:
+    """While active, whatever anything prints to stdout (a solver's banner included) goes to
+    stderr, so that stdout carries only what the command means to print."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
-        return run_calibrate((sys.argv[1:] if argv is None else list(argv))[1:])
-    args = build_parser().parse_args(argv)
-    if args.steps < 1:
-        raise AutoplanError(f"--steps must be at least 1, got {args.steps}")
-    if args.devices < 1:
-        raise AutoplanError(f"--devices must be at least 1, got {args.devices}")
-    memory = parse_memory_size(args.memory_per_device) if args.memory_per_device else None
-    if args.stages is not None and (args.stages < 1 or args.devices % args.stages):
-        raise AutoplanError(f"--stages {args.stages} does not divide {args.devices} devices: choose a divisor")
-    mesh = parse_mesh(args.mesh, args.devices // (args.stages or 1)) if args.mesh else None
-    optimizer = OptimizerSpec(args.optimizer.lower(), args.mixed_precision)
-    optimizer.state_bytes_per_param(4)  # validates the name before the slow work
-    options = make_options(args.devices, args.cluster, mesh, memory, args.devices_per_node, optimizer,
-                           args.solver, args.time_limit)
-    import time
 
-    start = time.perf_counter()
-    spec = load_model_file(args.model_file, args.model, args.inputs, args.loss)
-    load_s = time.perf_counter() - start
-    manual = [parse_manual(text) for text in args.manual]
-    pinned = PipelineOptions(args.stages, args.microbatches, args.schedule, args.layers)
-    if args.schedule:
-        normalize_schedule(args.schedule)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        if args.no_pipeline:
-            plan, _graph = plan_spec(spec, options, {"load": load_s})
-        else:
-            plan = plan_pipeline(spec, options, pinned)
-            plan.timings_s = {"load": load_s, **plan.timings_s}
-        plan.alternatives += [cost_manual(spec, options, m) for m in manual]
+def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
+    seen: set[str] = set()
     for w in caught:
-        if "autoplan" in type(w.message).__module__:
-            print(f"autoplan: warning: {w.message}", file=sys.stderr)
-    text = plan.to_json()
+        source = "autoplan" if "autoplan" in type(w.message).__module__ else type(w.message).__name__
+        line = f"autoplan: warning: {w.message}" if source == "autoplan" else f"warning ({source}): {w.message}"
+        if line not in seen:
+            seen.add(line)
+            print(line, file=sys.stderr)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    options = options_from_args(args)
     out = Path(args.out)
-    # plan.json, train.py and the timeline are written only after planning succeeded
+    _check_out_folder(out)
+    start = time.perf_counter()
+    with _stdout_to_stderr(args.json), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        spec = load_model_file(args.model_file, args.model, args.inputs, args.loss or "loss_fn",
+                               require_loss=args.loss is not None)
+        plan = plan_model(spec, options, load_s=time.perf_counter() - start)
+    _show_warnings(caught)
     script = out / "train.py"
-    train_text = render_train_script(args.model_file, args.model, args.inputs, args.loss, plan.devices,
-                                     plan.model or Path(args.model_file).stem,
-                                     f"mesh {mesh_label(plan.mesh)}", str(script))
-    _write_atomically(out / "plan.json", text + "\n")
-    _write_atomically(script, train_text)
+    train_text = render_train_script(args.model_file, args.model, args.inputs, args.loss or "loss_fn", plan.devices,
+                                     plan.model or Path(args.model_file).stem, f"mesh {mesh_label(plan.mesh)}",
+                                     str(script), optimizer=plan.optimizer.name)
+    _write_file(out / "plan.json", plan.to_json() + "\n")
+    _write_file(script, train_text)
     if len(plan.stages) > 1:
         write_timeline([s.latency_s for s in plan.stages], plan.microbatches, plan.schedule, out)
     if args.json:
-        print(text)
+        print(plan.to_json())
     else:
         print(summary_text(plan))
         print(f"\nwrote {out / 'plan.json'} and {script}")
@@ -137,11 +187,10 @@ def run(argv: list[str] | None = None) -> int:
         output = [] if args.report else None
         code = launch(script, plan.devices, args.steps, args.check, output)
     if args.report:
-        # imported here: matplotlib only when asked
         from autoplan.reports import parse_train_log, write_report
 
         run_log = parse_train_log("".join(output)) if output is not None else None
-        write_report(plan, out, spec, options, run=run_log)
+        write_report(plan, out, spec, options.planner_options(), run=run_log)
         print(f"wrote {out / 'report.html'} and {out / 'report.md'}")
     return code
 
@@ -149,6 +198,12 @@ def run(argv: list[str] | None = None) -> int:
 def launch(script: Path, devices: int, steps: int, check: bool, output: list[str] | None = None) -> int:
     """Run train.py under torch.distributed.run with one process per planned device. With
     ``output``, the child's stdout is also appended to it line by line (still shown here)."""
+    import torch
+
+    cores = os.cpu_count() or 1
+    if not torch.cuda.is_available() and devices > cores:
+        print(f"autoplan: warning: starting {devices} processes on {cores} CPU cores: they share the cores, so "
+              f"steps are slow; this checks the program, it does not measure it", file=sys.stderr)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
                str(script), "--steps", str(steps)] + (["--check"] if check else [])
     print("running: " + " ".join(command[2:]), flush=True)
@@ -161,6 +216,21 @@ def launch(script: Path, devices: int, steps: int, check: bool, output: list[str
             sys.stdout.flush()
             output.append(line)
     return child.returncode
+
+
+def run(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
+        argv = ["plan", *argv]
+    args = build_parser().parse_args(argv)
+    if args.command is None:
+        build_parser().print_help()
+        return 2
+    if args.command == "calibrate":
+        from autoplan.calibrate import run_calibrate_args
+
+        return run_calibrate_args(args)
+    return run_plan(args)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,6 +32,13 @@ class ModelSpec:
     loss_fn: Callable[..., torch.Tensor]
     name: str
 
+    def to(self, device: str | torch.device) -> ModelSpec:
+        """The model and its example inputs on ``device`` (the module is moved in place), so
+        that a graph traced from it creates its own tensors there too."""
+        self.module.to(device)
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in self.example_inputs)
+        return ModelSpec(self.module, inputs, self.loss_fn, self.name)
+
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
@@ -128,14 +135,15 @@ def make_model_spec(
     model: Any,
     example_inputs: Any,
     loss_fn: Callable[..., torch.Tensor] | None = None,
-    name: str = "model",
+    name: str | None = None,
     *,
     _where: str = "",
     _labels: tuple[str, str, str] = ("model", "example_inputs", "loss_fn"),
 ) -> ModelSpec:
     """A ModelSpec from a module (or a zero-argument function building one), example inputs
     (a tensor, a tuple/list of tensors, or a zero-argument function returning one of those)
-    and an optional ``loss_fn(output, *inputs)`` (default: :func:`default_loss`)."""
+    and an optional ``loss_fn(output, *inputs)`` (default: :func:`default_loss`). ``name``
+    defaults to the module's class name, wherever the model comes from."""
     module = _resolve_module(model, _where, _labels[0])
     inputs = _resolve_inputs(example_inputs, _where, _labels[1])
     if loss_fn is None:
@@ -145,7 +153,7 @@ def make_model_spec(
             f"{_where}{_labels[2]} must be a function {_labels[2]}(output, *inputs) returning a scalar "
             f"tensor, got {_type_name(loss_fn)}"
         )
-    return ModelSpec(module=module, example_inputs=inputs, loss_fn=loss_fn, name=name)
+    return ModelSpec(module=module, example_inputs=inputs, loss_fn=loss_fn, name=name or type(module).__name__)
 
 
 def _first_line(e: BaseException) -> str:
@@ -202,9 +210,11 @@ def load_model_file(
     model_name: str = "model",
     inputs_name: str = "example_inputs",
     loss_name: str = "loss_fn",
+    require_loss: bool = False,
 ) -> ModelSpec:
     """Imports ``path`` and returns the ModelSpec of its ``model``, ``example_inputs`` and
-    (optional) ``loss_fn``. Every problem is a one-line AutoplanError."""
+    ``loss_fn`` (optional unless ``require_loss``: a loss the user named must exist). Every
+    problem is a one-line AutoplanError."""
     module = import_file(path)
     if not hasattr(module, model_name):
         raise AutoplanError(
@@ -216,18 +226,21 @@ def load_model_file(
             f"{path} defines no {inputs_name!r}: define {inputs_name} = ... "
             "(a tensor, a tuple of tensors, or a function returning one), or pass --inputs NAME"
         )
+    if require_loss and not hasattr(module, loss_name):
+        raise AutoplanError(
+            f"{path} defines no {loss_name!r}: define {loss_name}(output, *inputs), or leave out --loss "
+            "to use the default loss (output.loss, else the mean of the first output)"
+        )
     loss_fn = getattr(module, loss_name, None)
     if loss_fn is not None and not callable(loss_fn):
         raise AutoplanError(
             f"{path}: {loss_name} must be a function {loss_name}(output, *inputs) returning a scalar "
             f"tensor, got {_type_name(loss_fn)}"
         )
-    name = os.path.splitext(os.path.basename(path))[0]
     return make_model_spec(
         getattr(module, model_name),
         getattr(module, inputs_name),
         loss_fn,
-        name=name,
         _where=f"{path}: ",
         _labels=(model_name, inputs_name, loss_name),
     )

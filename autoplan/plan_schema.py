@@ -5,21 +5,92 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from autoplan.cost_models.communication import CollectiveKind
 from autoplan.errors import AutoplanError
 
-PLAN_FORMAT = "autoplan.plan/1"
-PHASES = ("forward", "backward", "optimizer")
+PLAN_FORMAT = "autoplan.plan/2"
+
+
+class Phase(StrEnum):
+    """When in a training step a collective runs."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+PHASES: tuple[Phase, ...] = tuple(Phase)
+OPTIMIZER_NAMES = ("adamw", "adam", "sgd", "sgd-momentum")
+PRECISIONS = {  # name -> (parameter, compute, gradient-reduction) dtypes
+    "fp32": ("float32", "float32", "float32"),
+    "bf16": ("bfloat16", "bfloat16", "float32"),
+}
+
+
+@dataclass
+class OptimizerPlan:
+    """The optimizer the program steps with, and its hyper-parameters (torch's defaults where
+    the user gave none; ``momentum`` is read by ``sgd-momentum`` only, ``betas``/``eps`` by
+    Adam and AdamW)."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.name = str(self.name).strip().lower()
+        if self.name not in OPTIMIZER_NAMES:
+            raise AutoplanError(f"unknown optimizer {self.name!r}: use one of {', '.join(OPTIMIZER_NAMES)}")
+        if not self.lr > 0:
+            raise AutoplanError(f"the learning rate must be positive, got {self.lr}")
+        if self.weight_decay < 0:
+            raise AutoplanError(f"weight decay must be at least 0, got {self.weight_decay}")
+        self.betas = [float(b) for b in self.betas]
+
+
+@dataclass
+class PrecisionPlan:
+    """The dtypes of a step: parameters as the forward and backward read them, the compute,
+    and the gradient reduction (master weights and optimizer state stay fp32)."""
+
+    name: str = "fp32"
+    param_dtype: str = "float32"
+    compute_dtype: str = "float32"
+    reduce_dtype: str = "float32"
+
+    @classmethod
+    def named(cls, name: str) -> PrecisionPlan:
+        key = str(name).strip().lower()
+        if key not in PRECISIONS:
+            raise AutoplanError(f"unknown precision {name!r}: use one of {', '.join(PRECISIONS)}")
+        return cls(key, *PRECISIONS[key])
+
+
+@dataclass
+class ParamStorage:
+    """How one parameter is stored between steps, one placement per mesh axis: the parameter
+    itself (as ``Plan.params``), its gradient after the reduction, and its optimizer state.
+    All three equal is plain (DDP-like) storage; a sharded optimizer state under a replicated
+    parameter is ZeRO-1, a sharded gradient too ZeRO-2."""
+
+    param: list[str]
+    grad: list[str]
+    optimizer_state: list[str]
 
 
 @dataclass
 class PlannedCollective:
     """A collective the program performs ``count`` times per training step."""
 
-    kind: str
-    phase: str
+    kind: CollectiveKind
+    phase: Phase
     mesh_axis: int
     bytes: float
     count: int
@@ -85,12 +156,15 @@ class NodePlan:
 
 @dataclass
 class Alternative:
-    """Another plan costed for comparison (``predicted`` is None when it is infeasible)."""
+    """Another plan costed for comparison: ``predicted`` by its exact ILPs, or only the stage
+    search's ``estimate_s`` (which runs a few percent above exact figures), or neither when it
+    is infeasible (``reason`` says why)."""
 
     name: str
     mesh: list[int]
     predicted: Prediction | None
     reason: str = ""
+    estimate_s: float | None = None  # the stage search's step time, for one not planned exactly
 
 
 @dataclass
@@ -133,6 +207,11 @@ class Plan:
     warnings: list[str] = field(default_factory=list)
     model: str = ""
     explanation: str = ""  # the largest cost terms and memory holders of the chosen plan
+    optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
+    precision: PrecisionPlan = field(default_factory=PrecisionPlan)
+    recompute: list[str] = field(default_factory=list)  # regions recomputed in the backward (layer names)
+    storage: dict[str, ParamStorage] = field(default_factory=dict)  # parameter -> param, grad, optimizer state
+    options: dict[str, Any] = field(default_factory=dict)  # the planning options, as given
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -149,8 +228,8 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         fmt = data.get("format")
         if fmt != PLAN_FORMAT:
-            raise AutoplanError(f"plan format {fmt!r} is not supported (this autoplan reads {PLAN_FORMAT}): "
-                                f"plan again with this version")
+            raise AutoplanError(f"the plan is of format {fmt!r} and this autoplan reads {PLAN_FORMAT}: "
+                                f"plan the model again with this version")
         try:
             return cls(
                 graph_hash=data["graph_hash"],
@@ -163,16 +242,23 @@ class Plan:
                 params={k: list(v) for k, v in data["params"].items()},
                 inputs={k: list(v) for k, v in data.get("inputs", {}).items()},
                 nodes=[NodePlan(**n) for n in data["nodes"]],
-                collectives=[PlannedCollective(**c) for c in data["collectives"]],
+                collectives=[PlannedCollective(**{**c, "kind": CollectiveKind(c["kind"]), "phase": Phase(c["phase"])})
+                             for c in data["collectives"]],
                 predicted=_prediction(data["predicted"]),
                 alternatives=[Alternative(a["name"], list(a["mesh"]),
                                           _prediction(a["predicted"]) if a.get("predicted") else None,
-                                          a.get("reason", "")) for a in data.get("alternatives", [])],
+                                          a.get("reason", ""), a.get("estimate_s"))
+                              for a in data.get("alternatives", [])],
                 solver=SolverStats(**data["solver"]) if data.get("solver") else None,
                 timings_s=dict(data.get("timings_s", {})),
                 warnings=list(data.get("warnings", [])),
                 model=str(data.get("model", "")),
                 explanation=str(data.get("explanation", "")),
+                optimizer=OptimizerPlan(**data["optimizer"]),
+                precision=PrecisionPlan(**data["precision"]),
+                recompute=list(data["recompute"]),
+                storage={k: ParamStorage(**v) for k, v in data["storage"].items()},
+                options=dict(data.get("options", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None
@@ -194,6 +280,16 @@ class Plan:
 
     def collectives_in(self, phase: str) -> list[PlannedCollective]:
         return [c for c in self.collectives if c.phase == phase]
+
+    def decisions(self) -> dict[str, Any]:
+        """The plan without what was measured while planning (wall times, and the explanation
+        that quotes them): equal for equal models and options, on any machine."""
+        data = self.to_dict()
+        data.pop("timings_s")
+        data.pop("explanation")
+        if data.get("solver"):
+            data["solver"].pop("solve_time_s")
+        return data
 
 
 def _prediction(data: dict[str, Any]) -> Prediction:

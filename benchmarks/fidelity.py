@@ -22,7 +22,7 @@ import re
 import statistics
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,12 +36,11 @@ from autoplan.calibrate import (  # noqa: E402
 )
 from autoplan.cli import launch  # noqa: E402
 from autoplan.codegen.script import render_train_script  # noqa: E402
-from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
-from autoplan.planner.api import make_options, plan_spec  # noqa: E402
+from autoplan.planner.front_door import plan_model, with_decisions  # noqa: E402
+from autoplan.planner.options import PlanOptions  # noqa: E402
 from autoplan.load import load_model_file  # noqa: E402
 from autoplan.planner.manual import parse_manual, plan_manual  # noqa: E402
-from autoplan.planner.pipeline import PipelineOptions, plan_pipeline  # noqa: E402
 from autoplan.plan_schema import Plan  # noqa: E402
 
 MODELS = {
@@ -65,16 +64,17 @@ class Row:
 
 
 def _plans(spec, devices: int, cluster: str) -> list[tuple[str, Plan]]:
-    options = make_options(devices, cluster, optimizer=OptimizerSpec("sgd"))  # train.py steps SGD
-    out = [("found", plan_spec(spec, options)[0])]
+    options = PlanOptions(devices, cluster, optimizer="sgd", pipeline=False)  # the plans' programs step SGD
+    out = [("found", plan_model(spec, options))]
     try:
-        out.append(("found pipeline", plan_pipeline(spec, options, PipelineOptions(stages=2, microbatches=2))))
+        out.append(("found pipeline", plan_model(spec, replace(options, pipeline=True, stages=2, microbatches=2))))
     except AutoplanError as e:
         print(f"skip found pipeline: {e}", file=sys.stderr)
     manual = [f"dp={devices}", f"tp={devices}"] + (["dp=2,tp=2"] if devices == 4 else [])
     for text in manual:
         try:
-            out.append((text, plan_manual(spec, options, parse_manual(text))))
+            out.append((text, with_decisions(plan_manual(spec, options.planner_options(), parse_manual(text)),
+                                             options)))
         except AutoplanError as e:
             print(f"skip {text}: {e}", file=sys.stderr)
     return out
@@ -85,7 +85,7 @@ def _measure(model_file: Path, plan: Plan, folder: Path, steps: int) -> float:
     plan.save(folder / "plan.json")
     script = folder / "train.py"
     script.write_text(render_train_script(str(model_file), "model", "example_inputs", "loss_fn", plan.devices,
-                                          plan.model, "fidelity", str(script)))
+                                          plan.model, "fidelity", str(script), optimizer=plan.optimizer.name))
     lines: list[str] = []
     if launch(script, plan.devices, steps, False, output=lines) != 0:
         raise RuntimeError(f"train.py failed for {folder}")

@@ -38,10 +38,11 @@ from autoplan.trace.repeated import find_classes  # noqa: E402
 from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.planner.meshes import mesh_label  # noqa: E402
 from autoplan.trace.microbatch import microbatch_inputs  # noqa: E402
+from autoplan.planner.pipeline.search import stage_meshes  # noqa: E402
 from autoplan.planner.pipeline import (  # noqa: E402
-    _layer_costs,
-    _RangeTable,
-    _stage_meshes,
+    layer_costs,
+    RangeTable,
+
     activations_in_flight,
 )
 from autoplan.trace.subgraph import extract  # noqa: E402
@@ -86,8 +87,8 @@ def main() -> None:
         submesh = SubMesh(1, width)
         stages = args.devices // width
         in_flight = activations_in_flight("1f1b", args.microbatches, stages)
-        for mesh in _stage_meshes(options, submesh):
-            table = _RangeTable(graph, layers, _layer_costs(options, mesh, args.microbatches, in_flight),
+        for mesh in stage_meshes(options, submesh):
+            table = RangeTable(graph, layers, layer_costs(options, mesh, args.microbatches, in_flight),
                                 boundaries=True)
             ctx = table.costs.ctx
             free, fits, bound, agree, pessimistic, optimistic, total = [], [], [], 0, 0, 0, 0

@@ -117,6 +117,17 @@ def _plain_step(model: torch.nn.Module, forward: Callable[[], torch.Tensor], lr:
     return step
 
 
+def _interpreted_and_native(spec, plan, graph, mesh, kind: str):
+    """The plan's program on the DTensor interpreter and natively; the native one must be ``kind``."""
+    from autoplan.codegen.native import NativeProgram
+    from autoplan.codegen.runtime import build_parallel_module
+
+    interp = build_parallel_module(spec, plan, graph=graph, mesh=mesh, prefer_native=False)
+    native = build_parallel_module(spec, plan, graph=graph, mesh=mesh)
+    assert isinstance(native.program, NativeProgram) and native.program.kind == kind, f"not recognised as {kind}"
+    return interp, native
+
+
 def _plan(module, kwargs: dict, world: int):
     from autoplan.planner.api import make_options, plan_spec
     from autoplan.load import make_model_spec
@@ -152,8 +163,7 @@ def main() -> int:
     )
     from torch.nn.parallel import DistributedDataParallel
 
-    from autoplan.codegen.native import NativeProgram
-    from autoplan.codegen.runtime import init_distributed, parallelize_spec
+    from autoplan.codegen.runtime import init_distributed
 
     ctx = init_distributed()
     world, rank = ctx.world_size, ctx.rank
@@ -164,10 +174,7 @@ def main() -> int:
     # (i) Megatron MLP ---------------------------------------------------------------------------
     tp_kw = {"hidden": args.tp_hidden, "batch": args.tp_batch, "seq": args.tp_seq}
     spec, plan, graph = _plan(mlp, tp_kw, world)
-    interp = parallelize_spec(spec, plan=plan, graph=graph, mesh=mesh, prefer_native=False)
-    native = parallelize_spec(spec, plan=plan, graph=graph, mesh=mesh)
-    assert isinstance(native.program, NativeProgram) and native.program.kind == "tensor_parallel", \
-        "the Megatron plan was not recognised"
+    interp, native = _interpreted_and_native(spec, plan, graph, mesh, "tensor_parallel")
     layout = native.program.styles["down"][1]
     (x,) = spec.example_inputs
     hand = parallelize_module(copy.deepcopy(spec.module), mesh,
@@ -205,10 +212,7 @@ def main() -> int:
     # (ii) data parallel ---------------------------------------------------------------------------
     dp_kw = {"hidden": args.dp_hidden, "batch": args.dp_batch, "seq": args.dp_seq}
     spec, plan, graph = _plan(mlp, dp_kw, world)
-    interp = parallelize_spec(spec, plan=plan, graph=graph, mesh=mesh, prefer_native=False)
-    native = parallelize_spec(spec, plan=plan, graph=graph, mesh=mesh)
-    assert isinstance(native.program, NativeProgram) and native.program.kind == "ddp", \
-        "the data-parallel plan was not recognised"
+    interp, native = _interpreted_and_native(spec, plan, graph, mesh, "ddp")
     (x,) = spec.example_inputs
     x_local = x.chunk(world, 0)[rank].contiguous()
     ddp = DistributedDataParallel(copy.deepcopy(spec.module))

@@ -49,7 +49,8 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * hidden, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.gelu(self.c_fc(x)))
+        hidden = self.gelu(self.c_fc(x))  # the 4x-wide activation
+        return self.c_proj(hidden)
 
 
 class Block(nn.Module):
@@ -103,15 +104,8 @@ class GPT(nn.Module):
         return logits, loss
 
 
-def build(
-    hidden: int = 64,
-    layers: int = 2,
-    heads: int = 4,
-    seq: int = 32,
-    vocab: int = 256,
-    batch: int = 8,
-    device: str | torch.device = "cpu",
-) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+def build(hidden: int = 64, layers: int = 2, heads: int = 4, seq: int = 32, vocab: int = 256, batch: int = 8,
+          device: str | torch.device = "cpu") -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
     """A GPT and its example inputs ``(idx, targets)``, each ``(batch, seq)`` int64; targets are
     the next tokens. On ``device="meta"`` nothing is allocated."""
     torch.manual_seed(0)

@@ -13,16 +13,9 @@ import torch.nn.functional as F
 from transformers import GPT2Config, GPT2LMHeadModel
 
 
-def build(
-    n_layer: int = 2,
-    n_embd: int = 64,
-    n_head: int = 4,
-    n_positions: int = 64,
-    vocab_size: int = 256,
-    batch: int = 8,
-    seq: int = 32,
-    device: str | torch.device = "cpu",
-) -> tuple[GPT2LMHeadModel, tuple[torch.Tensor]]:
+def build(n_layer: int = 2, n_embd: int = 64, n_head: int = 4, n_positions: int = 64, vocab_size: int = 256,
+          batch: int = 8, seq: int = 32,
+          device: str | torch.device = "cpu") -> tuple[GPT2LMHeadModel, tuple[torch.Tensor]]:
     """A GPT2LMHeadModel (all dropouts 0) and its example input_ids ``(batch, seq)`` int64."""
     torch.manual_seed(0)
     config = GPT2Config(

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Creates .venv with autoplan and its dependencies. Idempotent.
+# Creates .venv with autoplan and its dependencies at the versions of constraints.txt. Idempotent.
 # Keeps a torch that is already installed for python3 (for example a CUDA build on a GPU machine);
 # otherwise installs torch==2.13.0 (on a CPU machine pip takes the CPU build).
 set -euo pipefail
@@ -15,6 +15,5 @@ fi
 if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
   .venv/bin/pip install -q torch==2.13.0
 fi
-if ! .venv/bin/python -c 'import autoplan, pulp, highspy, transformers, hypothesis, matplotlib' 2>/dev/null; then
-  .venv/bin/pip install -q -e '.[dev]'
-fi
+# every other package at the exact version of constraints.txt (a no-op when they are installed)
+.venv/bin/pip install -q -c constraints.txt -e '.[dev,examples]'

@@ -55,7 +55,7 @@ CASES: dict[str, tuple[int, str, dict, tuple[int, ...], float | None]] = {
     "gpt_replicated_2": (2, "gpt", GPT, (2,), None),
     "resnet_2": (2, "resnet", RESNET, (2,), None),
     # the least memory the conv net can be planned in: BatchNorm and the head sharded by channel
-    # (convolutions are batch-sharded only; see index_maps._conv)
+    # (convolutions are batch-sharded only; see strategies/rules/contractions.convolution)
     "resnet_sharded_2": (2, "resnet", RESNET, (2,), 0.62e6),
     "gpt2_hf_2": (2, "gpt2", GPT2, (2,), 5.0e6),
     "bert_hf_2": (2, "bert", BERT, (2,), 3.2e6),

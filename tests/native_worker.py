@@ -3,7 +3,7 @@
     python -m torch.distributed.run --nproc-per-node 2 tests/native_worker.py OUT_DIR
 
 For every case: plan the model (every rank plans the same), build the ParallelModule with
-``parallelize_spec`` (native preferred), record which program ran it (DDP, parallelize_module or
+``build_parallel_module`` (native preferred), record which program ran it (DDP, parallelize_module or
 the DTensor interpreter) and compare it with the single device through
 ``check_against_single_device`` (loss, outputs, every gradient, loss after 2 SGD steps; fp32,
 rtol 1e-4). Each rank writes OUT_DIR/rank{r}.json.
@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 from autoplan.codegen.dtensor_program import planned_collectives
 from autoplan.codegen.check import check_against_single_device
 from autoplan.codegen.native import NativeProgram, recognise
-from autoplan.codegen.runtime import init_distributed, parallelize_spec
+from autoplan.codegen.runtime import init_distributed, build_parallel_module
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.load import make_model_spec
 
@@ -60,11 +60,11 @@ def run_case(name: str, world: int) -> dict:
     plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
     found = recognise(spec, graph, plan)
     before = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
-    pm = parallelize_spec(spec, plan=plan, graph=graph)
+    pm = build_parallel_module(spec, plan, graph=graph)
     untouched = all(torch.equal(before[k], v) for k, v in spec.module.state_dict().items())
     program = pm.program
     kind = program.kind if isinstance(program, NativeProgram) else "none"
-    report = check_against_single_device(spec, pm, steps=2, lr=1e-2, rtol=1e-4, atol=1e-5)
+    report = check_against_single_device(spec, pm, steps=2, rtol=1e-4, atol=1e-5)
     observable = ({p: program.observable_collectives(p) for p in ("forward", "backward")}
                   if isinstance(program, NativeProgram) else report.planned)
     return {

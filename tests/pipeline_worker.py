@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from torch.distributed.tensor import DTensor
 
-from autoplan.codegen.pipeline_program import build_pipeline, stage_ranks
+from autoplan.codegen.pipeline_layout import stage_ranks
+from autoplan.codegen.pipeline_program import build_pipeline
 from autoplan.planner.api import make_options, plan_traced
 from autoplan.trace.graph import TracedGraph
 from autoplan.load import make_model_spec

@@ -16,12 +16,13 @@ from autoplan.calibrate import (
     MEASURED_COLLECTIVES,
     Calibration,
     Sample,
-    _cpu_threads,
     calibration_cluster,
     calibration_toml,
     fit_alpha_beta,
     fit_op_bandwidth,
 )
+from autoplan.calibrate.fit import MAX_BANDWIDTH, MIN_LATENCY_S, LinkFit, implausible
+from autoplan.calibrate.worker import cpu_threads
 from autoplan.cli import main, run
 from autoplan.cost_models import (
     ALL_REDUCE,
@@ -130,9 +131,9 @@ def test_op_bandwidth_fit_inverts_the_cost_model() -> None:
 
 def test_threads_follow_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert _cpu_threads(1, 8) == 8 and _cpu_threads(2, 8) == 1 and _cpu_threads(4, 8) == 1
+    assert cpu_threads(1, 8) == 8 and cpu_threads(2, 8) == 1 and cpu_threads(4, 8) == 1
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert _cpu_threads(1, 8) == 3 and _cpu_threads(4, 8) == 3
+    assert cpu_threads(1, 8) == 3 and cpu_threads(4, 8) == 3
 
 
 def test_toml_carries_the_op_figures_and_warns_of_drift(tmp_path: Path) -> None:
@@ -173,13 +174,42 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path
     assert not (tmp_path / "x.toml").exists()
 
 
+def test_implausible_fits_are_refused_not_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture) -> None:
+    """A fit faster than any link (the 17.8 TB/s, 0.08 us all-reduce a busy machine once gave)
+    is left out of the file, named in a comment and warned about; the joint fit applies."""
+    assert implausible(LinkFit("all_reduce", 8e-8, 1.78e13, 8, 0.7)).startswith("latency 0.08 us is below 0.5 us")
+    assert "above 2 TB/s" in implausible(LinkFit("all_reduce", 1e-5, 2 * MAX_BANDWIDTH, 8, 0.1))
+    assert "rms error 62% is above 50%" in implausible(LinkFit("all_gather", 1e-5, 1e9, 8, 0.62))
+    assert implausible(LinkFit("all_gather", MIN_LATENCY_S, 1e9, 8, 0.1)) is None
+    cal = _fake_calibration()
+    absurd = LinkSpec(1.78e13, 8e-8)
+    cal.samples = [s for s in cal.samples if s.kind != ALL_REDUCE] + _synthetic(absurd, kinds=(ALL_REDUCE,), ns=(2,))
+    assert "all_reduce" in cal.refused_fits() and "all_reduce" not in cal.fits()
+    text = calibration_toml(cal, "fake")
+    assert "[intra_node.all_reduce]" not in text and "[intra_node.all_gather]" in text
+    assert "#   all_reduce: REFUSED, not written: the all_reduce fit (latency 0.08 us" in text
+    path = tmp_path / "fake.toml"
+    path.write_text(text)
+    assert load_cluster(str(path)).intra_node.rates("all_reduce") == load_cluster(str(path)).intra_node.rates("send_recv")
+
+    import autoplan.calibrate.command as command
+
+    monkeypatch.setattr(command, "calibrate", lambda settings: cal)
+    assert run(["calibrate", "--devices", "2", "-o", str(tmp_path / "out.toml")]) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "implausible" in line]
+    assert warnings[0].startswith("autoplan: warning: calibrate: the all_reduce fit (latency 0.08 us")
+    assert "the joint fit applies" in warnings[0]
+    assert len(warnings) == 2 and "the all fit" in warnings[1] and "the preset's link applies" in warnings[1]
+
+
 def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The whole command on this machine: it completes and writes a file the planner reads and
+    plans with. The figures depend on the machine and its load: only their presence is checked."""
     out = tmp_path / "tmp" / "cpu.toml"
-    result = subprocess.run([sys.executable, "-m", "autoplan.cli", "calibrate", "--devices", "2", "-o", str(out),
-                             "--quick"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-m", "autoplan", "calibrate", "--devices", "2", "-o", str(out),
+                             "--quick"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    progress = [l for l in result.stderr.splitlines() if l.startswith("calibrate: ")]
-    assert len(progress) >= 1 + 6 + 2 + 4 * 6, result.stderr  # start, matmuls, memory, collectives
     assert f"wrote {out}" in result.stdout
     assert [p.name for p in out.parent.iterdir()] == ["cpu.toml"]  # no temporary file left behind
     umask = os.umask(0)
@@ -189,17 +219,12 @@ def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.
     cluster = load_cluster(str(out))
     dev = cluster.device
     assert cluster.devices_per_node == 2
-    assert 1e8 < dev.peak_flops["float32"] < 1e13
-    assert all(1e7 < v < 1e14 for v in dev.peak_flops.values()) and "bfloat16" in dev.peak_flops
-    assert 1e8 < dev.memory_bandwidth < 1e13
-    assert 1e8 < dev.memory_bytes < 1e13
-    assert 0 < dev.op_overhead_s < 0.1 and 0 <= dev.op_bandwidth < 1e13
-    intra = cluster.intra_node
-    assert 1e7 < intra.bandwidth < 1e12 and 0 <= intra.latency < 0.1
-    assert cluster.inter_node.bandwidth > 0 and cluster.inter_node.latency >= 0
+    assert {"float32", "bfloat16"} <= set(dev.peak_flops) and all(v > 0 for v in dev.peak_flops.values())
+    assert dev.memory_bandwidth > 0 and dev.memory_bytes > 0 and dev.op_overhead_s > 0
     text = out.read_text()
-    assert "joint fit, written as intra_node" in text and "#   all_reduce (written as intra_node.all_reduce): alpha = " in text
-    assert intra.rates("all_reduce") != intra.rates("send_recv")  # the kind's own fit
+    for kind in MEASURED_COLLECTIVES:  # each collective is fitted, refused with a reason, or skipped
+        assert (f"#   {kind} (written as intra_node.{kind})" in text or f"#   {kind}: REFUSED" in text
+                or f"#   {kind}: skipped" in text or f"#   {kind}: timings did not fit" in text), kind
 
     plan_dir = tmp_path / "plan"
     assert run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--cluster", str(out), "--no-pipeline",
@@ -207,4 +232,4 @@ def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.
     summary = capsys.readouterr().out
     assert f"2 x cpu ({cluster.name})" in summary
     assert (plan_dir / "plan.json").is_file()
-    assert math.isfinite(float(summary.split("predicted: ")[1].split(" ms")[0]))
+    assert math.isfinite(float(summary.split("predicted: ")[1].split(" ")[0]))

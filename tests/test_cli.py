@@ -20,15 +20,59 @@ def test_examples_plan(example: str, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert run([str(ROOT / "examples" / f"{example}.py"), "--devices", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["devices"] == 8 and plan["format"] == "autoplan.plan/1"
+    assert plan["devices"] == 8 and plan["format"] == "autoplan.plan/2"
     assert "parameters:" in out and "collectives per step:" in out
     assert plan["params"] and all(len(v) == len(plan["mesh"]) for v in plan["params"].values())
 
 
-def test_json_flag_prints_the_plan(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--mesh", "2", "--json", "--out", str(tmp_path)])
-    plan = json.loads(capsys.readouterr().out)
-    assert plan["mesh"] == [2]
+def test_json_flag_prints_only_the_plan(tmp_path: Path) -> None:
+    """stdout is JSON and nothing else (a solver's banner goes to stderr)."""
+    result = _cli(str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--mesh", "2", "--json", "--out",
+                  str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["mesh"] == [2]
+
+
+def test_python_dash_m_autoplan_and_its_subcommands(tmp_path: Path) -> None:
+    top = subprocess.run([sys.executable, "-m", "autoplan", "--help"], capture_output=True, text=True, timeout=120)
+    assert top.returncode == 0 and "calibrate" in top.stdout and "plan" in top.stdout
+    for command in ("plan", "calibrate"):
+        sub = subprocess.run([sys.executable, "-m", "autoplan", command, "--help"], capture_output=True, text=True,
+                             timeout=120)
+        assert sub.returncode == 0 and "--devices" in sub.stdout, sub.stderr
+    short = _cli(str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--no-pipeline", "--out", str(tmp_path / "o"),
+                 cwd=tmp_path)
+    assert short.returncode == 0 and (tmp_path / "o" / "plan.json").is_file(), short.stderr
+
+
+def test_written_files_are_readable_and_train_py_is_relocatable(tmp_path: Path) -> None:
+    """plan.json and train.py are written as any new file (umask, not 0600), and train.py names
+    the model file relative to itself: a project folder moved elsewhere keeps working."""
+    import os
+    import re
+    import shutil
+
+    project = tmp_path / "project"
+    shutil.copytree(ROOT / "examples", project / "examples")
+    old = os.umask(0o022)
+    try:
+        assert run([str(project / "examples" / "mlp.py"), "--devices", "2", "--no-pipeline",
+                    "--out", str(project / "out")]) == 0
+    finally:
+        os.umask(old)
+    for name in ("plan.json", "train.py"):
+        assert (project / "out" / name).stat().st_mode & 0o777 == 0o644
+    line = re.search(r"^MODEL_FILE = Path\(__file__\).resolve\(\).parent / '([^']+)'$",
+                     (project / "out" / "train.py").read_text(), re.M)
+    assert line and line.group(1) == "../examples/mlp.py"
+    moved = tmp_path / "moved"
+    project.rename(moved)
+    assert (moved / "out" / line.group(1)).resolve() == (moved / "examples" / "mlp.py").resolve()
+
+
+def test_replicated_plan_says_why(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert run([str(ROOT / "examples" / "mlp.py"), "--devices", "3", "--cluster", "cpu", "--out", str(tmp_path)]) == 0
+    assert "the batch (8) does not divide by 3" in capsys.readouterr().out
 
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -43,10 +87,21 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["{mlp}", "--devices", "8", "--memory-per-device", "lots"], "cannot read memory size"),
     (["{mlp}", "--devices", "8", "--memory-per-device", "1MB"], "the least any plan needs is"),
     (["{mlp}", "--devices", "8", "--model", "nothing"], "defines no 'nothing'"),
+    (["{mlp}", "--devices", "8", "--loss", "nope"], "defines no 'nope'"),
+    (["{mlp}", "--devices", "8", "--time-limit", "0"], "the time limit must be a positive number of seconds, got 0"),
+    (["{mlp}", "--devices", "8", "--time-limit", "-1"], "the time limit must be a positive number of seconds"),
+    (["{mlp}", "--devices", "8", "--stages", "2", "--no-pipeline"], "pins a pipeline but pipelines are turned off"),
+    (["{mlp}", "--devices", "8", "--mesh", "2x4", "--stages", "2"], "each of the 2 stages of 8 devices has 4"),
+    (["{mlp}", "--devices", "8", "--mixed-precision"], "bf16 compute is costed, but the emitted program"),
+    (["{mlp}", "--devices", "8", "--out", "{file}"], "is a file, not a folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
-    args = [a.replace("{mlp}", str(ROOT / "examples" / "mlp.py")) for a in args]
-    result = _cli(*args, "--out", str(tmp_path / "out"), cwd=tmp_path)
+    (tmp_path / "a_file").write_text("not a folder")
+    args = [a.replace("{mlp}", str(ROOT / "examples" / "mlp.py")).replace("{file}", str(tmp_path / "a_file"))
+            for a in args]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    result = _cli(*args, cwd=tmp_path)
     assert result.returncode == 2
     lines = [l for l in result.stderr.strip().splitlines() if l]
     assert len(lines) == 1 and lines[0].startswith("autoplan: error:") and needle in lines[0], result.stderr

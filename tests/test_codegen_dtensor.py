@@ -122,7 +122,7 @@ def test_hf_models_and_conv_net_are_sharded(results):
     for name in ("resnet_2", "resnet_sharded_2", "resnet_sharded_2x2"):
         res = _case(results, name)[0]
         assert res["buffers_checked"] >= 10 and res["buffer_diff"] < 1e-5  # running mean/var, counters
-        # convolutions run batch-sharded only (index_maps._conv): their weights stay replicated
+        # convolutions run batch-sharded only (strategies/rules/contractions.convolution): their weights stay replicated
         conv = [k for k in res["params"] if "conv" in k or "shortcut.0" in k]
         assert conv and all(all(p == "R" for p in res["params"][k]) for k in conv)
 

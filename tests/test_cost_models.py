@@ -7,8 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 import autoplan.cost_models as cm
 from autoplan.cost_models import (

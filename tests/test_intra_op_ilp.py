@@ -12,21 +12,26 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
-from autoplan.solvers import intra_op
 from autoplan.solvers.intra_op import (
     Edge,
     IntraOpProblem,
     SolverTimeoutError,
+    backends,
     brute_force,
     build_model,
     evaluate,
     explain,
+    least_memory,
     parse_cbc_bound,
     reduce_problem,
     relative_gap,
     solution_status,
     solve_intra_op,
+    trim_memory,
+    trim_memory_together,
 )
+from autoplan.solvers.intra_op import solve as solve_module
+from autoplan.solvers.intra_op.run import extract_choices
 from autoplan.solvers.units import format_bytes, format_seconds
 
 SOLVERS = ["highs", "cbc"]
@@ -82,6 +87,7 @@ def test_ilp_matches_brute_force(seed: int, budget_share: float | None) -> None:
         assert sol.status == "optimal" and sol.gap == 0.0
         assert sol.solver == solver
         assert_same_optimum(sol.objective, exact.objective)
+        assert sol.choices == exact.choices  # both return the canonical optimum
         assert (sol.objective, sol.memory) == pytest.approx(evaluate(problem, sol.choices))
         if problem.memory_budget is not None:
             assert sol.memory <= problem.memory_budget
@@ -96,7 +102,7 @@ def test_reduced_model_value_plus_constant_is_the_objective(seed: int) -> None:
         return
     model = build_model(problem, reduced)
     model.lp.solve(pulp.HiGHS(msg=False))
-    choices = intra_op._extract_choices(model, reduced, problem.num_groups)
+    choices = extract_choices(model, reduced, problem.num_groups)
     lp_total = pulp.value(model.lp.objective) * model.scale + reduced.constant
     assert lp_total == pytest.approx(evaluate(problem, choices)[0], rel=1e-6)
 
@@ -219,7 +225,7 @@ def test_separable_edges_fold_into_node_costs() -> None:
 def test_isolated_groups_need_no_variables_unless_a_budget_binds() -> None:
     problem = IntraOpProblem([[2.0, 1.0, 1.0], [0.5, 0.7]], [[1.0, 5.0, 4.0], [1.0, 2.0]], [])
     sol = solve_intra_op(problem)
-    assert sol.num_variables == 0 and sol.choices == [1, 0]  # lowest index among tied minima
+    assert sol.num_variables == 0 and sol.choices == [2, 0]  # least memory among tied minima
     problem.memory_budget = 100.0  # met by every assignment: still no model
     assert solve_intra_op(problem).num_variables == 0
     problem.memory_budget = 5.5  # choice 1 (5 + 1 bytes) no longer fits
@@ -267,7 +273,7 @@ def test_parse_cbc_bound() -> None:
 def test_time_limit_stop_is_reported_with_its_gap(monkeypatch, solver: str) -> None:
     """A solver stopped early (sol_status IntegerFeasible) yields "time_limit" and the gap
     computed from its bound, translated back to seconds (scale and constant)."""
-    real_run = intra_op._run
+    real_run = solve_module.run_model
 
     def stopped_early(model, *args, **kwargs):
         run = real_run(model, *args, **kwargs)
@@ -276,7 +282,7 @@ def test_time_limit_stop_is_reported_with_its_gap(monkeypatch, solver: str) -> N
         run.bound = value - 0.25 * abs(value)
         return run
 
-    monkeypatch.setattr(intra_op, "_run", stopped_early)
+    monkeypatch.setattr(solve_module, "run_model", stopped_early)
     problem = random_problem(3, budget_share=0.4)
     reduced = reduce_problem(problem)
     sol = solve_intra_op(problem, solver=solver, time_limit_s=30)
@@ -313,14 +319,15 @@ def test_a_real_time_limit_stops_the_solver() -> None:
 
 
 def test_falls_back_to_the_other_solver(monkeypatch) -> None:
-    monkeypatch.setattr(intra_op, "_solver_available", lambda name: name == "cbc")
+    monkeypatch.setattr(backends, "solver_available", lambda name: name == "cbc")
     costs, edges = chain(3, seed=3)
-    sol = solve_intra_op(IntraOpProblem(costs, [[1.0] * 3] * 3, edges), solver="highs")
+    with pytest.warns(backends.SolverFallbackWarning, match="'highs' is not available.*'cbc'"):
+        sol = solve_intra_op(IntraOpProblem(costs, [[1.0] * 3] * 3, edges), solver="highs")
     assert sol.solver == "cbc"
 
 
 def test_no_solver_at_all(monkeypatch) -> None:
-    monkeypatch.setattr(intra_op, "_solver_available", lambda name: False)
+    monkeypatch.setattr(backends, "solver_available", lambda name: False)
     with pytest.raises(AutoplanError):
         solve_intra_op(IntraOpProblem([[1.0]], [[1.0]], []))
 
@@ -352,7 +359,7 @@ def test_validation_errors(build, match: str) -> None:
 
 def test_invalid_solver_arguments() -> None:
     problem = IntraOpProblem([[1.0]], [[1.0]], [])
-    with pytest.raises(ValueError, match="unknown ILP solver 'gurobi'"):
+    with pytest.raises(AutoplanError, match="^unknown solver 'gurobi': use one of highs, cbc$"):
         solve_intra_op(problem, solver="gurobi")
     with pytest.raises(ValueError, match="time_limit_s"):
         solve_intra_op(problem, time_limit_s=0)
@@ -396,8 +403,6 @@ def test_explain_names_the_largest_terms_first() -> None:
 def test_trim_memory_fits_the_budget_and_never_beats_the_optimum(seed: int) -> None:
     """The stage search's quick estimate under a memory budget: from the fastest assignment it
     reaches one that fits whenever any does, and is never cheaper than the ILP's optimum."""
-    from autoplan.solvers.intra_op import least_memory, trim_memory
-
     problem = random_problem(seed, budget_share=0.4)
     budget = problem.memory_budget
     fastest = solve_intra_op(replace(problem, memory_budget=None)).choices
@@ -417,8 +422,6 @@ def test_trim_memory_together_fits_the_shared_budget_and_never_beats_the_optimum
     """Two independent problems, the second standing for several identical copies, under one
     budget: the trimmed assignment fits it whenever any does, and costs no less than the
     optimum of the problems merged into one ILP (copies scaled by their count)."""
-    from autoplan.solvers.intra_op import least_memory, trim_memory_together
-
     first, second = random_problem(seed), random_problem(1000 + seed)
     copies = 1 + seed % 3
     merged = _merged([first, second], [1, copies])
@@ -434,8 +437,6 @@ def test_trim_memory_together_fits_the_shared_budget_and_never_beats_the_optimum
     assert memory <= budget
     assert cost >= solve_intra_op(replace(merged, memory_budget=budget)).objective - 1e-9
     if least_memory(first) <= budget:  # one problem of one copy: the single-problem greedy
-        from autoplan.solvers.intra_op import trim_memory
-
         assert trim_memory_together([first], [1], [fastest[0]], budget) == [trim_memory(first, fastest[0], budget)]
 
 

@@ -54,7 +54,7 @@ def test_load_module_and_tuple(tmp_path):
     assert isinstance(spec.example_inputs, tuple) and len(spec.example_inputs) == 1
     assert spec.example_inputs[0].shape == (2, 4)
     assert spec.loss_fn is default_loss
-    assert spec.name == "model"
+    assert spec.name == "Linear"  # the module's class name, from a file or from Python alike
 
 
 def test_load_builders_single_tensor_list_and_loss(tmp_path):
@@ -75,7 +75,7 @@ def test_load_builders_single_tensor_list_and_loss(tmp_path):
     assert isinstance(spec.module, torch.nn.Linear)
     assert isinstance(spec.example_inputs, tuple)
     assert spec.loss_fn.__name__ == "loss_fn"
-    assert spec.name == "builders"
+    assert spec.name == "Linear"
 
     single = load_model_file(
         write(tmp_path, "import torch\nmodel = torch.nn.ReLU()\nexample_inputs = torch.ones(3)\n", "one.py")

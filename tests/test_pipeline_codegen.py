@@ -75,7 +75,7 @@ def test_stages_are_sharded_inside(results):
 
 def test_layout_boundaries():
     """Without processes: what crosses the stage boundaries of a 2-stage nanoGPT."""
-    from autoplan.codegen.pipeline_program import pipeline_layout, stage_ranks
+    from autoplan.codegen.pipeline_layout import pipeline_layout, stage_ranks
     from autoplan.errors import AutoplanError
     from autoplan.planner.api import make_options, plan_traced
     from autoplan.load import make_model_spec

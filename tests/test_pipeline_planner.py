@@ -184,7 +184,7 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     layers' own ILP than the plain sum, and not below it."""
     from autoplan.cost_models.step_costs import CostContext
     from autoplan.planner.mesh_plan import plan_intra_op
-    from autoplan.planner.pipeline import _LayerCosts
+    from autoplan.planner.pipeline import LayerCosts
     from autoplan.trace.subgraph import extract
 
     model, inputs = gpt.build(hidden=256, layers=4, heads=4, seq=64, vocab=512, batch=8, device="meta")
@@ -193,7 +193,7 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     options = make_options(4, "h100")
     mesh = (4,)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer)
-    costs = _LayerCosts(options, ctx)
+    costs = LayerCosts(options, ctx)
     a, b, c = layers[1], layers[2], layers[3]
     apart = sum(costs.cost(graph, layer)[0] for layer in (a, b, c))
     corrected = apart + costs.boundary(graph, a, b) + costs.boundary(graph, b, c)
@@ -234,23 +234,23 @@ def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
 def _synthetic_stage_search(model_spec, prefer: dict[int, tuple[int, ...]], monkeypatch):
     """The stage search of a 2-stage pipeline on 8 devices, stages of 4, with layer costs
     replaced: layer i takes 1 s on the mesh ``prefer[i]`` and 2 s on any other."""
-    from autoplan.planner import pipeline as pipeline_module
+    from autoplan.planner.pipeline import range_costs, search
     from autoplan.solvers.inter_op import SubMesh
 
     graph = trace(model_spec)
     layers = make_layers(graph, find_classes(graph), None)
     index = {layer.signature + layer.name: i for i, layer in enumerate(layers)}
 
-    def cost(self, graph_, layer, mode=pipeline_module.FAST):
+    def cost(self, graph_, layer, mode=range_costs.FAST):
         i = index[layer.signature + layer.name]
         return (1.0 if self.ctx.mesh_shape == prefer[i] else 2.0), 1e7  # bytes: more than any received value
 
-    monkeypatch.setattr(pipeline_module._LayerCosts, "cost", cost)
+    monkeypatch.setattr(range_costs.LayerCosts, "cost", cost)
     options = make_options(8, "cpu")
     meshes = [(4,), (2, 2)]
     def best(meshes_: list[tuple[int, ...]]):
-        found = pipeline_module._search_submesh(graph, layers, options, PipelineOptions(stages=2), "1f1b", 2,
-                                                SubMesh(1, 4), meshes_)
+        found = search.search_submesh(graph, layers, options, PipelineOptions(stages=2), "1f1b", 2,
+                                       SubMesh(1, 4), meshes_)
         return min(found, key=lambda c: c.step_time_s)
 
     return layers, best(meshes), [best([m]) for m in meshes]
@@ -291,13 +291,13 @@ def test_a_range_that_only_fits_trimmed_is_costed_within_the_budget() -> None:
     its share: the range then fits, and is never costed below its own ILP under that budget
     (the trimmed layers together are one of the plans that ILP weighs)."""
     from autoplan.planner.mesh_plan import plan_intra_op
-    from autoplan.planner.pipeline import LEAN, _layer_costs, _RangeTable
+    from autoplan.planner.pipeline import LEAN, layer_costs, RangeTable
     from autoplan.trace.subgraph import extract
 
     model, inputs = gpt.build(hidden=256, layers=4, heads=4, seq=64, vocab=512, batch=8, device="meta")
     graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
     layers = make_layers(graph, find_classes(graph))
-    table = _RangeTable(graph, layers, _layer_costs(make_options(4, "h100"), (4,), 1, 1), boundaries=False)
+    table = RangeTable(graph, layers, layer_costs(make_options(4, "h100"), (4,), 1, 1), boundaries=False)
     start, end = 1, len(layers)
     fastest = table.cost(start, end, None)
     least = sum(table.costs.cost(graph, layer, LEAN)[1] for layer in layers[start:end])
@@ -346,12 +346,12 @@ def test_a_range_counts_received_values_as_its_own_ilp_does(small_gpt) -> None:
     inside the range counted its activation twice. A weight two layers of the range read (the
     tied embedding and head) is still counted by both: more than the range needs, never less."""
     from autoplan.planner.mesh_plan import plan_intra_op
-    from autoplan.planner.pipeline import _layer_costs, _RangeTable, tied_layers
+    from autoplan.planner.pipeline import layer_costs, RangeTable, tied_layers
     from autoplan.trace.subgraph import extract
 
     graph = trace(small_gpt)
     layers = make_layers(graph, find_classes(graph))
-    table = _RangeTable(graph, layers, _layer_costs(make_options(1, "h100"), (1,), 4, 2), boundaries=False)
+    table = RangeTable(graph, layers, layer_costs(make_options(1, "h100"), (1,), 4, 2), boundaries=False)
     checked = 0
     for start in range(len(layers)):
         for end in range(start + 1, len(layers) + 1):
@@ -387,13 +387,13 @@ def test_a_ranks_memory_is_split_among_its_stages() -> None:
     """Stage s on rank s % 2: each stage gets its least need plus a share of what is left in
     proportion to what its fastest plans need beyond that; a rank's shares add up to the
     budget. One stage per rank: each gets the whole budget."""
-    from autoplan.planner.pipeline import _split_budget
+    from autoplan.planner.pipeline import split_budget
 
     least, fast = [1.0, 2.0, 3.0, 2.0], [5.0, 2.0, 5.0, 6.0]
-    shares = _split_budget(10.0, least, fast, ranks=2)
+    shares = split_budget(10.0, least, fast, ranks=2)
     assert shares[0] + shares[2] == pytest.approx(10.0) and shares[1] + shares[3] == pytest.approx(10.0)
     assert all(share >= need for share, need in zip(shares, least))
     assert shares[0] == pytest.approx(1.0 + 6.0 * 4.0 / 6.0)  # rank 0: 6 left, needs beyond least 4 and 2
     assert shares[1] == pytest.approx(2.0)  # rank 1: stage 1 needs no more than its least
-    assert _split_budget(10.0, least, fast, ranks=4) == [10.0] * 4
-    assert _split_budget(None, least, fast, ranks=2) == [None] * 4
+    assert split_budget(10.0, least, fast, ranks=4) == [10.0] * 4
+    assert split_budget(None, least, fast, ranks=2) == [None] * 4

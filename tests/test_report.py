@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import re
+import subprocess
 import sys
 from dataclasses import replace
 from html.parser import HTMLParser
@@ -13,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from autoplan.cli import launch, run
-from autoplan.planner.api import make_options, plan_spec
 from autoplan.load import load_model_file
-from autoplan.planner.manual import cost_manual, parse_manual
+from autoplan.plan_schema import Plan
+from autoplan.planner.api import make_options, plan_spec
+from autoplan.planner.manual import ManualPlan, cost_manual, parse_manual, plan_manual
 from autoplan.planner.meshes import meshes_label
 from autoplan.planner.pipeline import PipelineOptions, plan_pipeline
-from autoplan.plan_schema import Plan
 from autoplan.reports import parse_train_log, write_report
+from autoplan.reports.baselines import cost_baselines
 from autoplan.reports.report import comm_by_kind, placement_groups
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -171,6 +174,73 @@ def test_pipeline_report_has_timeline_and_run(gpt_report: tuple[Path, Plan]) -> 
     assert [r[5] for r in stages[1:]] == [format_seconds(s.latency_s) for s in plan.stages]
 
 
+@pytest.fixture(scope="module")
+def gpt_on_4() -> tuple:
+    """The GPT example on 4 H100s: its spec and options, the one-device plan (every op whole:
+    what a replicated plan computes on each device) and the report's baselines by label."""
+    spec = load_model_file(str(ROOT / "examples" / "gpt.py"))
+    options = make_options(4)
+    found, _graph = plan_spec(spec, options)
+    single, _graph = plan_spec(spec, make_options(1))
+    return spec, options, single, {a.name: a for a in cost_baselines(found, spec, options)}
+
+
+def test_data_parallel_baseline_shards_the_batch_and_all_reduces_gradients(gpt_on_4: tuple) -> None:
+    spec, options, single, baselines = gpt_on_4
+    dp = baselines["data parallel (dp=4)"].predicted
+    whole = single.predicted
+    assert dp is not None
+    # each device computes a quarter of the batch: a quarter of the activations, well under half
+    # the compute (the optimizer step and per-op latency do not shrink with the batch)
+    assert dp.compute_s < 0.5 * whole.compute_s
+    assert dp.memory_bytes.activations == pytest.approx(whole.memory_bytes.activations / 4, rel=0.1)
+    assert dp.memory_bytes.params == whole.memory_bytes.params
+    plan = plan_manual(spec, options, ManualPlan(dp=4))
+    assert all(p == ["R"] for p in plan.params.values())
+    assert all(spec_ == ["S(0)"] for spec_ in plan.inputs.values())
+    reduced = {c.where.split(" -> ")[0] for c in plan.collectives
+               if c.kind == "all_reduce" and c.phase == "backward" and c.tensor == "gradient"}
+    assert {"h.0.attn.c_attn.weight", "h.0.mlp.c_fc.weight", "h.0.mlp.c_proj.weight"} <= reduced
+
+
+def test_tensor_parallel_baseline_is_megatron_column_row_pairs(gpt_on_4: tuple) -> None:
+    spec, options, single, baselines = gpt_on_4
+    tp = baselines["Megatron tensor parallel (tp=4)"].predicted
+    assert tp is not None and tp.comm_s > 0
+    assert tp.memory_bytes.params < 0.35 * single.predicted.memory_bytes.params
+    plan = plan_manual(spec, options, ManualPlan(tp=4))
+    for block in ("h.0", "h.1"):  # column then row: [out, in] weights split by out, then by in
+        assert plan.params[f"{block}.attn.c_attn.weight"] == ["S(0)"]
+        assert plan.params[f"{block}.attn.c_proj.weight"] == ["S(1)"]
+        assert plan.params[f"{block}.mlp.c_fc.weight"] == ["S(0)"]
+        assert plan.params[f"{block}.mlp.c_proj.weight"] == ["S(1)"]
+    assert not [c for c in plan.collectives if c.tensor == "parameter"]  # weights are used in place, never gathered
+    pairs = 2 * 2  # attention and MLP in each of the 2 blocks
+
+    def all_reduces(phase: str) -> int:
+        return sum(c.count for c in plan.collectives
+                   if c.kind == "all_reduce" and c.phase == phase and c.tensor == "activation")
+
+    assert all_reduces("forward") >= pairs and all_reduces("backward") >= pairs
+
+
+def test_figures_need_no_display_and_leave_pyplot_alone(tmp_path: Path) -> None:
+    """The timeline PNG is drawn without pyplot: with a GUI backend asked for and no display,
+    it is written, and the caller's backend is not switched."""
+    code = ("import sys, matplotlib\n"
+            "from pathlib import Path\n"
+            "from autoplan.reports.timeline import write_timeline\n"
+            f"paths = write_timeline([1e-3, 2e-3], 4, '1f1b', Path({str(tmp_path)!r}))\n"
+            "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'\n"
+            "print(paths[1].read_bytes()[:8] == bytes.fromhex('89504e470d0a1a0a'))\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
+    env["MPLBACKEND"] = "TkAgg"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "True"
+
+
 def test_repeated_layers_are_one_row() -> None:
     plan = Plan.from_dict({**_tiny_plan(), "params": {"h.0.w": ["S(1)"], "h.1.w": ["S(1)"], "h.2.w": ["R"],
                                                       "head.w": ["R"]}})
@@ -193,8 +263,9 @@ def test_communication_split_by_kind_adds_up_to_the_plans(mlp_report: tuple[Path
 
 def _tiny_plan() -> dict:
     return {
-        "format": "autoplan.plan/1", "graph_hash": "x", "devices": 2, "mesh": [2], "microbatches": 1,
+        "format": "autoplan.plan/2", "graph_hash": "x", "devices": 2, "mesh": [2], "microbatches": 1,
         "schedule": "none", "inputs": {}, "nodes": [], "collectives": [],
+        "optimizer": {"name": "adamw"}, "precision": {"name": "fp32"}, "recompute": [], "storage": {},
         "cluster": make_options(2, "cpu").cluster.to_dict(),
         "stages": [{"layers": ["layer0"], "devices": [0, 1], "mesh": [2]}], "params": {},
         "predicted": {"step_time_s": 1.0, "compute_s": 0.5, "comm_s": 0.5, "bubble_s": 0.0,

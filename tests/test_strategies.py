@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import fx
 
-from autoplan.strategies.index_maps import index_map_for
-from autoplan.strategies.candidates import enumerate_strategies, tensor_input_nodes, tensor_specs
+import autoplan
 from autoplan.sharding import P, R, S
+from autoplan.strategies.candidates import (
+    enumerate_strategies,
+    tensor_input_nodes,
+    tensor_specs,
+)
+from autoplan.strategies.index_maps import index_map_for, known_ops
 
 
 def _node(fn, *inputs: torch.Tensor, target: str) -> fx.Node:
@@ -90,3 +97,44 @@ def test_stored_tensor_specs_use_distinct_dims_per_axis() -> None:
     assert (S(0), S(1)) in specs and (S(1), S(0)) in specs
     assert (S(0), S(0)) not in specs
     assert all(len(s) == 2 for s in specs)
+
+
+def test_ops_without_a_rule_have_no_index_map() -> None:
+    node = _node(lambda x: torch.logcumsumexp(x, 0), torch.randn(8, 16), target="logcumsumexp")
+    assert "logcumsumexp" not in known_ops()
+    assert index_map_for(node) is None
+
+
+def test_einsum_forms_without_a_rule_have_no_index_map() -> None:
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
+    ellipsis = _node(lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), a, b, target="einsum")
+    assert index_map_for(ellipsis) is None
+    explicit = _node(lambda a, b: torch.einsum("bij,bjk->bik", a, b), a, b, target="einsum")
+    imap = index_map_for(explicit)
+    assert imap is not None and imap.reducible == frozenset("j") and imap.outputs == (tuple("bik"),)
+
+
+def test_an_einsum_without_a_rule_is_planned_replicated_with_a_warning() -> None:
+    class Ellipsis(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.lin(x)
+            return torch.einsum("...ij,...kj->...ik", h, h)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = autoplan.plan(Ellipsis(), torch.randn(4, 8, 16), devices=2)
+    messages = [str(w.message) for w in caught if "sharding rule" in str(w.message)]
+    assert messages == ["no sharding rule for aten.einsum.default: planned replicated"]
+    node = next(n for n in plan.nodes if "einsum" in n.op)
+    assert node.strategy == "R = R"  # one input, read twice
+
+
+def test_every_op_family_is_in_the_table() -> None:
+    known = known_ops()
+    for op in ("linear", "mm", "einsum", "add", "sum", "softmax", "view", "squeeze", "cat", "layer_norm",
+               "scaled_dot_product_attention", "cross_entropy_loss", "max_pool2d", "embedding"):
+        assert op in known, op

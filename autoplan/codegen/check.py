@@ -1,7 +1,8 @@
 """``--check``: prove the parallel program computes what the model computes on one device.
 
 Compares, with the tolerances printed: the forward outputs, the loss, every parameter's
-gradient after the first step, and the loss after K steps of SGD; then sets the collectives
+gradient after the first step, and every parameter and the loss after K steps of the plan's
+optimizer (the reference steps the same optimizer, built from the plan); then sets the collectives
 the program executed (counted by :class:`~autoplan.codegen.collective_counter.CollectiveCounter`,
 forward and backward apart; for a pipeline, one step's per rank, as the schedule interleaves the
 phases) beside the plan's list. Runs in every rank; each rank computes the single-device
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.dtensor_program import planned_collectives
+from autoplan.codegen.optimizer import build_optimizer
 from autoplan.codegen.runtime import ParallelModule, PipelinedModule
 from autoplan.load import ModelSpec
 
@@ -118,9 +120,9 @@ def _compare(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
-    from autoplan.trace.tracer import _tensor_leaves
+    from autoplan.trace.values import tensor_leaves
 
-    return list(_tensor_leaves(output))
+    return list(tensor_leaves(output))
 
 
 def _gather(comparisons: list[Comparison]) -> list[Comparison]:
@@ -135,18 +137,18 @@ def _gather(comparisons: list[Comparison]) -> list[Comparison]:
     return [merged[name] for name in sorted(merged)]
 
 
-def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, steps: int = 3, lr: float = 1e-2,
+def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, steps: int = 3,
                                          rtol: float = 1e-4, atol: float = 1e-5) -> CheckReport:
     """The pipelined counterpart: the global loss of the first step, every gradient (each rank
-    checks the stages it holds, the results are gathered), and the loss after ``steps`` SGD
-    steps. The collectives of the first step are counted on every rank and set beside what
+    checks the stages it holds, the results are gathered), and every parameter and the loss
+    after ``steps`` optimizer steps. The collectives of the first step are counted on every rank and set beside what
     the plan says that rank runs (:func:`expected_pipeline_collectives`)."""
     reference = copy.deepcopy(spec.module)
     inputs = spec.example_inputs
     ref_loss = spec.loss_fn(reference(*inputs), *inputs)
     ref_loss.backward()
     with CollectiveCounter() as step_count:
-        loss = pm.train_step(*inputs)
+        loss = pm.forward_backward(*inputs)
     counted = (expected_pipeline_collectives(pm), dict(step_count.counts))
     comparisons = [_compare("loss", loss, ref_loss, rtol, atol)]
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False)}
@@ -159,18 +161,18 @@ def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, s
             comparisons.append(Comparison(f"grad {name} (missing)", float("inf"), 0.0))
             continue
         comparisons.append(_compare(f"grad {name}", _full(grad), ref_grads[name], rtol, atol))
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    ref_opt = build_optimizer(pm.plan.optimizer, reference.parameters())
     for step in range(steps):
         ref_opt.step()
-        opt.step()
+        pm.optimizer_step()
         ref_opt.zero_grad()
-        opt.zero_grad()
         ref_loss = spec.loss_fn(reference(*inputs), *inputs)
-        loss = pm.train_step(*inputs)
+        loss = pm.forward_backward(*inputs)
         if step < steps - 1:
             ref_loss.backward()
-    comparisons.append(_compare(f"loss after {steps} SGD steps", loss, ref_loss.detach(), rtol * 10, atol * 10))
+    label = f"after {steps} {pm.plan.optimizer.name} steps"
+    comparisons.append(_compare(f"loss {label}", loss, ref_loss.detach(), rtol * 10, atol * 10))
+    comparisons += _compare_parameters(reference, pm, label, rtol * 10, atol * 10)
     report = CheckReport(rtol, atol, _gather(comparisons), pipelined=True)
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, counted)
@@ -197,12 +199,21 @@ def expected_pipeline_collectives(pm: PipelinedModule) -> dict[str, int]:
     return _as_backend_runs(dict(counts))
 
 
+def _compare_parameters(reference: torch.nn.Module, pm: ParallelModule | PipelinedModule, label: str,
+                        rtol: float, atol: float) -> list[Comparison]:
+    """Every parameter this rank holds against the reference's."""
+    params = pm.named_plan_parameters()
+    return [_compare(f"{name} {label}", _full(params[name].detach()), param.detach(), rtol, atol)
+            for name, param in reference.named_parameters(remove_duplicate=False) if name in params]
+
+
 def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedModule, steps: int = 3,
-                                lr: float = 1e-2, rtol: float = 1e-4, atol: float = 1e-5) -> CheckReport:
+                                rtol: float = 1e-4, atol: float = 1e-5) -> CheckReport:
     """Run the first step of ``pm`` and of a copy of the model on one device, compare, then
-    ``steps`` SGD steps of each and compare the final loss. ``pm`` must be freshly built."""
+    ``steps`` steps of the plan's optimizer on each and compare every parameter and the final
+    loss. ``pm`` must be freshly built."""
     if isinstance(pm, PipelinedModule):
-        return check_pipeline_against_single_device(spec, pm, steps, lr, rtol, atol)
+        return check_pipeline_against_single_device(spec, pm, steps, rtol, atol)
     report = CheckReport(rtol, atol)
     reference = copy.deepcopy(spec.module)
     inputs = spec.example_inputs
@@ -231,19 +242,19 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
             continue
         report.comparisons.append(_compare(f"grad {name}", _full(grad), param.grad, rtol, atol))
 
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
-    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    ref_opt = build_optimizer(pm.plan.optimizer, reference.parameters())
     ref_opt.step()
-    opt.step()
+    pm.optimizer_step()
     for _ in range(steps - 1):
         ref_opt.zero_grad()
-        opt.zero_grad()
         spec.loss_fn(reference(*inputs), *inputs).backward()
-        pm(*inputs).loss.backward()
+        pm.forward_backward(*inputs)
         ref_opt.step()
-        opt.step()
+        pm.optimizer_step()
     with torch.no_grad():
         final_ref = spec.loss_fn(reference(*inputs), *inputs)
         final = pm(*inputs).loss
-    report.comparisons.append(_compare(f"loss after {steps} SGD steps", _full(final), final_ref, rtol * 10, atol * 10))
+    label = f"after {steps} {pm.plan.optimizer.name} steps"
+    report.comparisons.append(_compare(f"loss {label}", _full(final), final_ref, rtol * 10, atol * 10))
+    report.comparisons += _compare_parameters(reference, pm, label, rtol * 10, atol * 10)
     return report

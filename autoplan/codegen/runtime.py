@@ -1,18 +1,13 @@
-"""``autoplan.parallelize``: the planned program as a module a user trains with an ordinary loop.
+"""The planned program as a module a user trains with an ordinary loop: built from a Plan,
+never planning (``autoplan.parallelize`` plans first where no plan is given)::
 
-Call it in every process of a ``torchrun`` job::
+    pm = build_parallel_module(spec, plan)       # in every process of a torchrun job
+    for batch in data:                           # each rank passes the same GLOBAL batch
+        loss = pm.train_step(*batch)             # forward, backward, the plan's optimizer step
 
-    pm = autoplan.parallelize(model, example_inputs, devices=world_size, loss_fn=loss_fn)
-    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4)
-    for batch in data:                      # each rank passes the same GLOBAL batch
-        loss = pm(*batch).loss              # the planned forward, loss included
-        loss.backward()
-        opt.step(); opt.zero_grad()
-
-Every rank plans for itself: planning is deterministic (same graph, same costs, same solver),
-and :func:`parallelize` checks that all ranks reached the same decisions before it builds
-anything. Each rank passes the *global* batch; the program keeps its own slice of it without
-communication (:func:`autoplan.codegen.dtensor_program.shard_batch` cuts one by hand).
+Every rank checks that all ranks hold the same decisions before it builds anything. Each
+rank passes the *global* batch; the program keeps its own slice of it without communication
+(:func:`autoplan.codegen.dtensor_program.shard_batch` cuts one by hand).
 """
 
 from __future__ import annotations
@@ -20,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,12 +25,12 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.dtensor_program import ShardedProgram, build_program
 from autoplan.codegen.gradient_buckets import GradientBuckets
+from autoplan.codegen.optimizer import build_optimizer, refuse_unsupported
 from autoplan.errors import AutoplanError
-from autoplan.planner.api import make_options, plan_traced
-from autoplan.trace.graph import TracedGraph
 from autoplan.load import ModelSpec, make_model_spec
-from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.plan_schema import Plan
+from autoplan.trace.graph import TracedGraph
+from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.tracer import trace
 
 
@@ -73,7 +67,32 @@ class ParallelOutput(NamedTuple):
     outputs: tuple[Any, ...]
 
 
-class ParallelModule(torch.nn.Module):
+class PlannedTraining(torch.nn.Module):
+    """What every planned program offers: the plan's optimizer over this rank's parameters,
+    and a training step that carries out the plan (forward, backward, optimizer step)."""
+
+    plan: Plan
+    optimizer: torch.optim.Optimizer
+
+    def forward_backward(self, *inputs: Any) -> torch.Tensor:
+        """Forward and backward of one global batch (gradients accumulate); the loss as a
+        plain scalar."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        """The plan's optimizer step, then the gradients are cleared."""
+        self.optimizer.step()
+        self.optimizer.zero_grad()
+
+    def train_step(self, *inputs: Any) -> torch.Tensor:
+        """One training step as planned: forward, backward and the optimizer step; returns
+        the loss (computed before the step) as a plain scalar."""
+        loss = self.forward_backward(*inputs)
+        self.optimizer_step()
+        return loss
+
+
+class ParallelModule(PlannedTraining):
     """The model parallelized by ``plan``. ``pm(*global_inputs)`` → :class:`ParallelOutput`."""
 
     def __init__(self, program: ShardedProgram, plan: Plan, device_type: str) -> None:
@@ -87,6 +106,7 @@ class ParallelModule(torch.nn.Module):
         for param in {id(p): p for p in program.parameters()}.values():
             if buckets is None or not buckets.owns(param):
                 param.register_post_accumulate_grad_hook(_reduce_gradient)
+        self.optimizer = build_optimizer(plan.optimizer, program.parameters())
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -103,27 +123,27 @@ class ParallelModule(torch.nn.Module):
         """Parameters by the model's own names (tied names give the same object)."""
         return self.program.named_plan_parameters()
 
-    def train_step(self, *inputs: Any) -> torch.Tensor:
-        """Forward and backward of one global batch; returns the loss as a plain scalar."""
+    def forward_backward(self, *inputs: Any) -> torch.Tensor:
         loss = self(*inputs).loss
         loss.backward()
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
 
-class PipelinedModule(torch.nn.Module):
-    """A pipelined plan: ``train_step(*global_inputs)`` runs every microbatch's forward and
-    backward through the schedule (gradients accumulate in this rank's stage parameters) and
-    returns the global loss on every rank. This rank holds only its stages' parameters."""
+class PipelinedModule(PlannedTraining):
+    """A pipelined plan: ``forward_backward(*global_inputs)`` runs every microbatch's forward
+    and backward through the schedule (gradients accumulate in this rank's stage parameters)
+    and returns the global loss on every rank. This rank holds only its stages' parameters."""
 
     def __init__(self, program: torch.nn.Module, plan: Plan) -> None:
         super().__init__()
         self.program = program
         self.plan = plan
+        self.optimizer = build_optimizer(plan.optimizer, program.parameters())
 
     def forward(self, *inputs: Any) -> ParallelOutput:
         raise AutoplanError("a pipelined plan runs forward and backward together: call pm.train_step(*batch)")
 
-    def train_step(self, *inputs: Any) -> torch.Tensor:
+    def forward_backward(self, *inputs: Any) -> torch.Tensor:
         return self.program.train_step(*inputs)
 
     def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
@@ -141,10 +161,8 @@ def _reduce_gradient(param: torch.Tensor) -> None:
 
 
 def decision_digest(plan: Plan) -> str:
-    """A hash of what a plan decides (mesh, placements, strategies), not of how long it took."""
-    decided = {"mesh": plan.mesh, "params": plan.params, "inputs": plan.inputs,
-               "nodes": [(n.name, n.inputs, n.outputs) for n in plan.nodes], "graph": plan.graph_hash}
-    return hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()
+    """A hash of what a plan decides (:meth:`Plan.decisions`), not of how long it took."""
+    return hashlib.sha256(json.dumps(plan.decisions(), sort_keys=True).encode()).hexdigest()
 
 
 def check_plan_fits(plan: Plan, graph: TracedGraph, world_size: int) -> None:
@@ -181,31 +199,23 @@ def _real_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def parallelize_spec(spec: ModelSpec, plan: Plan | None = None, devices: int | None = None,
-                     mesh: DeviceMesh | None = None, cluster: str = "h100",
-                     graph: TracedGraph | None = None, prefer_native: bool = True) -> ParallelModule:
-    """:func:`parallelize` for a loaded :class:`ModelSpec`.
+def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None = None,
+                          graph: TracedGraph | None = None, prefer_native: bool = True
+                          ) -> ParallelModule | PipelinedModule:
+    """The program of ``plan`` for a loaded :class:`ModelSpec`, in this rank of the job.
 
     With ``prefer_native`` (the default), a plan that reduces to a pattern PyTorch implements
     itself — pure data parallelism (DDP) or Megatron column/row pairs (``parallelize_module``
     with ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh — runs through that API
     (:func:`autoplan.codegen.native.native_module`); any other plan, or ``prefer_native=False``,
-    runs on the DTensor interpreter (:func:`build_program`)."""
+    runs on the DTensor interpreter (:func:`build_program`). A decision the program cannot
+    carry out is refused in one line before anything is built."""
     ctx = init_distributed()
-    if plan is not None:
-        check_plan_devices(plan, ctx.world_size)
-        devices = plan.devices
-    if mesh is not None:
-        devices = mesh.size()
-    devices = devices or ctx.world_size
-    if devices != ctx.world_size:
-        raise AutoplanError(f"devices={devices} but this job has {ctx.world_size} processes: they must agree")
-    if plan is not None and len(plan.stages) > 1:
+    check_plan_devices(plan, ctx.world_size)
+    refuse_unsupported(plan)
+    if len(plan.stages) > 1:
         return _pipelined(spec, plan, ctx, graph)
     graph = graph or trace(spec)
-    if plan is None:
-        pinned = tuple(mesh.shape) if mesh is not None else None
-        plan = plan_traced(graph, make_options(devices, cluster, mesh=pinned), spec.name)
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
     if mesh is None:
@@ -234,17 +244,3 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
     return PipelinedModule(build_pipeline(graph, plan, _real_tensors(spec.module), ctx.device_type), plan)
-
-
-def parallelize(model: torch.nn.Module, example_inputs: Any, devices: int | None = None,
-                mesh: DeviceMesh | None = None, plan: Plan | None = None,
-                loss_fn: Callable[..., torch.Tensor] | None = None, cluster: str = "h100") -> ParallelModule:
-    """Parallelize ``model`` for the running torchrun job; see the module docstring.
-
-    ``example_inputs`` is one global batch (shapes are planned for it); ``plan`` reuses a saved
-    plan (it must be for this model and this number of processes; a pipelined plan gives a
-    :class:`PipelinedModule`), otherwise every rank plans intra-op parallelism for ``devices``
-    (default: the world size) or for the given ``mesh``.
-    """
-    spec = make_model_spec(model, example_inputs, loss_fn)
-    return parallelize_spec(spec, plan, devices, mesh, cluster)

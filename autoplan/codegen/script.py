@@ -1,12 +1,14 @@
 """Emit ``train.py``: a readable, editable program that ``torchrun`` runs.
 
-It loads the user's model file and ``plan.json``, applies the plan with
-:func:`autoplan.parallelize`, trains ``--steps`` steps and logs the loss; ``--check`` compares
-with the model on one device instead (see :mod:`autoplan.codegen.check`).
+It loads the user's model file (found relative to train.py, so the folder can move with the
+model) and ``plan.json``, builds the planned program, trains ``--steps`` steps with the plan's
+optimizer and logs the loss; ``--check`` compares with the model on one device instead (see
+:mod:`autoplan.codegen.check`).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 TEMPLATE = '''#!/usr/bin/env python
@@ -17,7 +19,8 @@ TEMPLATE = '''#!/usr/bin/env python
              --rdzv-endpoint HOST:29500 {script}          # the same plan over two nodes
 
 On GPUs each process uses one GPU (NCCL); on CPUs gloo. Every rank passes the same global
-batch; the program keeps its own slice.
+batch; the program keeps its own slice. The optimizer ({optimizer}) and everything else the
+program does come from plan.json.
 """
 
 import argparse
@@ -29,12 +32,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from autoplan.codegen.runtime import init_distributed, parallelize_spec
+from autoplan.codegen.runtime import build_parallel_module, init_distributed
 from autoplan.errors import AutoplanError
 from autoplan.load import load_model_file
 from autoplan.plan_schema import Plan
 
-MODEL_FILE = {model_file!r}
+MODEL_FILE = Path(__file__).resolve().parent / {model_file!r}
 NAMES = dict(model_name={model_attr!r}, inputs_name={inputs_attr!r}, loss_name={loss_attr!r})
 PLAN_FILE = Path(__file__).resolve().with_name("plan.json")
 
@@ -42,30 +45,28 @@ PLAN_FILE = Path(__file__).resolve().with_name("plan.json")
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--lr", type=float, default=1e-2)
     parser.add_argument("--check", action="store_true", help="compare with the model on one device")
     args = parser.parse_args()
 
     ctx = init_distributed()
     torch.manual_seed(0)  # every rank builds the same weights
-    spec = load_model_file(MODEL_FILE, **NAMES)
+    spec = load_model_file(str(MODEL_FILE), **NAMES)
+    if ctx.device_type == "cuda":  # trace where it runs: tensors the graph creates land there
+        spec = spec.to(torch.device("cuda", torch.cuda.current_device()))
     plan = Plan.load(PLAN_FILE)
-    pm = parallelize_spec(spec, plan=plan)
+    pm = build_parallel_module(spec, plan)
 
     if args.check:
         from autoplan.codegen.check import check_against_single_device
 
-        report = check_against_single_device(spec, pm, steps=args.steps, lr=args.lr)
+        report = check_against_single_device(spec, pm, steps=args.steps)
         if ctx.rank == 0:
             print(report.text(), flush=True)
         return 0 if report.ok else 1
 
-    optimizer = torch.optim.SGD(pm.parameters(), lr=args.lr)
     for step in range(args.steps):
         start = time.perf_counter()
-        loss = pm.train_step(*spec.example_inputs)  # forward + backward (every microbatch of a pipeline)
-        optimizer.step()
-        optimizer.zero_grad()
+        loss = pm.train_step(*spec.example_inputs)  # forward, backward (every microbatch of a pipeline), optimizer
         value = loss.item()  # waits for the step to finish
         seconds = time.perf_counter() - start
         if ctx.rank == 0:
@@ -93,9 +94,12 @@ if __name__ == "__main__":
 
 
 def render_train_script(model_file: str, model_attr: str, inputs_attr: str, loss_attr: str, devices: int,
-                        model_name: str, plan_summary: str, script: str = "autoplan_out/train.py") -> str:
-    """The text of train.py for a model file and its plan."""
-    return TEMPLATE.format(model_file=str(Path(model_file).resolve()), model_attr=model_attr,
+                        model_name: str, plan_summary: str, script: str = "autoplan_out/train.py",
+                        optimizer: str = "adamw") -> str:
+    """The text of train.py for a model file and its plan; the model file is named relative
+    to the folder train.py is written to."""
+    relative = os.path.relpath(Path(model_file).resolve(), Path(script).resolve().parent)
+    return TEMPLATE.format(model_file=relative, optimizer=optimizer, model_attr=model_attr,
                            inputs_attr=inputs_attr, loss_attr=loss_attr, devices=devices,
                            half=max(devices // 2, 1), model_name=model_name, plan_summary=plan_summary,
                            script=script)

@@ -5,22 +5,9 @@ Units: FLOP/s, bytes, bytes/s, seconds. Pure Python: no torch import.
 """
 
 from .cluster import ClusterSpec, cluster_from_toml
-from .communication import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    BROADCAST,
-    COLLECTIVE_KINDS,
-    REDUCE_SCATTER,
-    SEND_RECV,
-    CollectiveStep,
-    bytes_moved_per_device,
-    collective_time,
-    latency_steps,
-    reshard_steps,
-    reshard_time,
-    steps_time,
-)
+from .communication import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_KINDS, REDUCE_SCATTER,
+    SEND_RECV, CollectiveKind, CollectiveStep, bytes_moved_per_device, collective_time, latency_steps, reshard_steps,
+    reshard_time, steps_time)
 from .compute import BACKWARD_FACTOR, roofline_time
 from .hardware import DeviceSpec, LinkRates, LinkSpec, dtype_name, parse_memory_size
 from .memory import OptimizerSpec, optimizer_step_time
@@ -37,6 +24,7 @@ __all__ = [
     "REDUCE_SCATTER",
     "SEND_RECV",
     "ClusterSpec",
+    "CollectiveKind",
     "CollectiveStep",
     "DeviceSpec",
     "LinkRates",

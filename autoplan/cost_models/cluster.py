@@ -31,9 +31,7 @@ exactly the same floats.
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -124,37 +122,29 @@ class ClusterSpec:
         )
 
     def to_toml(self) -> str:
-        """The TOML form (GB, GB/s, TFLOP/s, microseconds); reads back to an equal spec."""
+        """The TOML form (GB, GB/s, TFLOP/s, microseconds), written by ``tomli_w``; reads back
+        to an equal spec."""
+        import tomli_w
+
         dev = self.device
-        lines = [
-            f"name = {_toml_str(self.name)}",
-            f"devices_per_node = {self.devices_per_node}",
-            "",
-            "[device]",
-            f"name = {_toml_str(dev.name)}",
-            f"memory_gb = {_to_unit(dev.memory_bytes, _GIGA)}",
-            f"memory_bandwidth_gbps = {_to_unit(dev.memory_bandwidth, _GIGA)}",
-            f"op_overhead_us = {_to_unit(dev.op_overhead_s, _MICRO)}",
-            *([f"op_bandwidth_gbps = {_to_unit(dev.op_bandwidth, _GIGA)}"] if dev.op_bandwidth else []),
-            "",
-            "[device.peak_tflops]",
-            *(f"{_toml_key(k)} = {_to_unit(v, _TERA)}" for k, v in dev.peak_flops.items()),
-        ]
+        device: dict[str, Any] = {
+            "name": dev.name,
+            "memory_gb": _to_unit(dev.memory_bytes, _GIGA),
+            "memory_bandwidth_gbps": _to_unit(dev.memory_bandwidth, _GIGA),
+            "op_overhead_us": _to_unit(dev.op_overhead_s, _MICRO),
+        }
+        if dev.op_bandwidth:
+            device["op_bandwidth_gbps"] = _to_unit(dev.op_bandwidth, _GIGA)
+        device["peak_tflops"] = {k: _to_unit(v, _TERA) for k, v in dev.peak_flops.items()}
+        document: dict[str, Any] = {"name": self.name, "devices_per_node": self.devices_per_node, "device": device}
         for section, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
-            lines += [
-                "",
-                f"[{section}]",
-                f"bandwidth_gbps = {_to_unit(link.bandwidth, _GIGA)}",
-                f"latency_us = {_to_unit(link.latency, _MICRO)}",
-            ]
+            table: dict[str, Any] = {"bandwidth_gbps": _to_unit(link.bandwidth, _GIGA),
+                                     "latency_us": _to_unit(link.latency, _MICRO)}
             for kind, rates in link.per_kind:
-                lines += [
-                    "",
-                    f"[{section}.{kind}]",
-                    f"bandwidth_gbps = {_to_unit(rates.bandwidth, _GIGA)}",
-                    f"latency_us = {_to_unit(rates.latency, _MICRO)}",
-                ]
-        return "\n".join(lines) + "\n"
+                table[str(kind)] = {"bandwidth_gbps": _to_unit(rates.bandwidth, _GIGA),
+                                    "latency_us": _to_unit(rates.latency, _MICRO)}
+            document[section] = table
+        return tomli_w.dumps(document)
 
 
 def _link_dict(link: LinkSpec) -> dict[str, Any]:
@@ -189,21 +179,12 @@ def _axis_within_nodes(mesh_shape: tuple[int, ...], axis: int, devices_per_node:
 # TOML reading and writing
 
 _GIGA, _TERA, _MICRO = 9, 12, -6  # decimal exponents of the TOML units
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 
-def _toml_str(text: str) -> str:
-    return json.dumps(text)  # a JSON string is a valid TOML basic string
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _toml_str(key)
-
-
-def _to_unit(value: float, exponent: int) -> str:
-    """``value`` divided by 10**exponent, written exactly (shortest repr, shifted)."""
-    d = Decimal(repr(float(value))).scaleb(-exponent).normalize()
-    return format(d, "f")
+def _to_unit(value: float, exponent: int) -> float:
+    """``value`` divided by 10**exponent: the float nearest the exact shifted decimal (what a
+    TOML reader makes of that decimal), so a spec reads back equal."""
+    return float(Decimal(repr(float(value))).scaleb(-exponent))
 
 
 def cluster_from_toml(text: str, source: str, presets: Mapping[str, ClusterSpec]) -> ClusterSpec:

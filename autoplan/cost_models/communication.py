@@ -24,18 +24,32 @@ import functools
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from enum import StrEnum
 
 from autoplan.sharding import Placement, R, ShardingSpec, local_shape, spec_name
 
 from .hardware import LinkSpec
 
-ALL_REDUCE = "all_reduce"
-ALL_GATHER = "all_gather"
-REDUCE_SCATTER = "reduce_scatter"
-ALL_TO_ALL = "all_to_all"
-SEND_RECV = "send_recv"
-BROADCAST = "broadcast"
-COLLECTIVE_KINDS: tuple[str, ...] = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND_RECV, BROADCAST)
+
+class CollectiveKind(StrEnum):
+    """What a collective does; the value is how plan.json, cluster files and torch's
+    CommDebugMode name it."""
+
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    SEND_RECV = "send_recv"
+    BROADCAST = "broadcast"
+
+
+ALL_REDUCE = CollectiveKind.ALL_REDUCE
+ALL_GATHER = CollectiveKind.ALL_GATHER
+REDUCE_SCATTER = CollectiveKind.REDUCE_SCATTER
+ALL_TO_ALL = CollectiveKind.ALL_TO_ALL
+SEND_RECV = CollectiveKind.SEND_RECV
+BROADCAST = CollectiveKind.BROADCAST
+COLLECTIVE_KINDS: tuple[CollectiveKind, ...] = tuple(CollectiveKind)
 
 
 def _check(kind: str, n: int) -> None:

@@ -32,19 +32,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from autoplan.cost_models import (
-    CollectiveStep,
-    DeviceSpec,
-    LinkSpec,
-    OptimizerSpec,
-    collective_time,
-    optimizer_step_time,
-    reshard_steps,
-    roofline_time,
-)
-from autoplan.trace.graph import NodeInfo
-from autoplan.strategies.candidates import Strategy
+from autoplan.cost_models import (CollectiveStep, DeviceSpec, LinkSpec, OptimizerSpec, collective_time,
+    optimizer_step_time, reshard_steps, roofline_time)
 from autoplan.sharding import P, R, ShardingSpec, local_shape
+from autoplan.strategies.candidates import Strategy
+from autoplan.trace.graph import NodeInfo
 
 FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
 

@@ -1,56 +1,29 @@
-"""The planner's front door: model in, :class:`Plan` out.
+"""The intra-op planner: one traced graph on every candidate logical mesh.
 
 trace → classes of repeated layers → for each candidate mesh: strategies, costs, ILP →
 keep the cheapest plan that fits the memory budget; the other meshes become alternatives.
+The front door that also searches pipelines is :mod:`autoplan.planner.front_door`.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, replace
 
-import torch
-
-from autoplan.cost_models import ClusterSpec, OptimizerSpec, load_cluster
-from autoplan.errors import AutoplanError, MemoryInfeasibleError
-from autoplan.planner.assemble import (
-    node_plans,
-    placements,
-    predict,
-    single_stage,
-    solver_stats,
-)
+from autoplan.cost_models import ClusterSpec, OptimizerSpec
 from autoplan.cost_models.step_costs import CostContext
-from autoplan.trace.graph import TracedGraph
-from autoplan.planner.mesh_plan import IntraOpResult, StorageRule, emit_warnings, plan_intra_op
-from autoplan.trace.repeated import NodeClasses, find_classes
-from autoplan.load import ModelSpec, make_model_spec
-from autoplan.planner.meshes import candidate_meshes, mesh_label
+from autoplan.errors import AutoplanError, MemoryInfeasibleError
+from autoplan.load import ModelSpec
 from autoplan.plan_schema import Alternative, Plan
-from autoplan.trace.tracer import trace
+from autoplan.planner.assemble import node_plans, placements, predict, single_stage, solver_stats
+from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
+from autoplan.planner.meshes import candidate_meshes, mesh_label
+from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.solvers import explain, format_bytes
-
-
-@dataclass(frozen=True)
-class PlannerOptions:
-    """How to plan: the cluster, the meshes to try, the memory budget and the solver."""
-
-    devices: int
-    cluster: ClusterSpec
-    mesh: tuple[int, ...] | None = None  # pin one logical mesh; None tries them all
-    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
-    solver: str = "highs"
-    time_limit_s: float | None = None
-    pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
-    allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
-    remat: bool = False  # cost activation checkpointing (the emitted program does not checkpoint yet)
-
-    @property
-    def memory_budget(self) -> float:
-        return self.cluster.device.memory_bytes
+from autoplan.trace.graph import TracedGraph
+from autoplan.trace.repeated import NodeClasses, find_classes
+from autoplan.trace.tracer import trace
 
 
 @dataclass
@@ -139,33 +112,12 @@ def plan_spec(spec: ModelSpec, options: PlannerOptions, timings: dict[str, float
     return plan_traced(graph, options, spec.name, timings), graph
 
 
-def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], example_inputs: Any, devices: int = 8,
-         cluster: str | ClusterSpec = "h100", mesh: tuple[int, ...] | None = None,
-         loss_fn: Callable[..., torch.Tensor] | None = None, memory_per_device: float | None = None,
-         devices_per_node: int | None = None, optimizer: OptimizerSpec | None = None, solver: str = "highs",
-         time_limit_s: float | None = None) -> Plan:
-    """Plan ``model`` (an nn.Module, on any device including ``meta``) for ``devices`` devices.
-
-    ``example_inputs`` is one global batch (a tensor or a tuple of tensors); ``loss_fn(output,
-    *inputs)`` returns the scalar loss (default: ``output.loss`` if present, else the mean of
-    the first output). ``cluster`` is a preset name, a TOML file, or a :class:`ClusterSpec`.
-    """
-    spec = make_model_spec(model, example_inputs, loss_fn)
-    options = make_options(devices, cluster, mesh, memory_per_device, devices_per_node, optimizer, solver,
-                           time_limit_s)
-    return plan_spec(spec, options)[0]
-
-
 def make_options(devices: int, cluster: str | ClusterSpec = "h100", mesh: tuple[int, ...] | None = None,
-                 memory_per_device: float | None = None, devices_per_node: int | None = None,
+                 memory_per_device: float | str | None = None, devices_per_node: int | None = None,
                  optimizer: OptimizerSpec | None = None, solver: str = "highs",
                  time_limit_s: float | None = None) -> PlannerOptions:
-    if devices < 1:
-        raise AutoplanError(f"--devices must be at least 1, got {devices}")
-    spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
-    spec = spec.with_overrides(devices_per_node=devices_per_node, memory_per_device=memory_per_device)
-    if mesh is not None and devices % math.prod(mesh):
-        raise AutoplanError(f"mesh {mesh_label(mesh)} holds {math.prod(mesh)} devices, which does not divide "
-                            f"{devices} devices: make them agree")
-    return PlannerOptions(devices, spec, tuple(mesh) if mesh else None, optimizer or OptimizerSpec(), solver,
-                          time_limit_s)
+    """The intra-op pass's options, validated as :class:`PlanOptions` validates them (for
+    callers that run one pass by hand: benchmarks, tests)."""
+    checked = PlanOptions(devices, cluster, mesh, memory_per_device, devices_per_node, solver=solver,
+                          time_limit_s=time_limit_s, plan_only=True)
+    return replace(checked.planner_options(), optimizer=optimizer or OptimizerSpec())

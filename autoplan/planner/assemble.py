@@ -4,25 +4,13 @@ program will run per step, and the predicted step time and memory."""
 from __future__ import annotations
 
 from autoplan.cost_models import CollectiveStep
-from autoplan.cost_models.step_costs import (
-    CostContext,
-    MemoryParts,
-    backward_reduction_steps,
-    edge_steps,
-    steps_seconds,
-)
-from autoplan.trace.graph import TracedGraph
+from autoplan.cost_models.step_costs import (CostContext, MemoryParts, backward_reduction_steps, edge_steps,
+    steps_seconds)
+from autoplan.plan_schema import MemoryEstimate, NodePlan, PlannedCollective, Prediction, SolverStats, StagePlan
 from autoplan.planner.mesh_plan import IntraOpResult, with_parameter_edges
-from autoplan.trace.repeated import NodeClasses
-from autoplan.plan_schema import (
-    MemoryEstimate,
-    NodePlan,
-    PlannedCollective,
-    Prediction,
-    SolverStats,
-    StagePlan,
-)
 from autoplan.sharding import spec_to_json
+from autoplan.trace.graph import TracedGraph
+from autoplan.trace.repeated import NodeClasses
 
 
 def _add(bucket: dict[tuple, PlannedCollective], kind: str, phase: str, axis: int, nbytes: float, where: str,
@@ -34,6 +22,12 @@ def _add(bucket: dict[tuple, PlannedCollective], kind: str, phase: str, axis: in
         bucket[key] = PlannedCollective(kind, phase, axis, nbytes, times, where, tensor, bucketed)
 
 
+def _shown(graph: TracedGraph, name: str) -> str:
+    """A node as a person knows it: a parameter or buffer by its name in the model
+    (``transformer.h.0.attn.c_attn.weight``), any other node by its graph name."""
+    return graph.nodes[name].fqn or name
+
+
 def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult,
                         ctx: CostContext) -> tuple[list[PlannedCollective], float]:
     """Every collective of one training step, aggregated over repeated layers, and the
@@ -41,7 +35,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     bucket: dict[tuple, PlannedCollective] = {}
     seconds = 0.0
     for name, strategy in result.chosen.items():
-        where_v = classes.representative(classes.class_of[name])
+        where_v = _shown(graph, classes.representative(classes.class_of[name]))
         if result.needs_grad.get(name):
             for step in backward_reduction_steps(graph.nodes[name], strategy):
                 seconds += steps_seconds([step], ctx) * ctx.microbatches
@@ -57,7 +51,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), info.itemsize,
                                            result.needs_grad[inp], ctx, strategy.partial_axes(pos),
                                            strategy.whole_grad_axes)
-            where = f"{classes.representative(classes.class_of[inp])} -> {where_v}"
+            where = f"{_shown(graph, classes.representative(classes.class_of[inp]))} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
             seconds += steps_seconds(forward, ctx) * ctx.microbatches
             for step in forward:

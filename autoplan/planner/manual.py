@@ -2,45 +2,51 @@
 
 ``dp=2,tp=4,pp=2,microbatches=64[,schedule=1f1b]`` is a Megatron-LM style plan: ``pp`` stages
 of equal layer counts, each on a ``dp × tp`` mesh; over the ``dp`` axis every parameter is
-replicated and every input batch-sharded (data parallelism); over the ``tp`` axis the intra-op
-ILP picks the sharding (for transformer blocks that is Megatron's column/row split). The
-result is recorded as an alternative with its predicted figures, or why it is infeasible.
+replicated and the batch sharded (data parallelism); over the ``tp`` axis every weight matrix
+is sharded and used in place, as a column or a row of a Megatron pair (:func:`manual_rule`).
+Within those rules the intra-op ILP picks the rest. The result is recorded as an alternative
+with its predicted figures, or why it is infeasible.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
-from autoplan.planner.api import PlannerOptions
-from autoplan.trace.graph import NodeInfo
-from autoplan.trace.layers import make_layers
-from autoplan.trace.repeated import find_classes
 from autoplan.load import ModelSpec
+from autoplan.plan_schema import Alternative, Plan
+from autoplan.planner.api import PlannerOptions
+from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.pipeline import (
+    PipelineCandidate,
     PipelineOptions,
-    _assemble,
-    _Candidate,
-    _trace_microbatch,
+    assemble_pipeline,
     cluster_shape,
     normalize_schedule,
+    trace_microbatch,
 )
-from autoplan.plan_schema import Alternative, Plan
 from autoplan.sharding import ShardingSpec
 from autoplan.solvers.inter_op import SubMesh
+from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.trace.layers import make_layers
+from autoplan.trace.repeated import find_classes
 
 _KEYS = ("dp", "tp", "pp", "microbatches", "schedule")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ManualPlan:
+    """A Megatron-LM style plan as ``--manual`` writes it: degrees of data, tensor and
+    pipeline parallelism, microbatches and the schedule."""
+
+    schedule: str = "1f1b"
     dp: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
-    schedule: str = "1f1b"
 
     @property
     def label(self) -> str:
@@ -64,12 +70,75 @@ def parse_manual(text: str) -> ManualPlan:
     return ManualPlan(**values)  # type: ignore[arg-type]
 
 
-def _data_parallel_axis0(info: NodeInfo, spec: ShardingSpec) -> bool:
-    if info.kind in ("parameter", "buffer", "constant"):
-        return spec[0].is_replicate
-    if info.kind == "input":
-        return spec[0].is_shard and spec[0].dim == 0 if info.shape else True
-    return True
+def _batched_values(graph: TracedGraph) -> frozenset[str]:
+    """Op outputs that carry the batch: those computed from a user input (transitively) whose
+    dim 0 is a multiple of the batch (``[B, T, C]``, and ``[B·T, V]`` after a view)."""
+    inputs = [graph.nodes[name] for name in graph.input_names if graph.nodes[name].shape]
+    if not inputs:
+        return frozenset()
+    batch = inputs[0].shape[0]
+    from_input: set[str] = set(graph.input_names)
+    for node in graph.graph_module.graph.nodes:
+        if node.op == "call_function" and any(i.name in from_input for i in node.all_input_nodes):
+            from_input.add(node.name)
+    return frozenset(name for name in from_input
+                     if (info := graph.nodes.get(name)) is not None and info.shape and info.shape[0] % batch == 0)
+
+
+def _tensor_parallel_weights(graph: TracedGraph, tp: int) -> frozenset[str]:
+    """FQNs of the weight matrices (≥ 2 dims) that ``tp`` divides along some dim."""
+    return frozenset(info.fqn for info in graph.nodes.values()
+                     if info.kind == "parameter" and info.fqn and info.shape and len(info.shape) >= 2
+                     and any(d % tp == 0 for d in info.shape))
+
+
+def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
+    """What the labels of a manual plan promise, as a rule on placements (None: no rule).
+
+    Data parallelism over the ``dp`` axis (axis 0 when ``dp > 1``): parameters are replicated
+    there, and user inputs and every value that carries the batch are ``S(0)``, so each device
+    computes ``1/dp`` of the batch and the gradients are all-reduced (without the rule the ILP
+    keeps a small model replicated and calls it data parallel).
+
+    Megatron tensor parallelism over the ``tp`` axis: every weight matrix that ``tp`` divides
+    is stored sharded, and every op that reads one computes with its shard in place: its output
+    is ``S(last dim)`` (a column-parallel ``Y = X·Aᵢ``, ``A`` split by output features) or
+    ``Partial`` (a row-parallel ``Y = Σᵢ Xᵢ·Bᵢ``, ``B`` split by input features; the sum is an
+    all-reduce). A weight gathered whole before use (ZeRO-3 style) is excluded. Which weights
+    are columns and which rows is the ILP's choice; a column feeding a row needs no collective
+    between them, so pairs come out as Megatron's, with one all-reduce per pair in the forward
+    (after the row) and one in the backward (the gradient of the column's input)."""
+    dp_axis = 0 if manual.dp > 1 else None
+    tp_axis = (1 if manual.dp > 1 else 0) if manual.tp > 1 else None
+    if dp_axis is None and tp_axis is None:
+        return None
+    batched = _batched_values(graph) if dp_axis is not None else frozenset()
+    sharded_weights = _tensor_parallel_weights(graph, manual.tp) if tp_axis is not None else frozenset()
+
+    def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
+        if dp_axis is not None:
+            if info.kind in ("parameter", "buffer", "constant") and not spec[dp_axis].is_replicate:
+                return False
+            carries_batch = (info.kind == "input" and info.shape) or info.name in batched
+            if carries_batch and not (spec[dp_axis].is_shard and spec[dp_axis].dim == 0):
+                return False
+        if tp_axis is not None:
+            if info.kind == "parameter" and info.fqn in sharded_weights and not spec[tp_axis].is_shard:
+                return False
+            if info.kind == "op" and info.shape and sharded_weights.intersection(info.params):
+                placement = spec[tp_axis]
+                column = placement.is_shard and placement.dim == len(info.shape) - 1
+                if not (column or placement.is_partial):
+                    return False
+        return True
+
+    return allow
+
+
+def manual_layer_count(spec: ModelSpec) -> int:
+    """How many layers :func:`plan_manual` cuts the model into (the most stages ``pp`` may be)."""
+    graph = trace_microbatch(spec, 1)
+    return len(make_layers(graph, find_classes(graph), None))
 
 
 def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Plan:
@@ -78,18 +147,17 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     if size * manual.pp != options.devices:
         raise AutoplanError(f"dp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
     mesh = tuple(x for x in (manual.dp, manual.tp) if x > 1) or (1,)
-    rule = _data_parallel_axis0 if manual.dp > 1 else None
-    opts = replace(options, mesh=mesh, allow_storage=rule)
-    graph = _trace_microbatch(spec, manual.microbatches)
+    graph = trace_microbatch(spec, manual.microbatches)
+    opts = replace(options, mesh=mesh, allow_storage=manual_rule(graph, manual))
     layers = make_layers(graph, find_classes(graph), None)
     if manual.pp > len(layers):
         raise AutoplanError(f"{manual.pp} stages but the model has {len(layers)} layers")
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    candidate = _Candidate(manual.microbatches, submesh, [mesh] * manual.pp, list(zip(bounds, bounds[1:])), math.inf,
+    candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)), math.inf,
                            graph, layers)
-    return _assemble(spec, candidate, opts, manual.schedule, {})
+    return assemble_pipeline(spec, candidate, opts, manual.schedule, {})
 
 
 def cost_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Alternative:

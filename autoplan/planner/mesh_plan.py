@@ -26,27 +26,15 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from autoplan.cost_models.step_costs import (
-    ALIASING_OPS,
-    CostContext,
-    NodeCost,
-    edge_cost,
-    is_floating,
-    op_cost,
-    storage_cost,
-)
-from autoplan.trace.graph import NodeInfo, TracedGraph
-from autoplan.strategies.index_maps import index_map_for, op_name
-from autoplan.trace.repeated import NodeClasses
-from autoplan.strategies.candidates import (
-    Strategy,
-    enumerate_strategies,
-    replicated_strategy,
-    storage_strategies,
-    strategy_name,
-)
+from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
+    storage_cost)
 from autoplan.sharding import R, ShardingSpec
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
+from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy, storage_strategies,
+    strategy_name)
+from autoplan.strategies.index_maps import index_map_for, op_name
+from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.trace.repeated import NodeClasses
 
 # ops whose output the backward does not need saved: views, and copies of the same values
 VIEW_OPS = ALIASING_OPS | {"getitem", "contiguous"}
@@ -187,6 +175,8 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
         strategies = enumerate_strategies(imap, input_names, mesh_shape, differentiable,
                                           allow_partial=is_floating(info.dtype))
         kind = "op"
+        if allow_storage is not None:  # a rule may also constrain what ops produce (manual plans)
+            strategies = [s for s in strategies if allow_storage(info, s.output_specs[0])] or strategies
         if not strategies:
             strategies = [replicated_strategy(len(input_names), len(imap.outputs), len(mesh_shape))]
     costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx) for s in strategies]
@@ -318,9 +308,10 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
 
     ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
     run arbitrary valid assignments); every pick is a valid plan. ``allow_storage(info, spec)``
-    restricts how parameters, buffers and inputs may be stored (manual plans: data parallel
-    over a mesh axis means parameters replicated and inputs batch-sharded there); the first
-    spec (replicated) is kept if the rule allows none."""
+    restricts how parameters, buffers and inputs may be stored and what ops may produce
+    (manual plans: data parallel over a mesh axis means parameters replicated and the batch
+    sharded there); a stored value keeps its first spec (replicated) and an op all its
+    strategies if the rule allows none."""
     view = _GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     messages: list[str] = []

@@ -17,8 +17,8 @@ def candidate_meshes(devices: int) -> list[tuple[int, ...]]:
     return meshes
 
 
-def parse_mesh(text: str, devices: int) -> tuple[int, ...]:
-    """``"8"`` → (8,), ``"2x4"`` → (2, 4); the product must equal ``devices``."""
+def parse_mesh(text: str, devices: int | None = None) -> tuple[int, ...]:
+    """``"8"`` → (8,), ``"2x4"`` → (2, 4); the product must equal ``devices`` when given."""
     if not re.fullmatch(r"\s*\d+(\s*[xX,]\s*\d+)?\s*", text):
         raise AutoplanError(f"cannot read mesh {text!r}: write it like 8 or 2x4")
     shape = tuple(int(x) for x in re.split(r"[xX,]", text))
@@ -27,7 +27,7 @@ def parse_mesh(text: str, devices: int) -> tuple[int, ...]:
     product = 1
     for x in shape:
         product *= x
-    if product != devices:
+    if devices is not None and product != devices:
         raise AutoplanError(f"mesh {text} holds {product} devices but --devices is {devices}: make them agree")
     return shape
 

@@ -1,10 +1,12 @@
 """The textbook plans the found one is compared with, costed by the same model
 (:func:`autoplan.planner.manual.cost_manual`):
 
-- data parallelism over every device (``dp=N``);
+- data parallelism over every device (``dp=N``): parameters replicated, the batch sharded
+  ``N`` ways, gradients all-reduced;
 - Megatron tensor parallelism inside a node (``tp = gcd(N, devices per node)``, data parallel
-  over the nodes): over the ``tp`` axis the intra-op ILP picks the split, which for transformer
-  blocks is Megatron's column/row split;
+  over the nodes): every weight matrix sharded over the ``tp`` axis and used in place, as the
+  column or the row of a pair, with an all-reduce per pair in the forward and one in the
+  backward;
 - a pipeline of ``N`` stages when the model has ``N`` layers, else the most stages it has
   layers for with data parallelism over the rest.
 """
@@ -17,10 +19,10 @@ from dataclasses import dataclass, replace
 import torch
 
 from autoplan.errors import AutoplanError
-from autoplan.planner.api import PlannerOptions
 from autoplan.load import ModelSpec
-from autoplan.planner.manual import ManualPlan, cost_manual
 from autoplan.plan_schema import Alternative, Plan
+from autoplan.planner.api import PlannerOptions
+from autoplan.planner.manual import ManualPlan, cost_manual, manual_layer_count
 
 
 @dataclass(frozen=True)
@@ -46,13 +48,8 @@ def _microbatches(batch: int | None, pp: int, dp: int) -> int:
 
 def _layer_count(plan: Plan, spec: ModelSpec) -> int:
     """Layers as :func:`cost_manual` cuts the model (the plan's own may be cut otherwise)."""
-    from autoplan.trace.layers import make_layers
-    from autoplan.trace.repeated import find_classes
-    from autoplan.planner.pipeline import _trace_microbatch
-
     try:
-        graph = _trace_microbatch(spec, 1)
-        return len(make_layers(graph, find_classes(graph), None))
+        return manual_layer_count(spec)
     except AutoplanError:  # counted from the plan instead; cost_manual says if that is too many
         return sum(len(s.layers) for s in plan.stages)
 

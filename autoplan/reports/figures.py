@@ -1,5 +1,8 @@
-"""The report's figures, one small function each, drawn with matplotlib's Agg backend and
-returned as PNG bytes. They take plain numbers and labels, not plans."""
+"""The report's figures, one small function each, returned as PNG bytes. They take plain
+numbers and labels, not plans.
+
+Figures are drawn on :class:`matplotlib.figure.Figure` objects, never through pyplot: PNGs are
+rendered by Agg without a display, and the caller's pyplot backend is left as it was."""
 
 from __future__ import annotations
 
@@ -7,11 +10,9 @@ import io
 import re
 from collections.abc import Sequence
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
+from matplotlib.figure import Figure
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch, Rectangle
 from matplotlib.ticker import MaxNLocator
 
 from autoplan.reports.timeline import simulate
@@ -24,10 +25,15 @@ KIND_COLORS = {"all_reduce": "#dd8452", "all_gather": "#55a868", "reduce_scatter
 MEMORY_COLORS = {"params": "#4c72b0", "grads": "#55a868", "optimizer": "#8172b3", "activations": "#dd8452"}
 
 
-def _png(fig) -> bytes:
+def _subplots(figsize: tuple[float, float]):
+    """A figure of one axes, detached from pyplot (garbage-collected once dropped)."""
+    fig = Figure(figsize=figsize)
+    return fig, fig.add_subplot()
+
+
+def _png(fig: Figure) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI, bbox_inches="tight", pad_inches=0.15)  # keeps outside legends
-    plt.close(fig)
     return buffer.getvalue()
 
 
@@ -65,10 +71,10 @@ def placement_map(rows: Sequence[tuple[str, Sequence[str]]], axes: Sequence[str]
     n, k = len(rows), max(len(axes), 1)
     label_width = max((len(r[0]) for r in rows), default=10)
     fig_w = min(2.5 + 0.075 * label_width + 1.3 * k, 12.0)
-    fig, ax = plt.subplots(figsize=(fig_w, 1.3 + 0.28 * n))
+    fig, ax = _subplots(figsize=(fig_w, 1.3 + 0.28 * n))
     for i, (_label, placements) in enumerate(rows):
         for j, p in enumerate(placements):
-            ax.add_patch(plt.Rectangle((j, i), 1, 1, facecolor=placement_color(p), edgecolor="white", linewidth=1.5))
+            ax.add_patch(Rectangle((j, i), 1, 1, facecolor=placement_color(p), edgecolor="white", linewidth=1.5))
             ax.text(j + 0.5, i + 0.5, p, ha="center", va="center", fontsize=8)
     ax.set_xlim(0, k)
     ax.set_ylim(n, 0)
@@ -86,7 +92,7 @@ def placement_map(rows: Sequence[tuple[str, Sequence[str]]], axes: Sequence[str]
 def step_breakdown(segments: Sequence[tuple[str, float]], step_time_s: float, title: str) -> bytes:
     """One horizontal bar: compute, each collective kind and bubble, end to end."""
     scale, unit = time_unit(max(step_time_s, sum(v for _, v in segments), 1e-12))
-    fig, ax = plt.subplots(figsize=(10, 2.2))
+    fig, ax = _subplots(figsize=(10, 2.2))
     left = 0.0
     handles = []
     for name, seconds in segments:
@@ -117,7 +123,7 @@ def memory_bars(entries: Sequence[tuple[str, dict[str, float], float]], budget: 
     largest = max([peak for _, _, peak in entries] + [sum(p.values()) for _, p, _ in entries] + [1.0])
     budget_shown = budget is not None and budget <= 20 * largest
     scale, unit = byte_unit(max(largest, budget if budget_shown and budget else 0))
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.55 * len(entries)))
+    fig, ax = _subplots(figsize=(10, 1.4 + 0.55 * len(entries)))
     for i, (_name, parts, peak) in enumerate(entries):
         left = 0.0
         for key, color in MEMORY_COLORS.items():
@@ -132,7 +138,7 @@ def memory_bars(entries: Sequence[tuple[str, dict[str, float], float]], budget: 
     right = largest * scale * 1.3
     if budget is not None and budget_shown:
         ax.axvline(budget * scale, color="#c44e52", linewidth=2)
-        handles.append(plt.Line2D([], [], color="#c44e52", linewidth=2, label=f"budget {budget * scale:.3g} {unit}"))
+        handles.append(Line2D([], [], color="#c44e52", linewidth=2, label=f"budget {budget * scale:.3g} {unit}"))
         right = max(right, budget * scale * 1.08)
     ax.set_xlim(0, right)
     ax.set_xlabel(f"bytes per device ({unit})")
@@ -152,7 +158,7 @@ def comparison(entries: Sequence[tuple[str, tuple[float, float, float] | None, s
     entry (the found plan) is drawn in bold."""
     totals = [sum(p) for _, p, _ in entries if p is not None]
     scale, unit = time_unit(max(totals + [1e-12]))
-    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.6 * len(entries)))
+    fig, ax = _subplots(figsize=(10, 1.4 + 0.6 * len(entries)))
     right = max(totals + [1e-12]) * scale
     for i, (_name, parts, note) in enumerate(entries):
         if parts is None:
@@ -185,7 +191,7 @@ def pipeline_timeline(latencies: Sequence[float], microbatches: int, schedule: s
     stages = len(latencies)
     end = max((s.end_s for s in slots), default=0.0)
     scale, unit = time_unit(end)
-    fig, ax = plt.subplots(figsize=(10, 0.6 * stages + 1.6))
+    fig, ax = _subplots(figsize=(10, 0.6 * stages + 1.6))
     for s in slots:
         color = COMPUTE if s.phase == "forward" else "#dd8452"
         width = (s.end_s - s.start_s) * scale
@@ -204,7 +210,7 @@ def pipeline_timeline(latencies: Sequence[float], microbatches: int, schedule: s
 
 
 def loss_curve(steps: Sequence[int], losses: Sequence[float]) -> bytes:
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = _subplots(figsize=(6, 3.2))
     ax.plot(list(steps), list(losses), marker="o", color=COMPUTE)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("step")
@@ -218,7 +224,7 @@ def loss_curve(steps: Sequence[int], losses: Sequence[float]) -> bytes:
 def step_times(steps: Sequence[int], times_s: Sequence[float], predicted_s: float) -> bytes:
     """Measured seconds per step against the predicted step time (a dashed line)."""
     scale, unit = time_unit(max(list(times_s) + [predicted_s]))
-    fig, ax = plt.subplots(figsize=(6, 3.2))
+    fig, ax = _subplots(figsize=(6, 3.2))
     ax.bar(list(steps), [t * scale for t in times_s], color="#55a868", label="measured")
     ax.axhline(predicted_s * scale, color="#c44e52", linestyle="--", label="predicted")
     positive = [t for t in list(times_s) + [predicted_s] if t > 0]

@@ -16,14 +16,8 @@ from pathlib import Path
 
 from autoplan.cost_models.cluster import ClusterSpec
 from autoplan.cost_models.communication import COLLECTIVE_KINDS, collective_time
+from autoplan.plan_schema import Alternative, MemoryEstimate, Plan, Prediction
 from autoplan.planner.meshes import mesh_label, meshes_label, stage_meshes_text
-from autoplan.plan_schema import (
-    Alternative,
-    MemoryEstimate,
-    Plan,
-    Prediction,
-)
-from autoplan.reports.summary import layers_label, ranges_label
 from autoplan.reports import figures
 from autoplan.reports.document import (
     Document,
@@ -35,6 +29,13 @@ from autoplan.reports.document import (
     write_document,
 )
 from autoplan.reports.runlog import RunLog
+from autoplan.reports.summary import (
+    alternative_text,
+    alternatives_in_order,
+    layers_label,
+    planning_time_text,
+    ranges_label,
+)
 from autoplan.solvers import format_bytes, format_seconds
 
 Progress = Callable[[str], None]
@@ -133,7 +134,7 @@ def summary_section(plan: Plan) -> Section:
         rows.append(["solver", (f"{s.solver}, {s.status}; {s.num_nodes} nodes in {s.num_groups} groups, "
                                 f"{s.num_variables} variables, {format_seconds(s.solve_time_s)}")])
     if plan.timings_s:
-        rows.append(["planning time", ", ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items())])
+        rows.append(["planning time", planning_time_text(plan.timings_s)])
     rows.append(["graph hash", plan.graph_hash])
     blocks: list = [Table(["", ""], rows)]
     stage_rows = [[str(i), layers_label(s.layers), ranges_label(s.devices), mesh_label(s.mesh), str(len(s.params)),
@@ -319,8 +320,8 @@ def comparison_section(plan: Plan, baselines: list[Alternative] | None, progress
                          "step time / found"], rows))
     searched = [a for a in plan.alternatives if not a.name.startswith("manual ")]
     if searched:
-        blocks.append(Table(["candidate", "why not"], [[a.name, a.reason or (
-            format_seconds(a.predicted.step_time_s) if a.predicted else "")] for a in searched],
+        blocks.append(Table(["candidate", "why not"], [[a.name, alternative_text(a)]
+                                                       for a in alternatives_in_order(searched)],
             caption="other candidates the planner's search weighed", collapsed=len(searched) > 10))
     return Section("5. Found plan vs baselines", blocks)
 

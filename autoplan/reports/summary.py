@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from autoplan.plan_schema import Alternative, Plan, Prediction
 from autoplan.planner.meshes import mesh_label, stage_meshes_text
-from autoplan.plan_schema import Plan, Prediction
 from autoplan.solvers import format_bytes, format_seconds
 
 
@@ -39,8 +39,8 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     """The stages of a pipelined plan: layers, devices, logical mesh, latency per microbatch."""
     if len(plan.stages) < 2:
         return []
-    lines = ["", f"pipeline: {len(plan.stages)} stages, {plan.microbatches} microbatches, schedule {plan.schedule}, "
-                 f"bubble {format_seconds(plan.predicted.bubble_s)} per step"]
+    lines = ["", (f"pipeline: {len(plan.stages)} stages, {plan.microbatches} microbatches, schedule {plan.schedule}, "
+                 f"bubble {format_seconds(plan.predicted.bubble_s)} per step")]
     rows = [[str(i), layers_label(s.layers), ranges_label(s.devices), mesh_label(s.mesh), str(len(s.params)),
              format_seconds(s.latency_s)] for i, s in enumerate(plan.stages)]
     lines += ["  " + r for r in _table(rows, ["stage", "layers", "devices", "mesh", "parameters",
@@ -53,12 +53,50 @@ def _prediction_line(p: Prediction) -> str:
             f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device")
 
 
+def planning_time_text(timings_s: dict[str, float]) -> str:
+    """The planning phases, then the total: the wall clock from loading to the plan when the
+    plan records it (it also holds what no phase counts, so it is never less than their sum),
+    else the sum of the phases, labelled as such."""
+    parts = {k: v for k, v in timings_s.items() if k != "total"}
+    listed = ", ".join(f"{k} {v:.2f}s" for k, v in parts.items())
+    wall = timings_s.get("total")
+    if wall is not None and wall >= sum(parts.values()):
+        total = f"total {wall:.2f}s (wall clock)"
+    else:
+        total = f"total {sum(parts.values()):.2f}s (sum of the phases)"
+    return f"{listed}; {total}" if listed else total
+
+
+def _alternative_order(a: Alternative) -> tuple[int, float]:
+    """Exact figures first, then search estimates, fastest first; infeasible ones last."""
+    if a.predicted:
+        return (0, a.predicted.step_time_s)
+    return (1, a.estimate_s) if a.estimate_s is not None else (2, 0.0)
+
+
+def alternatives_in_order(alternatives: list[Alternative]) -> list[Alternative]:
+    """Planned exactly (fastest first), then known only by the stage search's estimate
+    (fastest first), then infeasible."""
+    return sorted(alternatives, key=_alternative_order)
+
+
+def alternative_text(a: Alternative) -> str:
+    """An alternative's figure and where it comes from: ``exact ILP`` (planned as the chosen
+    plan was, comparable with it), ``search estimate`` (the stage search's figure, which runs
+    a few percent above exact ones), or why it is infeasible."""
+    if a.predicted:
+        return f"{_prediction_line(a.predicted)} [exact ILP]"
+    if a.estimate_s is not None:
+        return f"{format_seconds(a.estimate_s)} per step [search estimate: not planned exactly]"
+    return a.reason or "infeasible"
+
+
 def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     m = plan.predicted.memory_bytes
     budget = plan.cluster.get("device", {}).get("memory_bytes")
     lines = [
-        f"autoplan: {plan.model or 'model'} on {plan.devices} x {plan.cluster.get('device', {}).get('name', '?')}"
-        f" ({plan.cluster.get('name', '')}), {stage_meshes_text([s.mesh for s in plan.stages] or [plan.mesh])}",
+        (f"autoplan: {plan.model or 'model'} on {plan.devices} x {plan.cluster.get('device', {}).get('name', '?')}"
+        f" ({plan.cluster.get('name', '')}), {stage_meshes_text([s.mesh for s in plan.stages] or [plan.mesh])}"),
         f"predicted: {_prediction_line(plan.predicted)}",
         f"memory per device: params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, "
         f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}"
@@ -70,7 +108,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         lines.append(f"solver: {s.solver}, {s.status}{gap}; {s.num_nodes} nodes in {s.num_groups} groups, "
                      f"{s.num_variables} variables, {s.num_constraints} constraints, {format_seconds(s.solve_time_s)}")
     if plan.timings_s:
-        lines.append("planning time: " + ", ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items()))
+        lines.append("planning time: " + planning_time_text(plan.timings_s))
     lines += _pipeline_lines(plan)
     lines += ["", "parameters:"]
     lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.params.items()],
@@ -94,10 +132,10 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         lines += ["", "why: " + plan.explanation.splitlines()[0]]
         lines += ["  " + line.strip() if not line.startswith(" ") else line for line in plan.explanation.splitlines()[1:]]
     if plan.alternatives:
-        lines += ["", "alternatives (why not these):"]
-        for a in plan.alternatives:
-            what = _prediction_line(a.predicted) if a.predicted else a.reason
-            lines.append(f"  {a.name}: {what}")
+        chosen = format_seconds(plan.predicted.step_time_s)
+        lines += ["", (f"alternatives (why not these; the chosen plan: {chosen} per step [exact ILP]; search "
+                       f"estimates run a few percent above exact figures):")]
+        lines += [f"  {a.name}: {alternative_text(a)}" for a in alternatives_in_order(plan.alternatives)]
     for w in plan.warnings:
         lines.append(f"warning: {w}")
     return "\n".join(lines)

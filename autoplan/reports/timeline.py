@@ -88,31 +88,14 @@ def chrome_trace(slots: list[Slot]) -> dict:
 
 def write_timeline(latencies: list[float], microbatches: int, schedule: str, folder: Path) -> list[Path]:
     """Write ``timeline.json`` (Chrome trace) and ``timeline.png`` into ``folder``."""
+    from autoplan.reports.figures import (
+        pipeline_timeline,  # figures draws this module's simulation
+    )
+
     slots = simulate(latencies, microbatches, schedule)
     folder.mkdir(parents=True, exist_ok=True)
     json_path = folder / "timeline.json"
     json_path.write_text(json.dumps(chrome_trace(slots)))
     png_path = folder / "timeline.png"
-    _plot(slots, len(latencies), schedule, png_path)
+    png_path.write_bytes(pipeline_timeline(latencies, microbatches, schedule))
     return [json_path, png_path]
-
-
-def _plot(slots: list[Slot], stages: int, schedule: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(10, 0.6 * stages + 1.5))
-    scale, unit = (1e3, "ms") if max(s.end_s for s in slots) < 10 else (1.0, "s")
-    for phase, color in (("forward", "#4c72b0"), ("backward", "#dd8452")):
-        for s in (x for x in slots if x.phase == phase):
-            ax.broken_barh([(s.start_s * scale, (s.end_s - s.start_s) * scale)], (s.stage - 0.4, 0.8),
-                           facecolors=color, edgecolors="white", linewidth=0.3)
-    ax.set_yticks(range(stages), [f"stage {i}" for i in range(stages)])
-    ax.invert_yaxis()
-    ax.set_xlabel(f"time ({unit})")
-    ax.set_title(f"predicted pipeline timeline ({schedule}): forward blue, backward orange, gaps are bubble")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

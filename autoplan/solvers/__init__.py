@@ -1,40 +1,23 @@
 """Solvers: pure mathematics (numbers in, choices out, no torch)."""
 
-from autoplan.solvers.inter_op import (
-    InterOpInfeasibleError,
-    InterOpProblem,
-    InterOpSolution,
-    StageAssignment,
-    StageCost,
-    StageCostFn,
-    SubMesh,
-    brute_force_inter_op,
-    candidate_submeshes,
-    explain_inter_op,
-    pipeline_step_time,
-    solve_inter_op,
-)
-from autoplan.solvers.intra_op import (
-    Edge,
-    IntraOpProblem,
-    IntraOpSolution,
-    SolverTimeoutError,
-    brute_force,
-    evaluate,
-    explain,
-    solve_intra_op,
-    trim_memory,
-    trim_memory_together,
-)
+from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, InterOpSolution, StageAssignment,
+    StageCost, StageCostFn, SubMesh, brute_force_inter_op, candidate_submeshes, explain_inter_op, pipeline_step_time,
+    solve_inter_op)
+from autoplan.solvers.intra_op import (SOLVER_NAMES, Edge, IntraOpProblem, IntraOpSolution, SolverFallbackWarning,
+    SolverName, SolverTimeoutError, brute_force, check_solver_name, evaluate, explain, solve_intra_op, trim_memory,
+    trim_memory_together)
 from autoplan.solvers.units import format_bytes, format_seconds
 
 __all__ = [
+    "SOLVER_NAMES",
     "Edge",
     "InterOpInfeasibleError",
     "InterOpProblem",
     "InterOpSolution",
     "IntraOpProblem",
     "IntraOpSolution",
+    "SolverFallbackWarning",
+    "SolverName",
     "SolverTimeoutError",
     "StageAssignment",
     "StageCost",
@@ -43,6 +26,7 @@ __all__ = [
     "brute_force",
     "brute_force_inter_op",
     "candidate_submeshes",
+    "check_solver_name",
     "evaluate",
     "explain",
     "explain_inter_op",

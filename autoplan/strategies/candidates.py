@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autoplan.strategies.index_maps import IndexMap, Letters
 from autoplan.sharding import P, Placement, R, S, ShardingSpec, is_valid, spec_name
+from autoplan.strategies.index_maps import IndexMap, Letters
 
 NO_LETTER = ""
 PARTIAL = "+"
@@ -95,9 +95,10 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
     ``allow_partial``) partial sums.
     """
     options = [NO_LETTER] + imap.shardable_letters() + ([PARTIAL] if imap.linear and allow_partial else [])
+    per_axis = [options if n > 1 else [NO_LETTER] for n in mesh_shape]  # one device: nothing to split or sum
     strategies: list[Strategy] = []
     seen: set[tuple] = set()
-    for assignment in itertools.product(options, repeat=len(mesh_shape)):
+    for assignment in itertools.product(*per_axis):
         real = [a for a in assignment if a not in (NO_LETTER, PARTIAL)]
         if len(real) != len(set(real)):
             continue
@@ -151,10 +152,10 @@ def replicated_strategy(num_inputs: int, num_outputs: int, mesh_ndim: int) -> St
 
 def tensor_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
     """Every valid spec of a stored tensor (parameter, buffer, user input): per mesh axis
-    replicated or sharded on a dim no other axis shards."""
+    replicated or sharded on a dim no other axis shards (an axis of one device: replicated)."""
     options: list[Placement] = [R] + [S(d) for d in range(len(shape)) if shape[d] > 1]
     specs = []
-    for spec in itertools.product(options, repeat=len(mesh_shape)):
+    for spec in itertools.product(*[options if n > 1 else [R] for n in mesh_shape]):
         dims = [p.dim for p in spec if p.is_shard]
         if len(dims) == len(set(dims)) and is_valid(spec, shape, mesh_shape):
             specs.append(tuple(spec))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from torch import fx
+
 from autoplan.trace.graph import TracedGraph
 
 _INDEX = re.compile(r"^\d+$")
@@ -51,14 +53,22 @@ def _node_block(graph: TracedGraph, name: str) -> tuple[str, int] | None:
     return None
 
 
-def _signatures(graph: TracedGraph, names: list[str], fx_nodes: dict) -> list[tuple]:
+def _signatures(graph: TracedGraph, names: list[str], fx_nodes: dict[str, fx.Node]) -> list[tuple]:
+    """Per node of a block: kind, target, shape, dtype, where its inputs come from (their
+    position in the block, -1 outside it) and its other arguments, with the nodes inside an
+    argument (``cat``'s list of tensors) written as positions too, so that copies compare
+    equal whatever the nodes are named."""
     position = {n: i for i, n in enumerate(names)}
+
+    def where(node: fx.Node) -> int:
+        return position.get(node.name, -1)
+
     sigs = []
     for name in names:
         info = graph.nodes[name]
         fx_node = fx_nodes[name]
-        wiring = tuple(position.get(inp.name, -1) for inp in fx_node.all_input_nodes)
-        consts = tuple(repr(a) for a in fx_node.args if not hasattr(a, "op"))
+        wiring = tuple(where(inp) for inp in fx_node.all_input_nodes)
+        consts = tuple(repr(fx.node.map_arg(a, where)) for a in fx_node.args if not isinstance(a, fx.Node))
         sigs.append((info.kind, info.target, info.shape, info.dtype, wiring, consts))
     return sigs
 

@@ -1,0 +1,90 @@
+"""The planner's front door: a model and :class:`PlanOptions` in, a :class:`Plan` out.
+
+``autoplan.plan(...)``, the ``autoplan`` command and ``autoplan.parallelize(...)`` without a
+saved plan all come here, so one model with one set of options gets one plan:
+
+trace → the pipeline search (:mod:`autoplan.planner.pipeline`, which plans one stage too) or,
+with ``pipeline=False``, the intra-op search over logical meshes (:mod:`autoplan.planner.api`)
+→ hand-written ``manual`` plans costed beside it → every decision the program carries out
+(optimizer, precision, recomputed regions, parameter storage, the options themselves)
+written into the Plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from autoplan.load import ModelSpec, make_model_spec
+from autoplan.plan_schema import ParamStorage, Plan, PrecisionPlan
+from autoplan.planner.api import plan_spec
+from autoplan.planner.manual import cost_manual, parse_manual
+from autoplan.planner.options import PlanOptions
+from autoplan.planner.pipeline import plan_pipeline
+
+
+def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Plan:
+    """Plan a loaded model under ``options``; see the module docstring."""
+    manual = [parse_manual(text) for text in options.manual]  # a bad one fails before the search
+    planner_options = options.planner_options()
+    start = time.perf_counter()
+    if options.pipeline:
+        plan = plan_pipeline(spec, planner_options, options.pipeline_options())
+    else:
+        plan = plan_spec(spec, planner_options)[0]
+    plan.alternatives += [cost_manual(spec, planner_options, m) for m in manual]
+    parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
+    if manual:
+        parts["manual plans"] = time.perf_counter() - start - sum(parts.values())
+    # the total is the wall clock from loading to the plan: never less than the parts it lists
+    plan.timings_s = {"load": load_s, **parts, "total": load_s + time.perf_counter() - start}
+    note = replication_note(plan, spec)
+    if note:
+        plan.warnings.append(note)
+    return with_decisions(plan, options)
+
+
+def replication_note(plan: Plan, spec: ModelSpec) -> str | None:
+    """Why a plan for several devices keeps every tensor whole on every device, in one line
+    (None when something is sharded or pipelined)."""
+    if plan.devices == 1 or len(plan.stages) > 1:
+        return None
+    if any(p != "R" for placement in [*plan.params.values(), *plan.inputs.values()] for p in placement):
+        return None
+    axes = [n for n in plan.mesh if n > 1]
+    batches = sorted({x.shape[0] for x in spec.example_inputs if isinstance(x, torch.Tensor) and x.dim() > 0})
+    if batches and not any(b % n == 0 for b in batches for n in axes):
+        return (f"every tensor is replicated on all {plan.devices} devices: the batch ({', '.join(map(str, batches))}) "
+                f"does not divide by {' or '.join(map(str, axes))}; choose a device count that divides the batch")
+    return (f"every tensor is replicated on all {plan.devices} devices: at this size no sharding pays for its "
+            f"communication; a larger batch or model, or fewer devices, would use them")
+
+
+def with_decisions(plan: Plan, options: PlanOptions) -> Plan:
+    """Write into ``plan`` what the program must carry out beyond placements."""
+    plan.optimizer = options.optimizer_plan()
+    plan.precision = PrecisionPlan.named(options.precision)
+    plan.recompute = [layer for stage in plan.stages for layer in stage.layers] if options.recompute else []
+    plan.storage = {name: ParamStorage(list(spec), list(spec), list(spec)) for name, spec in plan.params.items()}
+    plan.options = options.to_dict()
+    return plan
+
+
+def plan(model: torch.nn.Module | Callable[[], torch.nn.Module], example_inputs: Any, devices: int = 8,
+         cluster: Any = "h100", loss_fn: Callable[..., torch.Tensor] | None = None, **options: Any) -> Plan:
+    """Plan ``model`` (an nn.Module, on any device including ``meta``) for ``devices`` devices:
+    the same search the ``autoplan`` command runs.
+
+    ``example_inputs`` is one global batch (a tensor or a tuple of tensors); ``loss_fn(output,
+    *inputs)`` returns the scalar loss (default: ``output.loss`` if present, else the mean of
+    the first output). ``cluster`` is a preset name, a TOML file or a ``ClusterSpec``; every
+    other keyword is a field of :class:`PlanOptions` (``mesh``, ``memory_per_device``,
+    ``optimizer``, ``stages``, ``pipeline=False``, …), checked before any work.
+    """
+    checked = PlanOptions(devices, cluster, **options)
+    start = time.perf_counter()
+    spec = make_model_spec(model, example_inputs, loss_fn)
+    return plan_model(spec, checked, load_s=time.perf_counter() - start)

@@ -1,0 +1,180 @@
+"""Everything a user can ask of the planner, in one validated dataclass.
+
+:class:`PlanOptions` is what ``autoplan.plan(..., **options)`` and the ``autoplan`` command
+both build; its checks run before any tracing or solving, and each names the bad value and
+the fix in one line (like torchtitan's ``ParallelDims``). :meth:`PlanOptions.planner_options`
+and :meth:`PlanOptions.pipeline_options` hand the solver-facing parts to the passes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from autoplan.cost_models import ClusterSpec, OptimizerSpec, load_cluster, parse_memory_size
+from autoplan.errors import AutoplanError
+from autoplan.plan_schema import OPTIMIZER_NAMES, OptimizerPlan, PrecisionPlan
+from autoplan.planner.mesh_plan import StorageRule
+from autoplan.planner.meshes import mesh_label
+from autoplan.solvers import SolverName, check_solver_name
+
+if TYPE_CHECKING:
+    from autoplan.planner.pipeline import PipelineOptions
+
+PrecisionName = Literal["fp32", "bf16"]
+
+# What the emitted program cannot carry out yet: planning for it needs plan_only=True.
+UNSUPPORTED_BY_PROGRAM = {
+    "precision": "bf16 compute is costed, but the emitted program trains in fp32 only",
+    "recompute": "activation checkpointing is costed, but the emitted program does not recompute",
+}
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """How to plan: the cluster, the meshes to try, the memory budget and the solver."""
+
+    devices: int
+    cluster: ClusterSpec
+    mesh: tuple[int, ...] | None = None  # pin one logical mesh; None tries them all
+    optimizer: OptimizerSpec = field(default_factory=OptimizerSpec)
+    solver: SolverName = "highs"
+    time_limit_s: float | None = None
+    pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
+    allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
+    remat: bool = False  # cost activation checkpointing (the emitted program does not checkpoint yet)
+
+    @property
+    def memory_budget(self) -> float:
+        return self.cluster.device.memory_bytes
+
+
+def _positive_int(name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or value < 1):
+        raise AutoplanError(f"{name} must be a whole number of at least 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """How to plan. ``None`` leaves a choice to the planner.
+
+    ``devices``: the number of devices; ``cluster``: a preset name, a TOML file or a
+    :class:`ClusterSpec`; ``mesh``: pin the logical mesh (of a pipeline stage's devices when
+    ``stages`` is given); ``memory_per_device`` (bytes or ``"40GB"``) and ``devices_per_node``
+    override the cluster's. ``optimizer`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with
+    ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision`` and
+    ``recompute`` (activation checkpointing) are costed, and refused unless ``plan_only``
+    while the program cannot run them. ``pipeline=False`` plans intra-op only; ``stages``,
+    ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
+    hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
+    ``plan_only`` marks a plan that is for reading, not for running."""
+
+    devices: int
+    cluster: str | ClusterSpec = "h100"
+    mesh: tuple[int, ...] | None = None
+    memory_per_device: float | str | None = None
+    devices_per_node: int | None = None
+    optimizer: str = "adamw"
+    lr: float | None = None
+    weight_decay: float | None = None
+    momentum: float | None = None
+    precision: PrecisionName = "fp32"
+    recompute: bool = False
+    solver: SolverName = "highs"
+    time_limit_s: float | None = None
+    pipeline: bool = True
+    stages: int | None = None
+    microbatches: int | None = None
+    schedule: str | None = None
+    layers: int | None = None
+    manual: tuple[str, ...] = ()
+    plan_only: bool = False
+    cluster_spec: ClusterSpec = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _positive_int("devices", self.devices)
+        for name in ("stages", "microbatches", "layers", "devices_per_node"):
+            _positive_int(name, getattr(self, name))
+        check_solver_name(self.solver)
+        if self.time_limit_s is not None and not self.time_limit_s > 0:
+            raise AutoplanError(f"the time limit must be a positive number of seconds, got {self.time_limit_s}")
+        if self.optimizer.strip().lower() not in OPTIMIZER_NAMES:
+            raise AutoplanError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZER_NAMES)}")
+        PrecisionPlan.named(self.precision)
+        if self.schedule is not None:
+            from autoplan.planner.pipeline import (
+                normalize_schedule,  # the pipeline pass imports this module
+            )
+
+            object.__setattr__(self, "schedule", str(normalize_schedule(self.schedule)))
+        if not self.pipeline:
+            pinned = [f"{name}={getattr(self, name)}" for name in ("stages", "microbatches", "schedule")
+                      if getattr(self, name) is not None and not (name == "stages" and self.stages == 1)]
+            if pinned:
+                raise AutoplanError(f"{', '.join(pinned)} pins a pipeline but pipelines are turned off: "
+                                    f"drop one or the other")
+        if self.stages is not None and self.devices % self.stages:
+            raise AutoplanError(f"{self.stages} stages do not divide {self.devices} devices: "
+                                f"choose a divisor of {self.devices}")
+        if self.mesh is not None:
+            mesh = tuple(int(m) for m in self.mesh)
+            if any(m < 1 for m in mesh):
+                raise AutoplanError(f"mesh {mesh_label(mesh)} has an axis below 1")
+            stage_devices = self.devices // (self.stages or 1)
+            if self.stages is not None and math.prod(mesh) != stage_devices:
+                raise AutoplanError(f"mesh {mesh_label(mesh)} holds {math.prod(mesh)} devices but each of the "
+                                    f"{self.stages} stages of {self.devices} devices has {stage_devices}: "
+                                    f"make them agree")
+            if self.devices % math.prod(mesh):
+                raise AutoplanError(f"mesh {mesh_label(mesh)} holds {math.prod(mesh)} devices, which does not "
+                                    f"divide {self.devices} devices: make them agree")
+            object.__setattr__(self, "mesh", mesh)
+        memory = self.memory_per_device
+        if isinstance(memory, str):
+            memory = parse_memory_size(memory)
+        if memory is not None and not memory > 0:
+            raise AutoplanError(f"the memory per device must be positive, got {self.memory_per_device!r}")
+        base = self.cluster if isinstance(self.cluster, ClusterSpec) else load_cluster(self.cluster)
+        object.__setattr__(self, "cluster_spec", base.with_overrides(devices_per_node=self.devices_per_node,
+                                                                     memory_per_device=memory))
+        object.__setattr__(self, "manual", tuple(self.manual))
+        if not self.plan_only:
+            asked = [UNSUPPORTED_BY_PROGRAM["precision"]] if self.precision != "fp32" else []
+            asked += [UNSUPPORTED_BY_PROGRAM["recompute"]] if self.recompute else []
+            if asked:
+                raise AutoplanError(f"{'; '.join(asked)}: plan with plan_only=True (--plan-only) to cost it "
+                                    f"without a program")
+
+    def optimizer_plan(self) -> OptimizerPlan:
+        """The optimizer with its hyper-parameters: torch's defaults where none was given."""
+        name = self.optimizer.strip().lower()
+        defaults = OptimizerPlan(name)
+        return OptimizerPlan(
+            name,
+            lr=self.lr if self.lr is not None else (1e-2 if name.startswith("sgd") else defaults.lr),
+            weight_decay=self.weight_decay if self.weight_decay is not None
+            else (defaults.weight_decay if name == "adamw" else 0.0),
+            momentum=self.momentum if self.momentum is not None else (0.9 if name == "sgd-momentum" else 0.0),
+        )
+
+    def planner_options(self) -> PlannerOptions:
+        """The options of the intra-op pass (one logical mesh at a time)."""
+        return PlannerOptions(self.devices, self.cluster_spec, self.mesh,
+                              OptimizerSpec(self.optimizer, mixed_precision=self.precision != "fp32"),
+                              self.solver, self.time_limit_s, remat=self.recompute)
+
+    def pipeline_options(self) -> PipelineOptions:
+        from autoplan.planner.pipeline import PipelineOptions
+
+        return PipelineOptions(self.stages, self.microbatches, self.schedule, self.layers)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The options as plan.json records them (the cluster by name, or as its spec)."""
+        data = asdict(self)
+        data.pop("cluster_spec")
+        data["cluster"] = self.cluster if isinstance(self.cluster, str) else self.cluster.to_dict()
+        data["mesh"] = list(self.mesh) if self.mesh else None
+        data["manual"] = list(self.manual)
+        return data

@@ -1,0 +1,141 @@
+"""The inter-op pass: pipeline stages, sub-meshes, microbatches and the schedule.
+
+Layers. For every candidate microbatch count ``B`` the model is traced for one microbatch and
+cut into layers (:mod:`autoplan.trace.layers`). For every sub-mesh shape ``(n, m)`` (a
+slice of a node or whole nodes) and every logical mesh of it, each distinct layer is costed
+by the intra-op ILP once (layers with equal ops and shapes share the answer).
+
+Ranges (:class:`RangeTable`). A stage's cost is the sum of its layers' costs plus sending its
+boundary activations (and receiving their gradients) over the link to the next stage:
+
+- apart, every layer hands its values on replicated, as if a stage boundary followed it; the
+  ``REFINED`` best pipelines are searched again with each boundary inside a stage corrected
+  by what planning the two layers that meet there together changes (the ILP of the pair, once
+  per distinct pair; usually a saving, as the value may stay sharded). For a stage of two
+  layers that is the stage's own ILP; in a longer one, boundaries interact through the layers
+  between them, which the sum misses: over every range of Alpa's GPT-1.3B it is within 0.01%
+  of the range's own ILP (``benchmarks/range_costs.py``), for three small latency-bound
+  layers on H100s 16% above it;
+- memory counts what a layer receives from another layer of the stage as the stage's ILP does
+  (:meth:`RangeTable.counted_apart`);
+- where the layers' fastest plans do not fit the budget together, they are trimmed together
+  until they fit, each step freeing memory where it costs the least time per byte
+  (:func:`autoplan.solvers.trim_memory_together`: a quick estimate); where not even the
+  least-memory plans fit, the stage is absent.
+
+Stages. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's recurrence)
+cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline stages
+pair rank i of one stage with rank i of the next), each stage on the logical mesh of that
+shape where its layers run fastest within the budget. Stages holding a tied weight share one
+logical mesh, so that its copies are stored alike; the DP runs once for each mesh they may
+take. Interleaved schedules cut their chunks after the search, so their stages share one
+logical mesh.
+
+Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
+the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
+exactly: one intra-op ILP per stage over all its nodes, under the memory budget; the fastest
+exact plan wins, and the others are listed as alternatives with their exact figures. (The
+search's estimates run 1–9% above the exact plans, not by the same factor for every pipeline:
+near ties are settled exactly.)
+
+Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
+and activation traffic run once per microbatch, gradient reductions and the optimizer step
+once per step (amortised). A stage receives its inputs whole and sends their gradients back
+whole; it hands on only what later stages read (and the loss). After the schedule, once per
+step: the gradients of a weight held by stages on several pipeline ranks (a tied embedding)
+are summed among them (all stages store it as the first chose), and the loss is broadcast to
+every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
+
+- ``gpipe``: step = Σ t_i + (B − 1)·max t_i; every stage keeps all ``B`` microbatches'
+  activations;
+- ``1f1b``: the same step time; a stage keeps at most ``min(B, S)`` microbatches' activations
+  (stage ``s`` of torch's ``Schedule1F1B`` keeps ``min(B, S − s)``: every stage is counted as
+  the first, more than later stages need, never less);
+- ``interleaved1f1b``: ``v = 2`` chunks per pipeline rank; the bubble shrinks to
+  ``(D − 1)·max t / v`` (``D`` ranks); each chunk keeps ``min(B, v·D)`` microbatches'
+  activations (torch's schedule keeps at most ``(v − 1)·D + 2(D − 1)`` chunk-forwards on a rank,
+  at most ``2D − 2`` of them in one chunk), and a rank's chunks share its memory;
+- ``interleavedzerobubble``: as interleaved, with the weight-gradient half of each backward
+  scheduled into the bubble, which leaves about a third of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+from autoplan.errors import AutoplanError
+from autoplan.load import ModelSpec
+from autoplan.plan_schema import Alternative, Plan
+from autoplan.planner.options import PlannerOptions
+from autoplan.planner.pipeline.assemble import assemble_pipeline, no_plan_fits
+from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions, candidate_name, interleave
+from autoplan.planner.pipeline.exact import RERANK_MARGIN, split_budget
+from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
+from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
+    normalize_schedule, pipeline_time)
+from autoplan.planner.pipeline.search import REFINED, cluster_shape, search_pipelines, trace_microbatch
+from autoplan.solvers import format_seconds
+
+__all__ = [
+    "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
+    "Schedule", "activations_in_flight", "cluster_shape", "layer_costs", "normalize_schedule", "pipeline_time",
+    "plan_pipeline", "split_budget", "tied_layers", "trace_microbatch",
+]
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused() -> Iterator[None]:
+    """The search allocates millions of small objects (strategies, cost matrices, solver
+    models) and leaves no reference cycles worth collecting while it runs; the cyclic
+    collector's passes over them took about an eighth of the 39B case's planning time (memory
+    peak with it paused: 514 MB against 465 MB). Cycles are collected when it resumes."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()) -> Plan:
+    """Search stages × sub-meshes × logical meshes × microbatches and plan the best pipeline."""
+    with _cyclic_gc_paused():
+        return _plan_pipeline(spec, options, popts)
+
+
+def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> Plan:
+    if popts.schedule is not None:
+        popts = replace(popts, schedule=normalize_schedule(popts.schedule))
+    start = time.perf_counter()
+    candidates, trace_s = search_pipelines(spec, options, popts)
+    if not candidates:
+        raise no_plan_fits(spec, options)
+    schedule = popts.schedule or "1f1b"
+    search_s = time.perf_counter() - start - trace_s
+    close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
+    planned: list[tuple[Plan, PipelineCandidate]] = []
+    errors: list[AutoplanError] = []
+    for candidate in close:
+        try:
+            chosen = interleave(candidate) if schedule in INTERLEAVED else candidate
+            planned.append((assemble_pipeline(spec, chosen, options, schedule, {}), candidate))
+        except AutoplanError as e:
+            errors.append(e)
+    if not planned:
+        raise errors[0]
+    plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
+    total_s = time.perf_counter() - start
+    plan.timings_s = {"trace": trace_s, "search": search_s, "exact": total_s - trace_s - search_s, "total": total_s}
+    plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], p.predicted,
+                                     f"{format_seconds(c.step_time_s)} per step in the stage search; planned exactly")
+                         for p, c in planned if c is not best]
+    plan.alternatives += [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], None,
+                                      f"{format_seconds(c.step_time_s)} per step in the stage search",
+                                      estimate_s=c.step_time_s)
+                          for c in candidates[len(close):][:max(0, 6 - len(planned))]]
+    return plan

@@ -1,0 +1,49 @@
+"""Pipeline schedules: their names, step time and the activations each keeps in flight (see
+the package docstring for the formulas)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from autoplan.errors import AutoplanError
+
+
+class Schedule(StrEnum):
+    """A plan's schedule, as plan.json names it (``none``: no pipeline)."""
+
+    NONE = "none"
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved1f1b"
+    INTERLEAVED_ZERO_BUBBLE = "interleavedzerobubble"
+
+
+SCHEDULES: tuple[Schedule, ...] = tuple(s for s in Schedule if s is not Schedule.NONE)
+INTERLEAVED = frozenset({Schedule.INTERLEAVED_1F1B, Schedule.INTERLEAVED_ZERO_BUBBLE})
+
+INTERLEAVE = 2  # chunks per pipeline rank in the interleaved schedules
+ZERO_BUBBLE_LEFT = 1.0 / 3.0  # share of the interleaved bubble zero-bubble scheduling leaves (the forward's)
+
+
+def normalize_schedule(name: str) -> Schedule:
+    """torch's schedule names, any case, with or without torch's ``Schedule`` prefix:
+    ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``ScheduleInterleavedZeroBubble``."""
+    key = name.replace("_", "").replace("-", "").lower().removeprefix("schedule")
+    if key not in SCHEDULES:
+        raise AutoplanError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    return Schedule(key)
+
+
+def activations_in_flight(schedule: str, microbatches: int, stages: int) -> int:
+    return microbatches if schedule == "gpipe" else min(microbatches, stages)
+
+
+def pipeline_time(latencies: list[float], microbatches: int, schedule: str) -> float:
+    """Step time of a pipeline whose stages take ``latencies`` per microbatch."""
+    if schedule in INTERLEAVED and len(latencies) >= INTERLEAVE:
+        ranks = len(latencies) // INTERLEAVE
+        per_rank = [sum(latencies[r::ranks]) for r in range(ranks)]
+        # zero bubble: the weight-gradient half of each backward fills the warm-up and drain
+        bubble = (ranks - 1) * max(latencies) * (ZERO_BUBBLE_LEFT if schedule == "interleavedzerobubble" else 1.0)
+        return microbatches * max(per_rank) + bubble
+    return sum(latencies) + (microbatches - 1) * max(latencies)

@@ -1,0 +1,82 @@
+"""The ILP solvers pulp can run for us: their names, which one runs, and how it is set up.
+
+HiGHS (``highspy``, the default) and CBC (the binary pulp bundles) both run single-threaded,
+so a solve is deterministic for a given build. A name is checked in one place,
+:func:`check_solver_name`; when the requested solver cannot run the other one does, and a
+:class:`SolverFallbackWarning` says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Literal, cast, get_args
+
+import pulp
+
+from autoplan.errors import AutoplanError
+
+SolverName = Literal["highs", "cbc"]
+SOLVER_NAMES: tuple[SolverName, ...] = get_args(SolverName)
+DEFAULT_MIP_GAP = 1e-7  # relative gap the solver must prove before it reports "optimal"
+HIGHS_ABS_GAP = 1e-9  # absolute gap, in units of the largest objective coefficient (P5)
+EXACT_FEASIBILITY_TOL = 1e-10  # tie-break solves: rows (5)-(6) hold to this, not to 1e-7
+# pulp 3.3 deprecates its bundled CBC, which is the CBC we want; only that warning is silenced
+_CBC_DEPRECATION = r"PULP_CBC_CMD is deprecated"
+
+
+class SolverFallbackWarning(UserWarning):
+    """The requested ILP solver cannot run here; the other one runs instead."""
+
+
+def check_solver_name(name: object) -> SolverName:
+    """``name`` as a SolverName; AutoplanError naming the bad value and the valid ones."""
+    if name not in SOLVER_NAMES:
+        raise AutoplanError(f"unknown solver {name!r}: use one of {', '.join(SOLVER_NAMES)}")
+    return cast(SolverName, name)
+
+
+@contextlib.contextmanager
+def _cbc_deprecation_silenced() -> Iterator[None]:
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_CBC_DEPRECATION, category=DeprecationWarning)
+        yield
+
+
+def solver_available(name: SolverName) -> bool:
+    """Whether pulp can run ``name`` here (HiGHS needs highspy; CBC its bundled binary)."""
+    if name == "highs":
+        return bool(pulp.HiGHS(msg=False).available())
+    with _cbc_deprecation_silenced():
+        return bool(pulp.PULP_CBC_CMD(msg=False).available())
+
+
+def pick_solver(requested: object) -> SolverName:
+    """The requested solver if pulp can run it, else the other one with a warning."""
+    name = check_solver_name(requested)
+    if solver_available(name):
+        return name
+    for other in SOLVER_NAMES:
+        if other != name and solver_available(other):
+            warnings.warn(f"ILP solver {name!r} is not available here; solving with {other!r} "
+                          "instead", SolverFallbackWarning, stacklevel=3)
+            return other
+    raise AutoplanError("no ILP solver can run: install highspy, or pulp with its bundled CBC")
+
+
+def make_backend(name: SolverName, time_limit_s: float | None, mip_gap: float | None,
+                 log_path: str, exact_abs_gap: float | None = None) -> pulp.LpSolver:
+    """A pulp solver object. With ``exact_abs_gap`` (the tie-break solves): no relative gap,
+    that absolute gap, and rows held to EXACT_FEASIBILITY_TOL instead of the default 1e-7."""
+    exact = exact_abs_gap is not None
+    gap_rel = 0.0 if exact else (DEFAULT_MIP_GAP if mip_gap is None else mip_gap)
+    if name == "highs":
+        extra = {"primal_feasibility_tolerance": EXACT_FEASIBILITY_TOL} if exact else {}
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,
+                          gapAbs=exact_abs_gap if exact else HIGHS_ABS_GAP, threads=1, **extra)
+    options = [f"primalTolerance {EXACT_FEASIBILITY_TOL:g}"] if exact else []
+    with _cbc_deprecation_silenced():
+        return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,
+                                 gapAbs=exact_abs_gap, threads=1, logPath=log_path,
+                                 options=options)

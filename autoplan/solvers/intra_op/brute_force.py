@@ -1,0 +1,77 @@
+"""The canonical optimum by enumeration (tests, tiny problems).
+
+The rule of :mod:`~autoplan.solvers.intra_op.tie_break`, over every assignment: the least
+cost ``f*`` under the budget; among the assignments within the tie tolerance of ``f*`` that
+fit the budget, the least weight ``W``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from autoplan.solvers.intra_op.problem import IntraOpProblem, IntraOpSolution, check_memory_feasible
+from autoplan.solvers.intra_op.solve import solution_of
+from autoplan.solvers.intra_op.tie_break import objective_tolerance, tie_break_weights
+
+BRUTE_FORCE_LIMIT = 1_000_000  # most assignments brute_force enumerates
+
+
+def _along(shape: tuple[int, ...], axis: int, vector: np.ndarray) -> np.ndarray:
+    view = [1] * len(shape)
+    view[axis] = len(vector)
+    return vector.reshape(view)
+
+
+def _cost_and_memory_tensors(problem: IntraOpProblem) -> tuple[np.ndarray, np.ndarray]:
+    """Cost and memory of every assignment, one array axis per group (C order = lexicographic)."""
+    shape = tuple(problem.num_choices(g) for g in range(problem.num_groups))
+    cost = np.zeros(shape)
+    memory = np.zeros(shape)
+    for g in range(problem.num_groups):
+        cost += _along(shape, g, np.asarray(problem.costs[g], dtype=float))
+        memory += _along(shape, g, np.asarray(problem.memory[g], dtype=float))
+    for edge in problem.edges:
+        matrix = np.asarray(edge.cost, dtype=float)
+        if edge.src == edge.dst:
+            cost += _along(shape, edge.src, np.diag(matrix).copy())
+            continue
+        view = [1] * len(shape)
+        view[edge.src], view[edge.dst] = shape[edge.src], shape[edge.dst]
+        oriented = matrix if edge.src < edge.dst else matrix.T
+        cost += oriented.reshape(view)
+    return cost, memory
+
+
+def _weight_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:
+    weights = np.zeros(shape, dtype=np.int64)
+    for g, row in enumerate(tie_break_weights(problem)):
+        weights += _along(shape, g, np.asarray(row, dtype=np.int64))
+    return weights
+
+
+def brute_force(problem: IntraOpProblem) -> IntraOpSolution:
+    """The canonical optimum by enumerating every assignment (at most BRUTE_FORCE_LIMIT)."""
+    problem.validate()
+    count = math.prod(problem.num_choices(g) for g in range(problem.num_groups))
+    if count > BRUTE_FORCE_LIMIT:
+        raise ValueError(
+            f"brute_force would enumerate {count} assignments (limit {BRUTE_FORCE_LIMIT})"
+        )
+    check_memory_feasible(problem)
+    start = time.perf_counter()
+    if problem.num_groups == 0:
+        return solution_of(problem, [], "optimal", 0.0, "brute_force", 0.0, 0, 0)
+    cost, memory = _cost_and_memory_tensors(problem)
+    fits = np.ones(cost.shape, dtype=bool)
+    if problem.memory_budget is not None:
+        fits = memory <= problem.memory_budget
+    best = float(cost[fits].min())
+    tied = fits & (cost <= best + objective_tolerance(best))
+    weights = np.where(tied, _weight_tensor(problem, cost.shape), np.iinfo(np.int64).max)
+    flat = int(np.argmin(weights))
+    choices = [int(i) for i in np.unravel_index(flat, cost.shape)]
+    seconds = time.perf_counter() - start
+    return solution_of(problem, choices, "optimal", 0.0, "brute_force", seconds, 0, 0)

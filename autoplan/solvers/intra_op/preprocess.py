@@ -1,0 +1,127 @@
+"""Preprocessing (P1)-(P5): a smaller model with the same answer.
+
+(P1) A self-edge ``(g, g)`` means both ends pick the same index: ``c[g,i] += R[gg][i,i]``.
+(P2) Duplicate edges add up; ``(v, u)`` is merged into ``(u, v)`` transposed.
+(P3) A separable matrix ``R[i,j] = a[i] + b[j]`` (to SEPARABLE_RTOL relative) folds into the
+     node costs, ``c[u] += a``, ``c[v] += b``. This covers all-zero and constant matrices and
+     every edge that touches a single-choice group.
+(P4) A group with a single choice gets no variable (``s = 1``). When no budget constrains the
+     model, a group left without edges is decided alone: among its cheapest choices (ties
+     within the tolerance of :mod:`~autoplan.solvers.intra_op.tie_break`) the one with the
+     least (memory, choice name), which is the canonical assignment's choice for it.
+(P5) Numerics: each group's costs are shifted by their minimum (a constant, since exactly one
+     choice is taken); the ILP divides its objective by its largest coefficient and the memory
+     row by ``M`` (:mod:`~autoplan.solvers.intra_op.ilp`). A budget that even the
+     largest-memory assignment meets drops the memory row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autoplan.solvers.intra_op.problem import IntraOpProblem
+from autoplan.solvers.intra_op.tie_break import preferred_choice
+
+SEPARABLE_RTOL = 1e-12  # (P3) residual allowed, relative to the matrix's largest entry
+
+
+@dataclass
+class ReducedProblem:
+    """The problem after (P1)-(P5): what the ILP still has to decide."""
+
+    node_costs: list[list[float]]  # shifted so each group's minimum is 0
+    constant: float  # seconds taken out of the model: minima of every group
+    edges: dict[tuple[int, int], list[list[float]]]  # merged, non-separable, u < v
+    fixed: dict[int, int]  # groups decided before the ILP -> their choice
+    active: list[int]  # groups that get binary variables, ascending
+    budget_binding: bool  # the memory row is needed
+
+
+def _merge_edges(problem: IntraOpProblem, node_costs: list[list[float]]) -> dict:
+    """(P1) fold self-edges into node costs; (P2) sum duplicate and reversed edges."""
+    merged: dict[tuple[int, int], list[list[float]]] = {}
+    for edge in problem.edges:
+        if edge.src == edge.dst:
+            for i, row in enumerate(edge.cost):
+                node_costs[edge.src][i] += row[i]
+            continue
+        u, v = min(edge.src, edge.dst), max(edge.src, edge.dst)
+        matrix = edge.cost if edge.src == u else [list(col) for col in zip(*edge.cost)]
+        if (u, v) not in merged:
+            merged[(u, v)] = [list(map(float, row)) for row in matrix]
+            continue
+        target = merged[(u, v)]
+        for i, row in enumerate(matrix):
+            for j, x in enumerate(row):
+                target[i][j] += x
+    return merged
+
+
+def _separable_parts(matrix: list[list[float]]) -> tuple[list[float], list[float]] | None:
+    """(a, b) with matrix[i][j] == a[i] + b[j] to SEPARABLE_RTOL, else None."""
+    a = [row[0] for row in matrix]
+    b = [x - matrix[0][0] for x in matrix[0]]
+    tol = SEPARABLE_RTOL * max(abs(x) for row in matrix for x in row)
+    for i, row in enumerate(matrix):
+        for j, x in enumerate(row):
+            if abs(x - a[i] - b[j]) > tol:
+                return None
+    return a, b
+
+
+def _fold_separable_edges(edges: dict, node_costs: list[list[float]]) -> dict:
+    """(P3) move separable edge matrices (incl. all-zero ones) into the node costs."""
+    kept = {}
+    for (u, v), matrix in sorted(edges.items()):
+        parts = _separable_parts(matrix)
+        if parts is None:
+            kept[(u, v)] = matrix
+            continue
+        for i, x in enumerate(parts[0]):
+            node_costs[u][i] += x
+        for j, x in enumerate(parts[1]):
+            node_costs[v][j] += x
+    return kept
+
+
+def _shift_node_costs(node_costs: list[list[float]]) -> float:
+    """(P5) subtract each group's minimum cost; return the sum of the minima."""
+    total = []
+    for costs in node_costs:
+        low = min(costs)
+        total.append(low)
+        costs[:] = [x - low for x in costs]
+    return math.fsum(total)
+
+
+def _budget_binding(problem: IntraOpProblem) -> bool:
+    """(P5) the memory row is needed unless even the largest-memory assignment meets the budget."""
+    if problem.memory_budget is None:
+        return False
+    return math.fsum(max(m) for m in problem.memory) > problem.memory_budget
+
+
+def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges: dict,
+                  budget_binding: bool) -> dict[int, int]:
+    """(P4) groups decided without the ILP: single choice, or isolated with no binding budget."""
+    on_edge = {g for pair in edges for g in pair}
+    fixed = {}
+    for g, costs in enumerate(node_costs):
+        if len(costs) == 1:
+            fixed[g] = 0
+        elif not budget_binding and g not in on_edge:
+            fixed[g] = preferred_choice(problem, g, costs)
+    return fixed
+
+
+def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
+    """Apply (P1)-(P5); the optimum of the reduced model plus the constant is the optimum."""
+    node_costs = [list(map(float, c)) for c in problem.costs]
+    edges = _merge_edges(problem, node_costs)
+    edges = _fold_separable_edges(edges, node_costs)
+    binding = _budget_binding(problem)
+    fixed = _fixed_groups(problem, node_costs, edges, binding)  # before (P5): real magnitudes
+    constant = _shift_node_costs(node_costs)
+    active = [g for g in range(problem.num_groups) if g not in fixed]
+    return ReducedProblem(node_costs, constant, edges, fixed, active, binding)

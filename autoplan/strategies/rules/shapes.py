@@ -1,0 +1,173 @@
+"""Rules for ops that move dims around without arithmetic: views and reshapes, permutations,
+slices, splits and concatenations, padding. All are linear (partial sums pass through).
+
+A view pairs runs of input dims with runs of output dims of equal product; the leading dim of
+each run keeps its letter and the others stay whole. The dim an op slices, splits, pads or
+concatenates along stays whole.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from torch import fx
+
+from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, normalize_dim, op_name, output_shapes,
+    replicated_map, rule_table, tensor_inputs, tensor_shape)
+
+VIEWS = frozenset("view _unsafe_view reshape flatten unflatten expand expand_as view_as squeeze unsqueeze".split())
+PERMUTES = frozenset("transpose permute t swapaxes numpy_T".split())
+SLICES = frozenset("slice select narrow".split())
+CONCATENATIONS = frozenset("cat concat stack".split())
+
+
+def view_groups(src: tuple[int, ...], dst: tuple[int, ...]) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of input dims with runs of output dims of equal product (size-1 dims alone);
+    ``None`` when the shapes cannot be paired so."""
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1 and (j >= len(dst) or dst[j] != 1):
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1 and (i >= len(src) or src[i] != 1):
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            return None
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        i += 1
+        j += 1
+        while pi != pj:
+            if pi < pj:
+                if i >= len(src):
+                    return None
+                pi *= src[i]
+                gi.append(i)
+                i += 1
+            else:
+                if j >= len(dst):
+                    return None
+                pj *= dst[j]
+                gj.append(j)
+                j += 1
+        groups.append((gi, gj))
+    return groups
+
+
+def view(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    """Views, reshapes, and squeeze/unsqueeze (size-1 dims come and go in the grouping)."""
+    src = tensor_inputs(node)[0]
+    in_shape = tensor_shape(src)
+    out_shape = output_shapes(node)[0]
+    groups = view_groups(in_shape, out_shape)
+    if groups is None:
+        return replicated_map(node, maker)
+    in_letters: list[str] = [""] * len(in_shape)
+    out_letters: list[str] = [""] * len(out_shape)
+    fixed: set[str] = set()
+    for gi, gj in groups:
+        # the leading dim of a merged/split run keeps the letter; the rest stay whole
+        lead = maker.fresh()
+        for k, d in enumerate(gi):
+            in_letters[d] = lead if k == 0 else maker.fresh()
+        for k, d in enumerate(gj):
+            out_letters[d] = lead if k == 0 else maker.fresh()
+        if not gi or not gj:
+            fixed.add(lead)
+        fixed.update(in_letters[d] for d in gi[1:])
+        fixed.update(out_letters[d] for d in gj[1:])
+    return IndexMap({src.name: tuple(in_letters)}, (tuple(out_letters),), fixed=frozenset(fixed), linear=True)
+
+
+def permute(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    op = op_name(node)
+    src = tensor_inputs(node)[0]
+    ndim = len(tensor_shape(src))
+    letters = maker.many(ndim)
+    if op == "permute":
+        order = [normalize_dim(int(d), ndim) for d in node.args[1]]
+    elif op == "t" or op == "numpy_T":
+        order = list(range(ndim))[::-1]
+    else:  # transpose / swapaxes
+        a, b = normalize_dim(int(node.args[1]), ndim), normalize_dim(int(node.args[2]), ndim)
+        order = list(range(ndim))
+        order[a], order[b] = order[b], order[a]
+    return IndexMap({src.name: letters}, (tuple(letters[d] for d in order),), linear=True)
+
+
+def slice_like(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    op = op_name(node)
+    src = tensor_inputs(node)[0]
+    shape = tensor_shape(src)
+    letters = maker.many(len(shape))
+    dim = normalize_dim(int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0)), len(shape))
+    out_shape = output_shapes(node)[0]
+    if op == "select":
+        out = tuple(x for i, x in enumerate(letters) if i != dim)
+        return IndexMap({src.name: letters}, (out,), fixed=frozenset({letters[dim]}), linear=True)
+    if op == "slice" and out_shape == shape:
+        return IndexMap({src.name: letters}, (letters,), linear=True)
+    out = tuple(maker.fresh() if i == dim else x for i, x in enumerate(letters))
+    return IndexMap({src.name: letters}, (out,), fixed=frozenset({letters[dim], out[dim]}), linear=True)
+
+
+def split(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    src = tensor_inputs(node)[0]
+    shape = tensor_shape(src)
+    letters = maker.many(len(shape))
+    dim = normalize_dim(int(node.args[2]) if len(node.args) > 2 else int(node.kwargs.get("dim", 0)), len(shape))
+    outs = []
+    fixed = {letters[dim]}
+    for _ in output_shapes(node):
+        out = tuple(maker.fresh() if i == dim else x for i, x in enumerate(letters))
+        fixed.add(out[dim])
+        outs.append(out)
+    return IndexMap({src.name: letters}, tuple(outs), fixed=frozenset(fixed), linear=True)
+
+
+def unbind(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    src = tensor_inputs(node)[0]
+    shape = tensor_shape(src)
+    letters = maker.many(len(shape))
+    dim = normalize_dim(int(node.args[1]) if len(node.args) > 1 else 0, len(shape))
+    out = tuple(x for i, x in enumerate(letters) if i != dim)
+    return IndexMap({src.name: letters}, tuple(out for _ in output_shapes(node)),
+                    fixed=frozenset({letters[dim]}), linear=True)
+
+
+def concatenate(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    op = op_name(node)
+    tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+    out_shape = output_shapes(node)[0]
+    out = maker.many(len(out_shape))
+    dim = normalize_dim(int(node.args[1]) if len(node.args) > 1 else int(node.kwargs.get("dim", 0)), len(out_shape))
+    fixed = {out[dim]}
+    inputs: dict[str, Letters | None] = {}
+    for t in tensors:
+        if op == "stack":
+            letters = tuple(x for i, x in enumerate(out) if i != dim)
+        else:
+            letters = tuple(maker.fresh() if i == dim else x for i, x in enumerate(out))
+            fixed.add(letters[dim])
+        inputs[t.name] = letters
+    return IndexMap(inputs, (out,), fixed=frozenset(fixed), linear=True)
+
+
+def pad(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    src = tensor_inputs(node)[0]
+    shape = tensor_shape(src)
+    letters = maker.many(len(shape))
+    pads = list(node.args[1])
+    padded = {len(shape) - 1 - i // 2 for i, p in enumerate(pads) if p}
+    out = tuple(maker.fresh() if d in padded else x for d, x in enumerate(letters))
+    fixed = {letters[d] for d in padded} | {out[d] for d in padded}
+    return IndexMap({src.name: letters}, (out,), fixed=frozenset(fixed))
+
+
+RULES: MappingProxyType[str, Rule] = rule_table([(VIEWS, view), (PERMUTES, permute), (SLICES, slice_like),
+    (CONCATENATIONS, concatenate), (frozenset({"split", "split_with_sizes", "chunk"}), split),
+    (frozenset({"unbind"}), unbind), (frozenset({"pad", "constant_pad_nd"}), pad)])

@@ -1,0 +1,206 @@
+"""Exporting ``loss_fn(module(*inputs), *inputs)`` with torch.export, and tidying the graph.
+
+The user's module and loss are wrapped into one module whose forward returns
+``(loss, *model_outputs)``, exported with ``torch.export.export(..., strict=False)`` in
+training mode. Afterwards ``aten._assert_tensor_metadata`` nodes (no effect, no DTensor rule)
+are dropped with the code that only fed them, and ``torch.no_grad()`` regions that read no
+trainable value are inlined as plain ATen ops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import keyword
+import operator
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.fx
+from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
+
+from autoplan.errors import AutoplanError
+from autoplan.load import ModelSpec, _first_line
+from autoplan.trace.values import fake_value, tensor_leaves
+
+__all__ = ["WRAPPER_PREFIX", "export_model", "tidy_graph"]
+
+aten = torch.ops.aten
+
+# The user's module is the attribute ``m`` of the exported wrapper: export names its parameters
+# ``m.<fqn>`` and its modules ``m.<path>``; the prefix is removed everywhere in the TracedGraph.
+_ATTR = "m"
+WRAPPER_PREFIX = _ATTR + "."
+
+
+class _LossAndOutputs(torch.nn.Module):
+    """``forward(*inputs) -> (loss, *tensors of module(*inputs))``."""
+
+    def __init__(self, module: torch.nn.Module, loss_fn: Any) -> None:
+        super().__init__()
+        setattr(self, _ATTR, module)
+        object.__setattr__(self, "_loss_fn", loss_fn)  # not registered, even if an nn.Module
+
+    def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self._run(*inputs)
+
+    def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        output = getattr(self, _ATTR)(*inputs)
+        loss = self._loss_fn(output, *inputs)
+        if not isinstance(loss, torch.Tensor):
+            raise AutoplanError(
+                f"the loss function returned {type(loss).__name__}, not a tensor: "
+                "make loss_fn(output, *inputs) return a scalar tensor"
+            )
+        if loss.dim() != 0:
+            raise AutoplanError(
+                f"the loss function returned a tensor of shape {tuple(loss.shape)}, not a scalar: "
+                "reduce it (for example with .mean()) in loss_fn"
+            )
+        outputs = [t for t in tensor_leaves(output) if t is not loss]
+        return (loss, *outputs)
+
+
+def _input_names(module: torch.nn.Module, count: int) -> list[str]:
+    """Names for the user-input placeholders: the module's forward parameter names where they
+    are plain positional ones (``input_ids``, ``attention_mask``), else ``input_<i>``."""
+    names: list[str] = []
+    try:
+        params = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) or len(names) == count:
+            break
+        names.append(p.name)
+    out: list[str] = []
+    for i in range(count):
+        name = names[i] if i < len(names) else f"input_{i}"
+        if (not name.isidentifier() or keyword.iskeyword(name) or name in out
+                or name in ("self", _ATTR) or name.startswith("_")):
+            name = f"input_{i}"
+        out.append(name)
+    return out
+
+
+def _make_wrapper(module: torch.nn.Module, loss_fn: Any, count: int) -> _LossAndOutputs:
+    """A _LossAndOutputs whose forward names its arguments like the user's module does, so that
+    export names the input placeholders ``input_ids`` rather than ``inputs_0``."""
+    names = _input_names(module, count)
+    arglist = ", ".join(names)
+    namespace: dict[str, Any] = {}
+    exec(f"def forward(self, {arglist}):\n    return self._run({arglist})\n", namespace)
+    cls = type("_LossAndOutputs", (_LossAndOutputs,), {"forward": namespace["forward"]})
+    return cls(module, loss_fn)
+
+
+@contextlib.contextmanager
+def _export_mode(module: torch.nn.Module) -> Iterator[None]:
+    """Training mode and ``use_cache=False`` on every transformers config (a DynamicCache in the
+    output is rejected by export) while exporting; the user's settings come back afterwards."""
+    modes = [(m, m.training) for m in module.modules()]
+    configs: dict[int, tuple[Any, Any]] = {}
+    for m in module.modules():
+        config = getattr(m, "config", None)
+        if config is not None and id(config) not in configs and hasattr(config, "use_cache"):
+            configs[id(config)] = (config, config.use_cache)
+            try:
+                config.use_cache = False
+            except Exception:  # a frozen config: leave it
+                del configs[id(config)]
+    module.train()
+    try:
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+        for config, value in configs.values():
+            config.use_cache = value
+
+
+def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:
+    """The exported ``(loss, *model_outputs)`` of ``spec``; an :class:`AutoplanError` naming
+    the cause when export fails."""
+    wrapper = _make_wrapper(spec.module, spec.loss_fn, len(spec.example_inputs))
+    with _export_mode(spec.module):
+        try:
+            return torch.export.export(wrapper, tuple(spec.example_inputs), strict=False)
+        except AutoplanError:
+            raise
+        except Exception as e:
+            text = f"{type(e).__name__}: {_first_line(e)}"
+            if "data-dependent" in text or "DataDependent" in text:
+                hint = ("the model branches on tensor values; make its Python control flow depend "
+                        "on shapes only")
+            else:
+                hint = f"check that {spec.name} runs on its example inputs"
+            raise AutoplanError(f"torch.export could not trace {spec.name}: {text} ({hint})") from e
+
+
+def tidy_graph(gm: torch.fx.GraphModule) -> None:
+    """Inline no-grad regions, drop metadata asserts, check and recompile ``gm`` in place."""
+    _inline_no_grad_regions(gm)
+    _drop_assert_metadata(gm)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def _drop_assert_metadata(gm: torch.fx.GraphModule) -> None:
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op == "call_function" and node.target is aten._assert_tensor_metadata.default:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+
+
+def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
+    """Inlines ``wrap_with_set_grad_enabled(False, submod, *args)`` — export's form of a
+    ``torch.no_grad()`` region, e.g. the rotary embedding of Llama — when none of its inputs
+    requires grad: then no gradient could flow through it anyway, and plain ATen ops are what
+    sharding strategies and DTensor understand. Regions that read parameters stay wrapped."""
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not wrap_with_set_grad_enabled:
+            continue
+        enabled, sub_node, *operands = node.args
+        if enabled is not False or node.kwargs or sub_node.op != "get_attr":
+            continue
+        if any(getattr(fake_value(a), "requires_grad", False) for a in node.all_input_nodes):
+            continue
+        sub = getattr(gm, sub_node.target)
+        if any(n.op not in ("placeholder", "call_function", "output") for n in sub.graph.nodes):
+            continue  # nested regions: leave them
+        env: dict[torch.fx.Node, Any] = {}
+        sub_placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        if len(sub_placeholders) != len(operands):
+            continue
+        env.update(zip(sub_placeholders, operands))
+        result: Any = None
+        with graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    result = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
+                    continue
+                new = graph.node_copy(n, lambda a: env[a])
+                # the region's ops belong to the module that opened it
+                for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+                    if key in node.meta and key not in n.meta:
+                        new.meta[key] = node.meta[key]
+                env[n] = new
+        if isinstance(result, (tuple, list)):
+            for user in list(node.users):
+                if user.op == "call_function" and user.target is operator.getitem:
+                    user.replace_all_uses_with(result[user.args[1]])
+                    graph.erase_node(user)
+            if node.users:  # used otherwise than through getitem: keep the region
+                continue
+        else:
+            node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        if not sub_node.users:
+            graph.erase_node(sub_node)
+            if not any(n.op == "get_attr" and n.target == sub_node.target for n in graph.nodes):
+                delattr(gm, sub_node.target)
