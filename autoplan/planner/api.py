@@ -35,13 +35,13 @@ class MeshOutcome:
     least_memory: float | None = None
 
 
-def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...], options: PlannerOptions
-                ) -> MeshOutcome:
+def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...], options: PlannerOptions,
+                canonical: bool = True) -> MeshOutcome:
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer,
                       remat=options.remat)
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
-                               options.time_limit_s, options.pick, options.allow_storage)
+                               options.time_limit_s, options.pick, options.allow_storage, canonical)
     except MemoryInfeasibleError as e:
         return MeshOutcome(mesh, None, None, str(e), e.least_memory_bytes)
     return MeshOutcome(mesh, result, ctx)
@@ -57,7 +57,8 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         raise AutoplanError(f"mesh {mesh_label(options.mesh)} holds {math.prod(options.mesh)} devices but devices is "
                             f"{options.devices}: make them agree (a smaller mesh is a pipeline stage's: pass --stages)")
     meshes = [options.mesh] if options.mesh else candidate_meshes(options.devices)
-    outcomes = [_solve_mesh(graph, classes, mesh, options) for mesh in meshes]
+    # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically
+    outcomes = [_solve_mesh(graph, classes, mesh, options, canonical=len(meshes) == 1) for mesh in meshes]
     feasible = [o for o in outcomes if o.result is not None]
     if not feasible:
         least = min(o.least_memory for o in outcomes if o.least_memory is not None)
@@ -67,6 +68,13 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
             f"give more memory (--memory-per-device) or more devices", least)
     predictions = {o.mesh: predict(graph, classes, o.result, o.ctx) for o in feasible}
     best = min(feasible, key=lambda o: predictions[o.mesh][0].step_time_s)
+    if len(meshes) > 1:
+        canonical = _solve_mesh(graph, classes, best.mesh, options)
+        if canonical.result is not None:
+            canonical.result.solution.solve_time_s += best.result.solution.solve_time_s
+            outcomes[outcomes.index(best)] = best = canonical
+            feasible = [o for o in outcomes if o.result is not None]
+            predictions[best.mesh] = predict(graph, classes, best.result, best.ctx)
     solve_s = sum(o.result.solution.solve_time_s for o in feasible)
     timings["solve"] = solve_s
     timings["strategies"] = time.perf_counter() - start - solve_s

@@ -303,7 +303,7 @@ def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: _GraphView 
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
                   memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
                   pick: Callable[[int, list[str]], int] | None = None,
-                  allow_storage: StorageRule | None = None) -> IntraOpResult:
+                  allow_storage: StorageRule | None = None, canonical: bool = True) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
@@ -311,7 +311,9 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     restricts how parameters, buffers and inputs may be stored and what ops may produce
     (manual plans: data parallel over a mesh axis means parameters replicated and the batch
     sharded there); a stored value keeps its first spec (replicated) and an op all its
-    strategies if the rule allows none."""
+    strategies if the rule allows none. ``canonical`` breaks ties among equal-cost assignments
+    canonically (:mod:`autoplan.solvers.intra_op.canonical`), at the price of a second solve:
+    needed for a plan that runs, not for a cost estimate."""
     view = _GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     messages: list[str] = []
@@ -331,7 +333,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     grouping = _group(view, classes, strat)
     problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
     if pick is None:
-        solution = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s)
+        solution = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
     else:
         choices = [pick(g, problem.choice_names[g]) for g in range(len(problem.costs))]
         objective, memory = evaluate(problem, choices)

@@ -50,7 +50,7 @@ class LayerCosts:
                 sub = extract(graph, list(layer.nodes))
                 result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                        self.options.solver, self.options.time_limit_s,
-                                       allow_storage=self.options.allow_storage)
+                                       allow_storage=self.options.allow_storage, canonical=False)
                 self.problems[layer.signature] = result.problem
                 self.fast_choices[layer.signature] = result.solution.choices
                 self.cache[key] = (result.solution.objective, result.solution.memory)
@@ -92,7 +92,7 @@ class LayerCosts:
             sub = extract(graph, list(first.nodes) + list(second.nodes))
             result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                    self.options.solver, self.options.time_limit_s,
-                                   allow_storage=self.options.allow_storage)
+                                   allow_storage=self.options.allow_storage, canonical=False)
             self.pairs[key] = result.solution.objective - self.cost(graph, first)[0] - self.cost(graph, second)[0]
         return self.pairs[key]
 
