@@ -111,3 +111,21 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path
 def test_bad_optimizer_is_rejected_before_tracing() -> None:
     with pytest.raises(AutoplanError):
         run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--optimizer", "lion9"])
+
+
+def test_run_warns_when_processes_outnumber_cores(monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    import types
+
+    from autoplan import cli
+
+    launched: list[list[str]] = []
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    monkeypatch.setattr(cli.subprocess, "run", lambda command, check: launched.append(command)
+                        or types.SimpleNamespace(returncode=0))
+    assert cli.launch(Path("train.py"), 16, 1, False) == 0
+    err = capsys.readouterr().err
+    assert "starting 16 processes on 2 CPU cores" in err and len(launched) == 1
+    assert cli.launch(Path("train.py"), 2, 1, False) == 0
+    assert "CPU cores" not in capsys.readouterr().err

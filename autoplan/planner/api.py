@@ -58,7 +58,8 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
                             f"{options.devices}: make them agree (a smaller mesh is a pipeline stage's: pass --stages)")
     meshes = [options.mesh] if options.mesh else candidate_meshes(options.devices)
     # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically
-    outcomes = [_solve_mesh(graph, classes, mesh, options, canonical=len(meshes) == 1) for mesh in meshes]
+    outcomes = [_solve_mesh(graph, classes, mesh, options, canonical=options.canonical and len(meshes) == 1)
+                for mesh in meshes]
     feasible = [o for o in outcomes if o.result is not None]
     if not feasible:
         least = min(o.least_memory for o in outcomes if o.least_memory is not None)
@@ -68,7 +69,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
             f"give more memory (--memory-per-device) or more devices", least)
     predictions = {o.mesh: predict(graph, classes, o.result, o.ctx) for o in feasible}
     best = min(feasible, key=lambda o: predictions[o.mesh][0].step_time_s)
-    if len(meshes) > 1:
+    if options.canonical and len(meshes) > 1:
         canonical = _solve_mesh(graph, classes, best.mesh, options)
         if canonical.result is not None:
             canonical.result.solution.solve_time_s += best.result.solution.solve_time_s

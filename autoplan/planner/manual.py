@@ -161,9 +161,10 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
 
 
 def cost_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Alternative:
-    """The manual plan's predicted figures, or why it cannot run."""
+    """The manual plan's predicted figures, or why it cannot run (costed only: its ties need
+    no canonical break)."""
     try:
-        plan = plan_manual(spec, options, manual)
+        plan = plan_manual(spec, replace(options, canonical=False), manual)
     except (AutoplanError, MemoryInfeasibleError) as e:
         return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], None, f"infeasible: {e}")
     return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], plan.predicted)

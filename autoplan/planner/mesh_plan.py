@@ -33,14 +33,14 @@ from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, so
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy, storage_strategies,
     strategy_name)
 from autoplan.strategies.index_maps import index_map_for, op_name
-from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.trace.graph import NodeInfo, NodeKind, TracedGraph
 from autoplan.trace.repeated import NodeClasses
 
 # ops whose output the backward does not need saved: views, and copies of the same values
 VIEW_OPS = ALIASING_OPS | {"getitem", "contiguous"}
 
 
-STORED_KINDS = ("parameter", "buffer", "input", "constant", "activation")
+STORED_KINDS = (NodeKind.PARAMETER, NodeKind.BUFFER, NodeKind.INPUT, NodeKind.CONSTANT, NodeKind.ACTIVATION)
 
 
 class UnknownOpWarning(UserWarning):

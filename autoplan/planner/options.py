@@ -45,6 +45,7 @@ class PlannerOptions:
     pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
     allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
     remat: bool = False  # cost activation checkpointing (the emitted program does not checkpoint yet)
+    canonical: bool = True  # break ties among equal-cost assignments canonically (a plan to run needs it)
 
     @property
     def memory_budget(self) -> float:

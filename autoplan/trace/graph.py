@@ -4,9 +4,22 @@ FLOPs, bytes, the module it came from and the parameters it reads."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
+
+
+class NodeKind(StrEnum):
+    """What a node of the traced graph is."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    INPUT = "input"  # a user input
+    CONSTANT = "constant"  # a tensor attribute that is neither parameter nor buffer
+    OP = "op"  # a call_function
+    OUTPUT = "output"
+    ACTIVATION = "activation"  # in a pipeline stage's graph: a value received from an earlier stage
 
 
 @dataclass(frozen=True)
@@ -25,7 +38,7 @@ class NodeInfo:
     """
 
     name: str
-    kind: str
+    kind: NodeKind
     target: str
     shape: tuple[int, ...] | None
     dtype: str
@@ -36,6 +49,9 @@ class NodeInfo:
     module_type: str
     params: tuple[str, ...]
     fqn: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", NodeKind(self.kind))  # a bad kind fails here, named
 
 
 @dataclass

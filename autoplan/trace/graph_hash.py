@@ -55,7 +55,7 @@ def graph_hash(graph: torch.fx.Graph, infos: dict[str, NodeInfo]) -> str:
         record = (
             node.op,
             info.target,
-            info.kind,
+            str(info.kind),
             info.fqn,
             _encode(node.args, index),
             _encode(node.kwargs, index),

@@ -120,15 +120,20 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
     planned: list[tuple[Plan, PipelineCandidate]] = []
     errors: list[AutoplanError] = []
+    # the rivals are compared by their optima; only the winner's ties are broken canonically
+    rivals = replace(options, canonical=False) if len(close) > 1 else options
     for candidate in close:
         try:
             chosen = interleave(candidate) if schedule in INTERLEAVED else candidate
-            planned.append((assemble_pipeline(spec, chosen, options, schedule, {}), candidate))
+            planned.append((assemble_pipeline(spec, chosen, rivals, schedule, {}), candidate))
         except AutoplanError as e:
             errors.append(e)
     if not planned:
         raise errors[0]
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
+    if rivals is not options:
+        chosen = interleave(best) if schedule in INTERLEAVED else best
+        plan = assemble_pipeline(spec, chosen, options, schedule, {})
     total_s = time.perf_counter() - start
     plan.timings_s = {"trace": trace_s, "search": search_s, "exact": total_s - trace_s - search_s, "total": total_s}
     plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], p.predicted,

@@ -92,7 +92,8 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     result = renamed(*solved[key], sub) if key in solved else None
     if result is None:
         result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,
-                               options.solver, options.time_limit_s, allow_storage=allow_storage)
+                               options.solver, options.time_limit_s, allow_storage=allow_storage,
+                               canonical=options.canonical)
         solved[key] = (sub, result)
     for name, strategy in result.chosen.items():
         info = sub.nodes[name]
