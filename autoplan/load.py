@@ -1,8 +1,12 @@
 """Loading what the user wants planned: a model, example inputs and a loss function.
 
 A user's ``model.py`` defines ``model`` (an ``nn.Module`` or a zero-argument function returning
-one), ``example_inputs`` (a tensor, a tuple of tensors, or a zero-argument function returning one
-of those) and optionally ``loss_fn(output, *inputs) -> scalar tensor``. Build big models under
+one), ``example_inputs`` (a tensor, a tuple of tensors, a dict of keyword arguments, or a
+zero-argument function returning one of those) and optionally ``loss_fn(output, *inputs) ->
+scalar tensor``. With keyword inputs (``{"input_ids": ..., "labels": ..., "attention_mask":
+None}``) the model is called as ``model(**example_inputs)``; the tensors among them are the
+program's inputs, in the dict's order, and the rest (``None`` placeholders, flags) are passed as
+they are on every call. A model whose output has a ``loss`` needs no ``loss_fn``. Build big models under
 ``torch.device("meta")``: planning never needs the weights.
 """
 
@@ -12,7 +16,8 @@ import importlib.util
 import os
 import sys
 import types
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
 import torch
@@ -31,13 +36,44 @@ class ModelSpec:
     example_inputs: tuple[torch.Tensor, ...]
     loss_fn: Callable[..., torch.Tensor]
     name: str
+    # keyword inputs: the names of ``example_inputs`` (the model is called with keywords) and
+    # the keyword arguments that are not tensors, passed unchanged on every call
+    input_names: tuple[str, ...] | None = None
+    fixed_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def call(self, module: Any, inputs: tuple[Any, ...]) -> Any:
+        """``module`` (the user's model or a copy of it) called on ``inputs`` the way the user
+        calls the model: positionally, or by keyword with the fixed keyword arguments."""
+        if self.input_names is None:
+            return module(*inputs)
+        return module(**dict(zip(self.input_names, inputs)), **self.fixed_kwargs)
+
+    def positional(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+        """A batch given like the example inputs (positionally, or as keywords) as the
+        positional tuple the program takes; one-line errors for a name that is not an input."""
+        if not kwargs:
+            return tuple(args)
+        names = self.input_names or ()
+        unknown = [k for k in kwargs if k not in names and k not in self.fixed_kwargs]
+        if unknown or args:
+            what = f"unknown keyword {unknown[0]!r}" if unknown else "positional and keyword inputs mixed"
+            raise AutoplanError(f"{what}: pass the batch as the example inputs were given "
+                                f"({', '.join(names) or 'positionally'})")
+        missing = [n for n in names if n not in kwargs]
+        if missing:
+            raise AutoplanError(f"the batch has no {missing[0]!r}: pass every tensor input ({', '.join(names)})")
+        return tuple(kwargs[n] for n in names)
+
+    def with_inputs(self, inputs: tuple[torch.Tensor, ...]) -> ModelSpec:
+        """The same model and loss on other inputs of the same kind (a microbatch, a device)."""
+        return replace(self, example_inputs=tuple(inputs))
 
     def to(self, device: str | torch.device) -> ModelSpec:
         """The model and its example inputs on ``device`` (the module is moved in place), so
         that a graph traced from it creates its own tensors there too."""
         self.module.to(device)
-        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in self.example_inputs)
-        return ModelSpec(self.module, inputs, self.loss_fn, self.name)
+        return self.with_inputs(tuple(x.to(device) if isinstance(x, torch.Tensor) else x
+                                      for x in self.example_inputs))
 
 
 def _first_tensor(output: Any) -> torch.Tensor | None:
@@ -110,16 +146,36 @@ def _as_input_tuple(value: Any, where: str, label: str = "example_inputs") -> tu
         if bad:
             raise AutoplanError(
                 f"{where}{label} must be a tensor or a tuple of tensors, "
-                f"but item {bad[0]} is {_type_name(value[bad[0]])}"
+                f"but item {bad[0]} is {_type_name(value[bad[0]])} (for None placeholders or flags, give "
+                f"a dict of keyword arguments)"
             )
         return tuple(value)
     raise AutoplanError(
-        f"{where}{label} must be a tensor or a tuple of tensors, got {_type_name(value)}"
+        f"{where}{label} must be a tensor, a tuple of tensors or a dict of keyword arguments, "
+        f"got {_type_name(value)}"
     )
 
 
-def _resolve_inputs(example_inputs: Any, where: str, label: str = "example_inputs") -> tuple[torch.Tensor, ...]:
-    if not isinstance(example_inputs, (torch.Tensor, tuple, list)) and callable(example_inputs):
+def _split_keywords(value: Mapping[Any, Any], where: str, label: str
+                    ) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...], dict[str, Any]]:
+    """Keyword inputs as (tensors, their names, the other keyword arguments)."""
+    bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
+    if bad:
+        raise AutoplanError(f"{where}{label} has the key {bad[0]!r}: keyword inputs need argument names as keys")
+    nested = [k for k, v in value.items() if isinstance(v, (tuple, list, dict))
+              and any(isinstance(x, torch.Tensor) for x in (v.values() if isinstance(v, dict) else v))]
+    if nested:
+        raise AutoplanError(f"{where}{label}[{nested[0]!r}] nests tensors in a container: give each tensor "
+                            "its own keyword")
+    tensors = {k: v for k, v in value.items() if isinstance(v, torch.Tensor)}
+    if not tensors:
+        raise AutoplanError(f"{where}{label} holds no tensor: give at least one tensor input")
+    fixed = {k: v for k, v in value.items() if k not in tensors}
+    return tuple(tensors.values()), tuple(tensors), fixed
+
+
+def _resolve_inputs(example_inputs: Any, where: str, label: str = "example_inputs") -> Any:
+    if not isinstance(example_inputs, (torch.Tensor, tuple, list, Mapping)) and callable(example_inputs):
         try:
             example_inputs = example_inputs()
         except AutoplanError:
@@ -128,6 +184,8 @@ def _resolve_inputs(example_inputs: Any, where: str, label: str = "example_input
             raise AutoplanError(
                 f"{where}{label}() raised {_type_name(e)}: {_first_line(e)}"
             ) from e
+    if isinstance(example_inputs, Mapping):
+        return example_inputs
     return _as_input_tuple(example_inputs, where, label)
 
 
@@ -141,7 +199,8 @@ def make_model_spec(
     _labels: tuple[str, str, str] = ("model", "example_inputs", "loss_fn"),
 ) -> ModelSpec:
     """A ModelSpec from a module (or a zero-argument function building one), example inputs
-    (a tensor, a tuple/list of tensors, or a zero-argument function returning one of those)
+    (a tensor, a tuple/list of tensors, a dict of keyword arguments, or a zero-argument
+    function returning one of those)
     and an optional ``loss_fn(output, *inputs)`` (default: :func:`default_loss`). ``name``
     defaults to the module's class name, wherever the model comes from."""
     module = _resolve_module(model, _where, _labels[0])
@@ -153,7 +212,12 @@ def make_model_spec(
             f"{_where}{_labels[2]} must be a function {_labels[2]}(output, *inputs) returning a scalar "
             f"tensor, got {_type_name(loss_fn)}"
         )
-    return ModelSpec(module=module, example_inputs=inputs, loss_fn=loss_fn, name=name or type(module).__name__)
+    names: tuple[str, ...] | None = None
+    fixed: dict[str, Any] = {}
+    if isinstance(inputs, Mapping):
+        inputs, names, fixed = _split_keywords(inputs, _where, _labels[1])
+    return ModelSpec(module=module, example_inputs=inputs, loss_fn=loss_fn, name=name or type(module).__name__,
+                     input_names=names, fixed_kwargs=fixed)
 
 
 def _first_line(e: BaseException) -> str:
@@ -224,7 +288,8 @@ def load_model_file(
     if not hasattr(module, inputs_name):
         raise AutoplanError(
             f"{path} defines no {inputs_name!r}: define {inputs_name} = ... "
-            "(a tensor, a tuple of tensors, or a function returning one), or pass --inputs NAME"
+            "(a tensor, a tuple of tensors, a dict of keyword arguments, or a function returning one), "
+            "or pass --inputs NAME"
         )
     if require_loss and not hasattr(module, loss_name):
         raise AutoplanError(

@@ -85,6 +85,23 @@ class ParamStorage:
     optimizer_state: list[str]
 
 
+class CouplingHandling(StrEnum):
+    """How a program keeps an op that couples the samples of a batch equal to one device."""
+
+    WHOLE_BATCH = "the batch is not cut into microbatches"
+    WEIGHTED_MICROBATCHES = "each microbatch's mean loss is weighted by its share of the targets"
+
+
+@dataclass
+class BatchCouplingPlan:
+    """An op that couples the samples of a batch (:mod:`autoplan.trace.batch_coupling`) and how
+    the program handles it; across devices, its sharding rule keeps the result exact."""
+
+    node: str
+    description: str  # "native_batch_norm in layer1.norm (batch statistics)"
+    handling: CouplingHandling
+
+
 @dataclass
 class PlannedCollective:
     """A collective the program performs ``count`` times per training step."""
@@ -212,6 +229,7 @@ class Plan:
     recompute: list[str] = field(default_factory=list)  # regions recomputed in the backward (layer names)
     storage: dict[str, ParamStorage] = field(default_factory=dict)  # parameter -> param, grad, optimizer state
     options: dict[str, Any] = field(default_factory=dict)  # the planning options, as given
+    batch_coupling: list[BatchCouplingPlan] = field(default_factory=list)
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -259,6 +277,8 @@ class Plan:
                 recompute=list(data["recompute"]),
                 storage={k: ParamStorage(**v) for k, v in data["storage"].items()},
                 options=dict(data.get("options", {})),
+                batch_coupling=[BatchCouplingPlan(c["node"], c["description"], CouplingHandling(c["handling"]))
+                                for c in data.get("batch_coupling", [])],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None

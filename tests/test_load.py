@@ -177,9 +177,15 @@ def test_model_builder_raises(tmp_path):
 
 
 def test_inputs_of_wrong_type(tmp_path):
-    path = write(tmp_path, "import torch\nmodel = torch.nn.ReLU()\nexample_inputs = {'x': 1}\n")
+    path = write(tmp_path, "import torch\nmodel = torch.nn.ReLU()\nexample_inputs = 3\n")
     message = load_error(path)
-    assert message.endswith("example_inputs must be a tensor or a tuple of tensors, got dict")
+    assert message.endswith("example_inputs must be a tensor, a tuple of tensors or a dict of keyword arguments, "
+                            "got int")
+
+
+def test_keyword_inputs_without_tensor(tmp_path):
+    path = write(tmp_path, "import torch\nmodel = torch.nn.ReLU()\nexample_inputs = {'x': 1}\n")
+    assert load_error(path).endswith("example_inputs holds no tensor: give at least one tensor input")
 
 
 def test_inputs_tuple_with_non_tensor(tmp_path):
@@ -198,12 +204,42 @@ def test_loss_not_callable(tmp_path):
 
 
 def test_make_model_spec_errors_are_one_line():
-    with pytest.raises(AutoplanError, match="got dict$"):
-        make_model_spec(torch.nn.ReLU(), {"a": torch.ones(1)})
+    with pytest.raises(AutoplanError, match="got set$"):
+        make_model_spec(torch.nn.ReLU(), {torch.ones(1)})
+    with pytest.raises(AutoplanError, match=r"example_inputs\['a'\] nests tensors in a container"):
+        make_model_spec(torch.nn.ReLU(), {"a": [torch.ones(1)]})
     with pytest.raises(AutoplanError, match="got str"):
         make_model_spec("model", torch.ones(1))
     with pytest.raises(AutoplanError, match="loss_fn must be a function"):
         make_model_spec(torch.nn.ReLU(), torch.ones(1), loss_fn=1.0)
+
+
+class _Keywords(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, input_ids, attention_mask=None, labels=None, return_dict=True):
+        out = input_ids * self.scale if attention_mask is None else input_ids * self.scale * attention_mask
+        loss = ((out - labels) ** 2).mean()
+        return {"loss": loss, "logits": out} if return_dict else (loss, out)
+
+
+def test_keyword_inputs_call_the_model_by_name():
+    """A dict of keyword arguments: its tensors are the inputs, in the dict's order; None and
+    flags are passed unchanged on every call; a batch may be given by keyword."""
+    x, y = torch.ones(2, 3), torch.zeros(2, 3)
+    spec = make_model_spec(_Keywords(), {"labels": y, "attention_mask": None, "input_ids": x, "return_dict": True})
+    assert spec.input_names == ("labels", "input_ids")
+    assert spec.fixed_kwargs == {"attention_mask": None, "return_dict": True}
+    assert spec.example_inputs[0] is y and spec.example_inputs[1] is x
+    output = spec.call(spec.module, spec.example_inputs)
+    assert spec.loss_fn(output, *spec.example_inputs).item() == 4.0  # output["loss"]: no loss_fn needed
+    assert spec.positional((), {"input_ids": x, "labels": y}) == (y, x)
+    with pytest.raises(AutoplanError, match="the batch has no 'labels'"):
+        spec.positional((), {"input_ids": x})
+    with pytest.raises(AutoplanError, match="unknown keyword 'mask'"):
+        spec.positional((), {"input_ids": x, "labels": y, "mask": x})
 
 
 def test_make_model_spec_accepts_builders():

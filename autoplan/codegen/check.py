@@ -145,7 +145,7 @@ def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, s
     the plan says that rank runs (:func:`expected_pipeline_collectives`)."""
     reference = copy.deepcopy(spec.module)
     inputs = spec.example_inputs
-    ref_loss = spec.loss_fn(reference(*inputs), *inputs)
+    ref_loss = spec.loss_fn(spec.call(reference, inputs), *inputs)
     ref_loss.backward()
     with CollectiveCounter() as step_count:
         loss = pm.forward_backward(*inputs)
@@ -166,7 +166,7 @@ def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, s
         ref_opt.step()
         pm.optimizer_step()
         ref_opt.zero_grad()
-        ref_loss = spec.loss_fn(reference(*inputs), *inputs)
+        ref_loss = spec.loss_fn(spec.call(reference, inputs), *inputs)
         loss = pm.forward_backward(*inputs)
         if step < steps - 1:
             ref_loss.backward()
@@ -218,7 +218,7 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     reference = copy.deepcopy(spec.module)
     inputs = spec.example_inputs
 
-    ref_out = reference(*inputs)
+    ref_out = spec.call(reference, inputs)
     ref_loss = spec.loss_fn(ref_out, *inputs)
     ref_loss.backward()
 
@@ -230,7 +230,9 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     report.planned = {phase: expected_collectives(pm, phase) for phase in ("forward", "backward")}
 
     report.comparisons.append(_compare("loss", _full(out.loss), ref_loss, rtol, atol))
-    for i, (got, want) in enumerate(zip(out.outputs, _output_tensors(ref_out))):
+    # the program's outputs leave out the loss when the model returns it (``output.loss``)
+    ref_outputs = [t for t in _output_tensors(ref_out) if t is not ref_loss]
+    for i, (got, want) in enumerate(zip(out.outputs, ref_outputs)):
         report.comparisons.append(_compare(f"output[{i}]", _full(got), want, rtol, atol))
     params = pm.named_plan_parameters()
     for name, param in reference.named_parameters():
@@ -247,12 +249,12 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     pm.optimizer_step()
     for _ in range(steps - 1):
         ref_opt.zero_grad()
-        spec.loss_fn(reference(*inputs), *inputs).backward()
+        spec.loss_fn(spec.call(reference, inputs), *inputs).backward()
         pm.forward_backward(*inputs)
         ref_opt.step()
         pm.optimizer_step()
     with torch.no_grad():
-        final_ref = spec.loss_fn(reference(*inputs), *inputs)
+        final_ref = spec.loss_fn(spec.call(reference, inputs), *inputs)
         final = pm(*inputs).loss
     label = f"after {steps} {pm.plan.optimizer.name} steps"
     report.comparisons.append(_compare(f"loss {label}", _full(final), final_ref, rtol * 10, atol * 10))

@@ -41,6 +41,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.codegen.collective_counter import CollectiveCounter
+from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
     to_dtensor_placements, unmask_partial)
 from autoplan.errors import AutoplanError
@@ -52,12 +53,6 @@ SKIPPED_OPS = {
     torch.ops.aten._assert_tensor_metadata.default,
 }
 SKIPPED_NAMES = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
-# The tracer drops ``.contiguous()`` nodes (their presence depends on the tracing device), so a
-# ``view`` may meet a non-contiguous tensor (after a transpose): run it as ``reshape``, which is a
-# view whenever one is possible and has the same DTensor sharding rule.
-REPLACED_OPS = {
-    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
-}
 
 
 class _PlanInterpreter(torch.fx.Interpreter):
@@ -106,7 +101,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
             arrived[a] = after
         args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived.get(a, self.env[a]))
-        out = getattr(self, n.op)(n.target, args, kwargs)
+        out = call_planned_op(n.target, args, kwargs, node_plan, [arrived[a] for a in tensor_inputs], mesh)
         if isinstance(out, (tuple, list)):
             return type(out)(unmask_partial(o) for o in out)
         return unmask_partial(out)

@@ -92,6 +92,7 @@ class NativeProgram(torch.nn.Module):
         self.styles = styles
         self.module = module
         self.loss_fn = spec.loss_fn
+        self._call = spec.call  # the model called as the user calls it (by keyword, or positionally)
         self.input_names = list(graph.input_names)
         self.redistributions: list[tuple[str, str, str]] = []
         self._n = mesh.size()
@@ -129,7 +130,7 @@ class NativeProgram(torch.nn.Module):
         rep = (Replicate(),)
         if self.kind == "ddp":
             local = self._local_inputs(inputs)
-            output = self.module(*local)
+            output = self._call(self.module, tuple(local))
             local_loss = self.loss_fn(output, *local)
             # The value of the global loss (the mean of equal shards' means); the gradient of
             # the local one, which DDP averages over ranks.
@@ -145,12 +146,12 @@ class NativeProgram(torch.nn.Module):
             # The row-parallel output stays a (sharded) DTensor: the loss runs on DTensors with
             # the inputs replicated, as the plan's sharded loss ops do.
             with implicit_replication():
-                output = self.module(*inputs)
+                output = self._call(self.module, inputs)
                 rep_inputs = [DTensor.from_local(x, self.mesh, rep, run_check=False)
                               if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs]
                 loss = self.loss_fn(output, *rep_inputs)
         else:
-            output = self.module(*inputs)
+            output = self._call(self.module, inputs)
             loss = self.loss_fn(output, *inputs)
         if isinstance(loss, DTensor):
             if any(not p.is_replicate() for p in loss.placements):

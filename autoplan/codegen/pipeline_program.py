@@ -73,12 +73,14 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from autoplan.codegen.dtensor_program import REPLACED_OPS, ShardedProgram
+from autoplan.codegen.dtensor_program import ShardedProgram
+from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
 from autoplan.codegen.redistribution import redistribute, to_dtensor_placements
 from autoplan.errors import AutoplanError
-from autoplan.plan_schema import NodePlan, Plan
+from autoplan.plan_schema import CouplingHandling, NodePlan, Plan
+from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import TracedGraph
 
 __all__ = [
@@ -174,6 +176,8 @@ class _StageModule(torch.nn.Module):
                 arrived[a] = redistribute(env[a], specs, self.mesh)
         args = torch.fx.node.map_arg(n.args, lambda a: arrived[a] if a in arrived else env[a])
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived[a] if a in arrived else env[a])
+        if node_plan is not None and n.target is not operator.getitem:
+            return call_planned_op(n.target, args, kwargs, node_plan, [arrived[a] for a in tensor_inputs], self.mesh)
         return REPLACED_OPS.get(n.target, n.target)(*args, **kwargs)
 
 
@@ -307,10 +311,15 @@ class PipelineProgram(torch.nn.Module):
                                                       input_args=in_args, output_args=out_args,
                                                       group=self.pp_group))
         cls = schedule_class(plan.schedule)
-        scale = 1.0 / plan.microbatches if loss_reduction == "mean" else 1.0
+        self._scale = 1.0 / plan.microbatches if loss_reduction == "mean" else 1.0
+        # a mean loss over a data-dependent count: each microbatch's mean is weighted by its
+        # share of the targets, counted on the inputs before the schedule runs
+        weighted = [c.node for c in plan.batch_coupling if c.handling == CouplingHandling.WEIGHTED_MICROBATCHES
+                    and plan.microbatches > 1]
+        self._count = count_program(graph, weighted[0]) if weighted else None
 
-        def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
-            return output * scale
+        def loss_fn(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+            return output * weight.reshape(()).to(output.dtype)
 
         stages_arg = self.pipeline_stages if is_multi_stage(cls) else self.pipeline_stages[0]
         self.schedule = cls(stages_arg, plan.microbatches, loss_fn=loss_fn, scale_grads=False)
@@ -346,9 +355,8 @@ class PipelineProgram(torch.nn.Module):
         for p in params:
             p.grad = None
         losses: list[torch.Tensor] = []
-        target = torch.zeros(self.num_microbatches, 1, device=self.device)
         args = inputs if self.has_first else ()
-        self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        self.schedule.step(*args, target=self._microbatch_weights(inputs), losses=losses, return_outputs=False)
         self._finish_gradients(params)
         for p, old in zip(params, stashed):
             if old is not None:
@@ -358,6 +366,19 @@ class PipelineProgram(torch.nn.Module):
         loss = loss.to(torch.float32).contiguous()
         dist.broadcast(loss, src=self.loss_src)
         return loss
+
+    def _microbatch_weights(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """``[M, 1]``: what each microbatch's loss is multiplied by (the schedule hands
+        microbatch ``i`` row ``i`` as its target)."""
+        m = self.num_microbatches
+        if self._count is None:
+            return torch.full((m, 1), self._scale, device=self.device)
+        with torch.no_grad():
+            pieces = zip(*(x.chunk(m) for x in inputs))
+            counts = torch.stack([self._count(*piece).to(torch.float64) for piece in pieces])
+        total = counts.sum()
+        weights = counts / total if total > 0 else torch.full_like(counts, 1.0 / m)
+        return weights.reshape(m, 1).to(torch.float32).to(self.device)
 
     def _finish_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         # partial sums → the parameter's placement: summed over axes where the parameter is

@@ -27,7 +27,7 @@ from autoplan.codegen.dtensor_program import ShardedProgram, build_program
 from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.codegen.optimizer import build_optimizer, refuse_unsupported
 from autoplan.errors import AutoplanError
-from autoplan.load import ModelSpec, make_model_spec
+from autoplan.load import ModelSpec
 from autoplan.plan_schema import Plan
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
@@ -74,7 +74,16 @@ class PlannedTraining(torch.nn.Module):
     plan: Plan
     optimizer: torch.optim.Optimizer
 
-    def forward_backward(self, *inputs: Any) -> torch.Tensor:
+    def __init__(self, spec: ModelSpec | None = None) -> None:
+        super().__init__()
+        # a batch may be passed as the example inputs were given: positionally or by keyword
+        self._positional = spec.positional if spec is not None else (lambda args, kwargs: tuple(args))
+
+    def batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The program's positional inputs of a batch given positionally or by keyword."""
+        return self._positional(args, kwargs)
+
+    def forward_backward(self, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
         """Forward and backward of one global batch (gradients accumulate); the loss as a
         plain scalar."""
         raise NotImplementedError
@@ -84,10 +93,10 @@ class PlannedTraining(torch.nn.Module):
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def train_step(self, *inputs: Any) -> torch.Tensor:
+    def train_step(self, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
         """One training step as planned: forward, backward and the optimizer step; returns
         the loss (computed before the step) as a plain scalar."""
-        loss = self.forward_backward(*inputs)
+        loss = self.forward_backward(*inputs, **keyword_inputs)
         self.optimizer_step()
         return loss
 
@@ -95,8 +104,8 @@ class PlannedTraining(torch.nn.Module):
 class ParallelModule(PlannedTraining):
     """The model parallelized by ``plan``. ``pm(*global_inputs)`` → :class:`ParallelOutput`."""
 
-    def __init__(self, program: ShardedProgram, plan: Plan, device_type: str) -> None:
-        super().__init__()
+    def __init__(self, program: ShardedProgram, plan: Plan, device_type: str, spec: ModelSpec | None = None) -> None:
+        super().__init__(spec)
         self.program = program
         self.plan = plan
         self.device_type = device_type
@@ -112,7 +121,8 @@ class ParallelModule(PlannedTraining):
     def mesh(self) -> DeviceMesh:
         return self.program.mesh
 
-    def forward(self, *inputs: Any) -> ParallelOutput:
+    def forward(self, *inputs: Any, **keyword_inputs: Any) -> ParallelOutput:
+        inputs = self.batch(inputs, keyword_inputs)
         if self.device_type != "cpu":
             inputs = tuple(x.to(self.device_type) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
                            else x for x in inputs)
@@ -123,8 +133,8 @@ class ParallelModule(PlannedTraining):
         """Parameters by the model's own names (tied names give the same object)."""
         return self.program.named_plan_parameters()
 
-    def forward_backward(self, *inputs: Any) -> torch.Tensor:
-        loss = self(*inputs).loss
+    def forward_backward(self, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
+        loss = self(*inputs, **keyword_inputs).loss
         loss.backward()
         return (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()
 
@@ -134,17 +144,17 @@ class PipelinedModule(PlannedTraining):
     and backward through the schedule (gradients accumulate in this rank's stage parameters)
     and returns the global loss on every rank. This rank holds only its stages' parameters."""
 
-    def __init__(self, program: torch.nn.Module, plan: Plan) -> None:
-        super().__init__()
+    def __init__(self, program: torch.nn.Module, plan: Plan, spec: ModelSpec | None = None) -> None:
+        super().__init__(spec)
         self.program = program
         self.plan = plan
         self.optimizer = build_optimizer(plan.optimizer, program.parameters())
 
-    def forward(self, *inputs: Any) -> ParallelOutput:
+    def forward(self, *inputs: Any, **keyword_inputs: Any) -> ParallelOutput:
         raise AutoplanError("a pipelined plan runs forward and backward together: call pm.train_step(*batch)")
 
-    def forward_backward(self, *inputs: Any) -> torch.Tensor:
-        return self.program.train_step(*inputs)
+    def forward_backward(self, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
+        return self.program.train_step(*self.batch(inputs, keyword_inputs))
 
     def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
         return self.program.named_plan_parameters()
@@ -230,7 +240,7 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
         program = native_module(spec, graph, plan, mesh)
     if program is None:
         program = build_program(graph, plan, mesh, tensors)
-    return ParallelModule(program, plan, ctx.device_type)
+    return ParallelModule(program, plan, ctx.device_type, spec)
 
 
 def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph | None) -> PipelinedModule:
@@ -238,9 +248,8 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
     from autoplan.codegen.pipeline_program import build_pipeline
 
     if graph is None:
-        one = make_model_spec(spec.module, microbatch_inputs(spec.example_inputs, plan.microbatches), spec.loss_fn,
-                              spec.name)
+        one = spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
         graph = trace(one)
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
-    return PipelinedModule(build_pipeline(graph, plan, _real_tensors(spec.module), ctx.device_type), plan)
+    return PipelinedModule(build_pipeline(graph, plan, _real_tensors(spec.module), ctx.device_type), plan, spec)

@@ -21,6 +21,7 @@ from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.solvers import explain, format_bytes
+from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import NodeClasses, find_classes
 from autoplan.trace.tracer import trace
@@ -110,6 +111,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         warnings=list(result.warnings),
         model=model_name,
         explanation=explain(result.problem, result.solution, top=8),
+        batch_coupling=coupling_plans(graph, 1),
     )
 
 

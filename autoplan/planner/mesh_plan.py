@@ -135,6 +135,12 @@ def _output_class_strategies(mesh_ndim: int, num_inputs: int) -> ClassStrategies
 StorageRule = Callable[[NodeInfo, ShardingSpec], bool]
 
 
+def _num_outputs(node: fx.Node) -> int:
+    """How many values an op returns (a tuple or list of them, or one)."""
+    value = node.meta.get("val")
+    return len(value) if isinstance(value, (tuple, list)) else 1
+
+
 def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
                       producer: ClassStrategies | None, warn: Callable[[str], None],
                       allow_storage: StorageRule | None = None) -> ClassStrategies:
@@ -158,17 +164,16 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
     saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS
     if node.target is operator.getitem and producer is not None:
         index = node.args[1]
-        strategies = [
-            Strategy(strategy_name((p.output_specs[0],), (p.output_specs[index],)), (p.output_specs[index],),
-                     (p.output_specs[index],), 1)
-            for p in producer.strategies
-        ]
+        picked = [p.output_specs[index] if isinstance(index, int) and index < len(p.output_specs)
+                  else (R,) * len(mesh_shape) for p in producer.strategies]
+        strategies = [Strategy(strategy_name((p.output_specs[0],), (spec,)), (spec,), (spec,), 1)
+                      for p, spec in zip(producer.strategies, picked)]
         costs = [NodeCost() for _ in strategies]
         return ClassStrategies("getitem", strategies, costs)
     imap = index_map_for(node) if info.shape is not None or node.meta.get("val") is not None else None
     if imap is None:
         warn(f"no sharding rule for {info.target}: planned replicated")
-        strategies = [replicated_strategy(len(input_names), 1, len(mesh_shape))]
+        strategies = [replicated_strategy(len(input_names), _num_outputs(node), len(mesh_shape))]
         kind = "fallback"
     else:
         differentiable = frozenset(i for i, g in zip(input_names, grad_inputs) if g)

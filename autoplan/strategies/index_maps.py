@@ -24,7 +24,7 @@ from types import MappingProxyType
 from torch import fx
 
 from autoplan.strategies.letters import IndexMap, LetterMaker, Letters, Rule, finish, op_name
-from autoplan.strategies.rules import contractions, nn, pointwise, shapes
+from autoplan.strategies.rules import contractions, moe, nn, pointwise, shapes
 
 __all__ = ["IndexMap", "Letters", "index_map_for", "known_ops", "op_name"]
 
@@ -39,7 +39,7 @@ def _merge(*tables: Mapping[str, Rule]) -> MappingProxyType[str, Rule]:
     return MappingProxyType(merged)
 
 
-_RULES = _merge(contractions.RULES, nn.RULES, shapes.RULES, pointwise.RULES)
+_RULES = _merge(contractions.RULES, nn.RULES, shapes.RULES, pointwise.RULES, moe.RULES)
 
 
 def known_ops() -> frozenset[str]:

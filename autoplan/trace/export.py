@@ -37,16 +37,17 @@ WRAPPER_PREFIX = _ATTR + "."
 class _LossAndOutputs(torch.nn.Module):
     """``forward(*inputs) -> (loss, *tensors of module(*inputs))``."""
 
-    def __init__(self, module: torch.nn.Module, loss_fn: Any) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
-        setattr(self, _ATTR, module)
-        object.__setattr__(self, "_loss_fn", loss_fn)  # not registered, even if an nn.Module
+        setattr(self, _ATTR, spec.module)
+        object.__setattr__(self, "_spec", spec)  # not registered: the module is ``m``
+        object.__setattr__(self, "_loss_fn", spec.loss_fn)  # not registered, even if an nn.Module
 
     def forward(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return self._run(*inputs)
 
     def _run(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        output = getattr(self, _ATTR)(*inputs)
+        output = self._spec.call(getattr(self, _ATTR), inputs)
         loss = self._loss_fn(output, *inputs)
         if not isinstance(loss, torch.Tensor):
             raise AutoplanError(
@@ -84,15 +85,20 @@ def _input_names(module: torch.nn.Module, count: int) -> list[str]:
     return out
 
 
-def _make_wrapper(module: torch.nn.Module, loss_fn: Any, count: int) -> _LossAndOutputs:
-    """A _LossAndOutputs whose forward names its arguments like the user's module does, so that
-    export names the input placeholders ``input_ids`` rather than ``inputs_0``."""
-    names = _input_names(module, count)
+def _make_wrapper(spec: ModelSpec) -> _LossAndOutputs:
+    """A _LossAndOutputs whose forward names its arguments like the user's module does (or as
+    the keyword inputs are named), so that export names the input placeholders ``input_ids``
+    rather than ``inputs_0``."""
+    count = len(spec.example_inputs)
+    names = _input_names(spec.module, count)
+    if spec.input_names is not None:
+        names = [n if n not in ("self", _ATTR) and not n.startswith("_") and not keyword.iskeyword(n)
+                 else f"input_{i}" for i, n in enumerate(spec.input_names)]
     arglist = ", ".join(names)
     namespace: dict[str, Any] = {}
     exec(f"def forward(self, {arglist}):\n    return self._run({arglist})\n", namespace)
     cls = type("_LossAndOutputs", (_LossAndOutputs,), {"forward": namespace["forward"]})
-    return cls(module, loss_fn)
+    return cls(spec)
 
 
 @contextlib.contextmanager
@@ -122,7 +128,7 @@ def _export_mode(module: torch.nn.Module) -> Iterator[None]:
 def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:
     """The exported ``(loss, *model_outputs)`` of ``spec``; an :class:`AutoplanError` naming
     the cause when export fails."""
-    wrapper = _make_wrapper(spec.module, spec.loss_fn, len(spec.example_inputs))
+    wrapper = _make_wrapper(spec)
     with _export_mode(spec.module):
         try:
             return torch.export.export(wrapper, tuple(spec.example_inputs), strict=False)
@@ -130,7 +136,10 @@ def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:
             raise
         except Exception as e:
             text = f"{type(e).__name__}: {_first_line(e)}"
-            if "data-dependent" in text or "DataDependent" in text:
+            if "DynamicOutputShape" in text:
+                hint = ("an op's output shape depends on tensor values, which a trace on fake tensors cannot "
+                        "follow; compute it outside the model or loss (CTC loss is one such op)")
+            elif "data-dependent" in text or "DataDependent" in text:
                 hint = ("the model branches on tensor values; make its Python control flow depend "
                         "on shapes only")
             else:

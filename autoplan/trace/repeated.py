@@ -21,7 +21,8 @@ _INDEX = re.compile(r"^\d+$")
 @dataclass
 class NodeClasses:
     """``members[c]`` are the node names of class ``c`` (the first is its representative);
-    ``class_of`` inverts it. ``blocks`` names the repeated blocks found (``"h.0"``, …)."""
+    ``class_of`` inverts it. ``blocks`` names the blocks of every stack with repeated copies
+    (``"h.0"``, …), in graph order, copies unlike the others included."""
 
     class_of: dict[str, int]
     members: list[list[str]]
@@ -92,15 +93,17 @@ def find_classes(graph: TracedGraph) -> NodeClasses:
         indices.sort()
         if len(indices) < 2:
             continue
-        reference = blocks[(prefix, indices[0])]
-        ref_sigs = _signatures(graph, reference, fx_nodes)
-        matched = False
-        for index in indices[1:]:
-            names = blocks[(prefix, index)]
-            if len(names) == len(reference) and _signatures(graph, names, fx_nodes) == ref_sigs:
-                partner.update(zip(names, reference))
-                matched = True
-        if matched:
+        # copies with equal signatures share classes, whichever copy differs (a first block
+        # that computes a shared position bias, a last one that normalises)
+        alike: dict[tuple, list[int]] = {}
+        for index in indices:
+            alike.setdefault(tuple(_signatures(graph, blocks[(prefix, index)], fx_nodes)), []).append(index)
+        groups = [group for group in alike.values() if len(group) > 1]
+        for group in groups:
+            reference = blocks[(prefix, group[0])]
+            for index in group[1:]:
+                partner.update(zip(blocks[(prefix, index)], reference))
+        if groups:  # every copy is a block (a pipeline layer), the odd ones too
             repeated.extend(f"{prefix}.{i}" if prefix else str(i) for i in indices)
 
     class_of: dict[str, int] = {}

@@ -20,6 +20,7 @@ from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages
 from autoplan.planner.pipeline.schedules import pipeline_time
 from autoplan.sharding import local_shape, spec_from_json
 from autoplan.solvers import format_bytes
+from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.tracer import trace
@@ -27,9 +28,10 @@ from autoplan.trace.tracer import trace
 
 def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions, schedule: str,
               timings: dict[str, float]) -> Plan:
+    graph, layers = candidate.graph, candidate.layers
+    coupling = coupling_plans(graph, candidate.microbatches)  # refuses a split that changes the model
     results = stage_results(candidate, options, schedule)
     link = link_between_stages(options, candidate.submesh)
-    graph, layers = candidate.graph, candidate.layers
     crossing = cut_bytes(graph, layers)
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     latencies, memories, computes, comms, kinds = [], [], [], [], []
@@ -82,7 +84,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         mesh=list(candidate.meshes[0]), stages=stage_plans, microbatches=candidate.microbatches,
         schedule=schedule if len(stage_plans) > 1 else "none", params=params, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
-        warnings=warnings_, model=spec.name)
+        warnings=warnings_, model=spec.name, batch_coupling=coupling)
 
 
 def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:

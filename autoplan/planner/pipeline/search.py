@@ -8,7 +8,7 @@ import time
 
 from autoplan.cost_models import collective_time
 from autoplan.errors import AutoplanError
-from autoplan.load import ModelSpec, make_model_spec
+from autoplan.load import ModelSpec
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions
@@ -17,6 +17,7 @@ from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_b
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
+from autoplan.trace.batch_coupling import batch_couplings, microbatch_split_refusal
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer, make_layers
 from autoplan.trace.microbatch import batch_size, microbatch_inputs
@@ -126,8 +127,7 @@ def microbatch_candidates(spec: ModelSpec, popts: PipelineOptions) -> list[int]:
 
 
 def trace_microbatch(spec: ModelSpec, microbatches: int) -> TracedGraph:
-    return trace(make_model_spec(spec.module, microbatch_inputs(spec.example_inputs, microbatches), spec.loss_fn,
-                                 spec.name))
+    return trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, microbatches)))
 
 
 def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions,
@@ -137,10 +137,17 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
     schedules = [popts.schedule] if popts.schedule else ["1f1b"]
     candidates: list[PipelineCandidate] = []
     trace_s = 0.0
+    refusal: str | None = None
     for microbatches in microbatch_candidates(spec, popts):
+        if refusal is not None and microbatches > 1:
+            continue  # cutting this batch into microbatches would change what the model computes
         start = time.perf_counter()
         graph = trace_microbatch(spec, microbatches)
         trace_s += time.perf_counter() - start
+        refusal = microbatch_split_refusal(batch_couplings(graph))
+        if refusal is not None and microbatches > 1:
+            raise AutoplanError(f"{microbatches} microbatches would change what the model computes: {refusal}; "
+                                f"use one microbatch (--microbatches 1)")
         layers = make_layers(graph, find_classes(graph), popts.layers)
         if popts.stages and popts.stages > len(layers):
             raise AutoplanError(f"--stages {popts.stages} needs at least {popts.stages} layers and the model cuts into "

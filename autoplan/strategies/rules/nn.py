@@ -18,7 +18,7 @@ from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, b
 
 _MEAN = 1  # ATen's Reduction::Mean
 _ELEMENTWISE_LOSSES = frozenset(
-    "mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits".split()
+    "mse_loss l1_loss smooth_l1_loss huber_loss binary_cross_entropy binary_cross_entropy_with_logits kl_div".split()
 )
 _CLASS_LOSSES = frozenset("cross_entropy_loss nll_loss nll_loss_nd nll_loss2d".split())
 POOLS = frozenset(
@@ -118,6 +118,26 @@ def loss(node: fx.Node, maker: LetterMaker) -> IndexMap:
     return IndexMap(inputs, (("N",) + rest,), fixed=frozenset({"C"}))
 
 
+def pair_loss(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    """cosine_embedding_loss / margin_ranking_loss / hinge_embedding_loss: inputs ``[N, D]``
+    (or ``[N]``) with a target ``[N]``; per-sample terms summed (or averaged) over ``N``. Only
+    the samples may be split; a per-sample output (no reduction) keeps ``N``."""
+    tensors = tensor_inputs(node)
+    first = tensor_shape(tensors[0])
+    if not first:
+        return replicated_map(node, maker)
+    letters = ("N",) + maker.many(len(first) - 1)
+    fixed: set[str] = set(letters[1:])
+    inputs: dict[str, Letters | None] = {}
+    for t in tensors:  # the inputs are [N, D] like the first, the target [N]
+        shape = tensor_shape(t)
+        inputs[t.name] = letters[:len(shape)] if shape == first[:len(shape)] else maker.many(len(shape))
+        fixed.update(x for x in inputs[t.name] if x not in letters)
+    if output_shapes(node)[0] == ():
+        return IndexMap(inputs, ((),), reducible=frozenset({"N"}), fixed=frozenset(fixed))
+    return IndexMap(inputs, (("N",),), fixed=frozenset(fixed))
+
+
 def pool(node: fx.Node, maker: LetterMaker) -> IndexMap:
     """Pooling and upsampling: batch and channels follow, spatial dims stay whole."""
     src = tensor_inputs(node)[0]
@@ -136,4 +156,5 @@ RULES: MappingProxyType[str, Rule] = rule_table([
     (frozenset({"batch_norm", "native_batch_norm", "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training"}), batch_norm),
     (frozenset({"group_norm"}), replicated_map),
     (frozenset({"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention"}), attention),
-    (_ELEMENTWISE_LOSSES | _CLASS_LOSSES, loss), (POOLS, pool)])
+    (_ELEMENTWISE_LOSSES | _CLASS_LOSSES, loss), (POOLS, pool),
+    (frozenset({"cosine_embedding_loss", "margin_ranking_loss", "hinge_embedding_loss"}), pair_loss)])

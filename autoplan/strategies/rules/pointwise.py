@@ -23,7 +23,7 @@ ELEMENTWISE = frozenset(
     add_ mul_ sub_ div_ fill_ zeros_like ones_like full_like empty_like rand_like randn_like
     type_as lerp addcmul addcdiv sign floor ceil round trunc isnan isinf nan_to_num tril triu
     silu_ relu_ gelu_ copy_ rsub remainder fmod sgn exp2 expm1 log2 log10 sinh cosh atan
-    asin acos tan bitwise_xor logical_xor hardswish hardsigmoid""".split()
+    asin acos tan bitwise_xor logical_xor hardswish hardsigmoid floor_divide floor_divide_""".split()
 )
 # element-wise ops that are linear in their tensor inputs (P passes through)
 _LINEAR_ELEMENTWISE = frozenset("add sub neg add_ sub_ rsub".split())
@@ -35,9 +35,10 @@ CREATION = frozenset(
     """arange zeros ones full empty scalar_tensor randn rand randint new_ones new_zeros new_empty
     new_full linspace eye tensor randperm full_like_creation""".split()
 )
-# ops with a known rule that is: keep everything replicated (gathers/scatters by index)
+# ops with a known rule that is: keep everything replicated (gathers/scatters by index;
+# ``scatter`` and ``scatter_`` have their own rule in :mod:`autoplan.strategies.rules.moe`)
 REPLICATED_ONLY = frozenset(
-    """index index_select gather scatter scatter_add index_put index_put_ nonzero masked_select
+    """index index_select gather scatter_add index_put index_put_ nonzero masked_select
     masked_scatter take embedding_bag roll flip argsort sort topk multinomial""".split()
 )
 SUM_REDUCTIONS = frozenset("sum mean".split())
@@ -61,8 +62,22 @@ def elementwise(node: fx.Node, maker: LetterMaker) -> IndexMap:
     if op in ("tril", "triu"):
         fixed.update(out_letters[-2:])
     tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
-    linear = op in _LINEAR_ELEMENTWISE or (op in _LINEAR_WITH_SCALAR and len(tensor_args) == 1)
+    # div with a rounding mode (floor / trunc) is not linear: floor(a/2) + floor(b/2) != floor((a+b)/2)
+    rounded = node.kwargs.get("rounding_mode") is not None
+    linear = op in _LINEAR_ELEMENTWISE or (op in _LINEAR_WITH_SCALAR and len(tensor_args) == 1 and not rounded)
     return IndexMap(inputs, (out_letters,), fixed=frozenset(fixed), linear=linear)
+
+
+def broadcast_tensors(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    """``broadcast_tensors``: every output has the common shape, output ``i`` input ``i``
+    expanded into it (dims an input expands from size 1 stay whole)."""
+    shapes = output_shapes(node)
+    out_letters = maker.many(len(shapes[0]))
+    fixed: set[str] = set()
+    inputs: dict[str, Letters | None] = {
+        inp.name: broadcast_letters(tensor_shape(inp), out_letters, shapes[0], maker, fixed)
+        for inp in tensor_inputs(node)}
+    return IndexMap(inputs, tuple(out_letters for _ in shapes), fixed=frozenset(fixed))
 
 
 def identity(node: fx.Node, maker: LetterMaker) -> IndexMap:
@@ -117,4 +132,4 @@ def dim_fixed(node: fx.Node, maker: LetterMaker) -> IndexMap:
 
 RULES: MappingProxyType[str, Rule] = rule_table([(ELEMENTWISE, elementwise), (IDENTITY, identity),
     (CREATION, creation), (REPLICATED_ONLY, replicated_map), (SUM_REDUCTIONS | OTHER_REDUCTIONS, reduction),
-    (DIM_FIXED, dim_fixed)])
+    (DIM_FIXED, dim_fixed), (frozenset({"broadcast_tensors"}), broadcast_tensors)])

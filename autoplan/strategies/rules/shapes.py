@@ -168,6 +168,51 @@ def pad(node: fx.Node, maker: LetterMaker) -> IndexMap:
     return IndexMap({src.name: letters}, (out,), fixed=frozenset(fixed))
 
 
+def repeat(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    """``x.repeat(*repeats)`` tiles ``x``: a dim repeated once keeps its letter; a dim repeated
+    ``k > 1`` times stays whole (the output is ``k`` copies of the whole dim one after the other,
+    so a shard of the input is not a shard of the output), and so do the new leading dims when
+    ``repeats`` is longer than ``x``'s rank. Linear: tiling partial sums gives partial sums."""
+    src = tensor_inputs(node)[0]
+    ndim = len(tensor_shape(src))
+    repeats = [int(r) for r in node.args[1]]
+    lead = len(repeats) - ndim
+    if lead < 0:
+        return replicated_map(node, maker)
+    out = list(maker.many(lead))
+    fixed = set(out)
+    letters: list[str] = []
+    for d in range(ndim):
+        x = maker.fresh()
+        letters.append(x)
+        if repeats[lead + d] == 1:
+            out.append(x)
+        else:
+            out.append(maker.fresh())
+            fixed.update((x, out[-1]))
+    return IndexMap({src.name: tuple(letters)}, (tuple(out),), fixed=frozenset(fixed), linear=True)
+
+
+def repeat_interleave(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    """``x.repeat_interleave(k, dim)`` with an int ``k`` repeats each element ``k`` times in
+    place: rows ``a:b`` of ``x`` give rows ``a*k:b*k`` of the output, so the repeated dim keeps
+    its letter (a contiguous block stays a contiguous block of ``k`` times the size), and the
+    other dims too. Without ``dim`` (``x`` flattened), a 1-D ``x`` is the same; other forms
+    (a tensor of repeats, a flattened n-D ``x``) stay replicated. Kept non-linear, as in
+    DTensor's rule (which replicates a partial input)."""
+    src = tensor_inputs(node)[0]
+    shape = tensor_shape(src)
+    reps = node.args[1] if len(node.args) > 1 else node.kwargs.get("repeats")
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if isinstance(reps, fx.Node) or not isinstance(reps, int) or not shape or src is not node.args[0]:
+        return replicated_map(node, maker)
+    if dim is None and len(shape) != 1:
+        return replicated_map(node, maker)
+    letters = maker.many(len(shape))
+    return IndexMap({src.name: letters}, (letters,))
+
+
 RULES: MappingProxyType[str, Rule] = rule_table([(VIEWS, view), (PERMUTES, permute), (SLICES, slice_like),
     (CONCATENATIONS, concatenate), (frozenset({"split", "split_with_sizes", "chunk"}), split),
-    (frozenset({"unbind"}), unbind), (frozenset({"pad", "constant_pad_nd"}), pad)])
+    (frozenset({"unbind"}), unbind), (frozenset({"pad", "constant_pad_nd"}), pad),
+    (frozenset({"repeat"}), repeat), (frozenset({"repeat_interleave"}), repeat_interleave)])

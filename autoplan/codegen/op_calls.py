@@ -1,0 +1,145 @@
+"""How the program calls each planned op: on DTensors, or on local tensors where DTensor
+cannot run it.
+
+Some ops are replaced before they run (``REPLACED_OPS``): ``view`` by ``reshape``, and the
+element-wise losses without a DTensor rule by their ATen decompositions.
+
+Ops DTensor has no sharding rule for run on each rank's local tensors, as the plan says.
+
+DTensor runs an op only where it has a strategy for it (or can trace one through the op's
+decomposition), and the op's backward needs one too: ``hardswish_backward``,
+``log_sigmoid_backward``, ``mkldnn_rnn_layer``, ``as_strided_`` and custom ops such as
+transformers' ``grouped_mm_fallback`` have none. The plan already fixed how each input arrives
+and how each output leaves, and its strategy is valid for the op (the op's index map says which
+dims are independent), so the op can run on the local shards:
+
+- each input arrives in the planned placements (the program's redistribution), and
+  ``to_local(grad_placements=...)`` hands its gradient back as the plan says it leaves: a shard
+  where the input is sharded, partial sums on the mesh axes where the op's backward leaves them
+  (``NodePlan.grad_partial``: the input was whole but the output sharded), else replicated;
+- the op and its backward run on plain tensors, recorded by autograd as usual;
+- each tensor output becomes a DTensor with its planned placements (``from_local``).
+
+A strategy with a partial output (``P``) is not run this way: a local mean is not a partial
+sum of the global one. Such ops stay with DTensor.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from torch._decomp import get_decompositions
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.codegen.redistribution import to_dtensor_placements
+from autoplan.plan_schema import NodePlan
+
+__all__ = ["REPLACED_OPS", "call_planned_op", "has_dtensor_rule", "runs_locally", "call_locally"]
+
+# The tracer drops ``.contiguous()`` nodes (their presence depends on the tracing device), so a
+# ``view`` may meet a non-contiguous tensor (after a transpose): run it as ``reshape``, which is a
+# view whenever one is possible and has the same DTensor sharding rule.
+# Element-wise losses without a DTensor rule run as their ATen decompositions (differences,
+# powers, means), whose DTensor rules count a mean over the GLOBAL number of elements in the
+# backward too.
+_DECOMPOSED_LOSSES = (torch.ops.aten.mse_loss.default, torch.ops.aten.smooth_l1_loss.default,
+                      torch.ops.aten.huber_loss.default, torch.ops.aten.binary_cross_entropy.default)
+
+
+def _bce_with_logits(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                     pos_weight: torch.Tensor | None = None, reduction: int = 1) -> torch.Tensor:
+    """``binary_cross_entropy_with_logits`` from ops whose backward DTensor can shard (torch's
+    decomposition uses ``log_sigmoid``, whose backward has no rule): ``-log σ(x)`` as
+    ``relu(-x) + log1p(exp(-|x|))``. ``reduction``: 0 none, 1 mean, 2 sum."""
+    minus_log_sigmoid = torch.relu(-x) + torch.log1p(torch.exp(-torch.abs(x)))
+    scale = minus_log_sigmoid if pos_weight is None else ((pos_weight - 1) * target + 1) * minus_log_sigmoid
+    loss = (1 - target) * x + scale
+    if weight is not None:
+        loss = loss * weight
+    return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+
+
+REPLACED_OPS = MappingProxyType({
+    torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+    torch.ops.aten.binary_cross_entropy_with_logits.default: _bce_with_logits,
+    **get_decompositions(_DECOMPOSED_LOSSES),
+})
+
+
+def has_dtensor_rule(op: Any) -> bool:
+    """Whether DTensor has a strategy of its own for ``op`` (an ATen overload); ops it would
+    only decompose, or not run at all, count as without."""
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    return (op in propagator.op_strategy_funcs or op in propagator.op_to_rules
+            or op in getattr(propagator, "op_single_dim_strategy_funcs", {}))
+
+
+def runs_locally(op: Any, node_plan: NodePlan) -> bool:
+    """Whether the program runs this op on local tensors: DTensor has no rule of its own for
+    it, the op is not one autograd sees through (a CompositeImplicitAutograd op such as
+    ``linear`` decomposes before autograd records it, so DTensor meets only its parts, forward
+    and backward), and the planned strategy leaves no output as partial sums."""
+    if not isinstance(op, torch._ops.OpOverload) or has_dtensor_rule(op):
+        return False
+    if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+        return False
+    return not any("P" in spec for spec in node_plan.outputs)
+
+
+def _grad_placements(specs: list[str], partial_axes: list[int]) -> tuple[Placement, ...]:
+    placements = list(to_dtensor_placements(specs))
+    for axis in partial_axes:
+        placements[axis] = Partial()
+    return tuple(placements)
+
+
+def call_locally(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], node_plan: NodePlan,
+                 tensor_inputs: list[Any], mesh: DeviceMesh) -> Any:
+    """``op(*args, **kwargs)`` on local tensors (see the module docstring); ``tensor_inputs``
+    are the DTensor inputs in the order of ``node_plan.inputs``."""
+    local: dict[int, torch.Tensor] = {}
+    for pos, value in enumerate(tensor_inputs):
+        if isinstance(value, DTensor) and id(value) not in local:
+            specs = node_plan.inputs[pos] or [spec_of(p) for p in value.placements]
+            partial = node_plan.grad_partial[pos] if pos < len(node_plan.grad_partial) else []
+            local[id(value)] = value.to_local(grad_placements=_grad_placements(specs, partial))
+
+    def unwrap(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return local.get(id(value), value.to_local())
+        if isinstance(value, (list, tuple)):
+            return type(value)(unwrap(v) for v in value)
+        return value
+
+    out = op(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
+    specs = iter(node_plan.outputs)
+
+    def wrap(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            placements = to_dtensor_placements(next(specs, ["R"] * mesh.ndim))
+            return DTensor.from_local(value, mesh, placements, run_check=False)
+        if isinstance(value, (list, tuple)):
+            return type(value)(wrap(v) for v in value)
+        return value
+
+    return wrap(out)
+
+
+def spec_of(placement: Placement) -> str:
+    """A DTensor placement as the plan writes it."""
+    if placement.is_shard():
+        return f"S({placement.dim})"
+    return "P" if placement.is_partial() else "R"
+
+
+def call_planned_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], node_plan: NodePlan,
+                    tensor_inputs: list[Any], mesh: DeviceMesh) -> Any:
+    """One planned op, its inputs already in their planned placements: on local tensors where
+    :func:`runs_locally` says so, else on DTensors (``REPLACED_OPS`` applied)."""
+    if runs_locally(op, node_plan):
+        return call_locally(op, args, kwargs, node_plan, tensor_inputs, mesh)
+    return REPLACED_OPS.get(op, op)(*args, **kwargs)
