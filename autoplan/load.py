@@ -156,6 +156,18 @@ def _as_input_tuple(value: Any, where: str, label: str = "example_inputs") -> tu
     )
 
 
+def _unaliased(inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The inputs with a tensor given twice (``input_ids=ids, labels=ids``) copied: export
+    traces an aliased pair differently from two tensors, and a batch cut into microbatches
+    (or passed again at run time) holds two."""
+    seen: set[int] = set()
+    out = []
+    for x in inputs:
+        out.append(x.clone() if id(x) in seen else x)
+        seen.add(id(x))
+    return tuple(out)
+
+
 def _split_keywords(value: Mapping[Any, Any], where: str, label: str
                     ) -> tuple[tuple[torch.Tensor, ...], tuple[str, ...], dict[str, Any]]:
     """Keyword inputs as (tensors, their names, the other keyword arguments)."""
@@ -216,6 +228,7 @@ def make_model_spec(
     fixed: dict[str, Any] = {}
     if isinstance(inputs, Mapping):
         inputs, names, fixed = _split_keywords(inputs, _where, _labels[1])
+    inputs = _unaliased(inputs)
     return ModelSpec(module=module, example_inputs=inputs, loss_fn=loss_fn, name=name or type(module).__name__,
                      input_names=names, fixed_kwargs=fixed)
 

@@ -3,7 +3,7 @@
     python -m torch.distributed.run --standalone --nproc-per-node N tests/check_worker.py OUT_DIR
 
 ``OUT_DIR/cases.json`` lists the cases: ``{"name", "file", "builder", "plan"}``. ``builder`` is a
-function of the Python file ``file`` (or a key of its ``ALL_CASES``) returning ``(model, example_inputs, loss_fn)`` or a
+function of the module ``file`` (a file under tests/) (or a key of its ``ALL_CASES``) returning ``(model, example_inputs, loss_fn)`` or a
 ``zoo.ZooCase`` (the same model on every rank: it seeds itself); ``plan`` is the path of a plan.json the test planned
 beforehand. Each case's program is built and checked against one device (outputs, loss, every
 gradient, the executed collectives, the parameters after two optimizer steps). A failing case
@@ -15,6 +15,7 @@ OUT_DIR/rank{r}.json: ``{name: {"ok", "text"} or {"error", "traceback"}}``.
 from __future__ import annotations
 
 import datetime
+import importlib
 import json
 import sys
 import traceback
@@ -29,12 +30,12 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from autoplan.codegen.check import check_against_single_device  # noqa: E402
 from autoplan.codegen.runtime import build_parallel_module, init_distributed  # noqa: E402
-from autoplan.load import import_file, make_model_spec  # noqa: E402
+from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
-    module = import_file(case["file"])
+    module = importlib.import_module(Path(case["file"]).stem)  # tests/ is on sys.path
     builder = getattr(module, case["builder"], None) or module.ALL_CASES[case["builder"]]  # zoo.py
     built = builder()
     model, inputs, loss_fn = built if isinstance(built, tuple) else (built.model, built.example_inputs,

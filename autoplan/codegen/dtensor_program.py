@@ -46,7 +46,7 @@ from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_ed
     to_dtensor_placements, unmask_partial)
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import NodePlan, Plan
-from autoplan.trace.graph import TracedGraph
+from autoplan.trace.graph import NodeKind, TracedGraph
 
 # Ops with no DTensor rule that only check metadata: skipped.
 SKIPPED_OPS = {
@@ -139,7 +139,9 @@ class ShardedProgram(torch.nn.Module):
         self.node_plans = {np_.name: np_ for np_ in plan.nodes}
         self.tied = dict(graph.tied)
         # placeholder name -> FQN, every FQN resolved to the one the graph reads
-        self.placeholder_fqn = {name: self.tied.get(fqn, fqn) for name, fqn in graph.param_names.items()}
+        # tensor constants the export lifted (``lifted_tensor_0``) are not the model's tensors
+        self.placeholder_fqn = {name: self.tied.get(fqn, fqn) for name, fqn in graph.param_names.items()
+                                if graph.nodes[name].kind != NodeKind.CONSTANT}
         buffer_fqns = {info.fqn for info in graph.nodes.values() if info.kind == "buffer" and info.fqn}
         self._fqn_to_attr: dict[str, str] = {}
         for fqn in dict.fromkeys(self.placeholder_fqn.values()):

@@ -78,16 +78,31 @@ def has_dtensor_rule(op: Any) -> bool:
             or op in getattr(propagator, "op_single_dim_strategy_funcs", {}))
 
 
+def _backward_lacks_rule(op: torch._ops.OpOverload) -> bool:
+    """Whether the op's own backward (``hardsigmoid`` → ``hardsigmoid_backward``) is an ATen op
+    DTensor has no rule of its own for (its decomposition path fails on some, such as
+    ``hardsigmoid_backward``): the forward would run, the backward fail."""
+    packet = getattr(torch.ops.aten, f"{op._schema.name.split('::')[-1]}_backward", None)
+    if packet is None:
+        return False
+    overloads = [getattr(packet, name) for name in packet.overloads()]
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd  # decomposes into ops with rules
+    return not any(has_dtensor_rule(o) or o.has_kernel_for_dispatch_key(composite) for o in overloads)
+
+
 def runs_locally(op: Any, node_plan: NodePlan) -> bool:
-    """Whether the program runs this op on local tensors: DTensor has no rule of its own for
-    it, the op is not one autograd sees through (a CompositeImplicitAutograd op such as
-    ``linear`` decomposes before autograd records it, so DTensor meets only its parts, forward
-    and backward), and the planned strategy leaves no output as partial sums."""
-    if not isinstance(op, torch._ops.OpOverload) or has_dtensor_rule(op):
+    """Whether the program runs this op on local tensors: the planned strategy leaves no
+    output as partial sums, and DTensor has no rule of its own for the op or for its backward.
+    A CompositeImplicitAutograd op (``linear``, ``lstm``) decomposes before autograd records
+    it, so DTensor meets its parts; it runs locally only when planned replicated throughout
+    (``lstm``'s parts, ``mkldnn_rnn_layer``, have no rule)."""
+    if not isinstance(op, torch._ops.OpOverload) or any("P" in spec for spec in node_plan.outputs):
+        return False
+    if has_dtensor_rule(op) and not _backward_lacks_rule(op):
         return False
     if op.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
-        return False
-    return not any("P" in spec for spec in node_plan.outputs)
+        return all(p == "R" for specs in [*node_plan.inputs, *node_plan.outputs] if specs for p in specs)
+    return True
 
 
 def _grad_placements(specs: list[str], partial_axes: list[int]) -> tuple[Placement, ...]:

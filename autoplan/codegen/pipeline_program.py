@@ -81,7 +81,7 @@ from autoplan.codegen.redistribution import redistribute, to_dtensor_placements
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan
 from autoplan.trace.batch_coupling import count_program
-from autoplan.trace.graph import TracedGraph
+from autoplan.trace.graph import NodeKind, TracedGraph
 
 __all__ = [
     "PipelineProgram",
@@ -237,7 +237,8 @@ class PipelineProgram(torch.nn.Module):
         # parameters of this rank's stages, distributed on the sub-mesh; one object per FQN
         tied = dict(graph.tied)
         self.tied = tied
-        placeholder_fqn = {name: tied.get(fqn, fqn) for name, fqn in graph.param_names.items()}
+        placeholder_fqn = {name: tied.get(fqn, fqn) for name, fqn in graph.param_names.items()
+                           if graph.nodes[name].kind != NodeKind.CONSTANT}  # not lifted tensor constants
         buffer_fqns = {info.fqn for info in graph.nodes.values() if info.kind == "buffer" and info.fqn}
         self.stage_indices = local_stages
         owners: dict[str, set[int]] = {}

@@ -113,6 +113,8 @@ class ParallelModule(PlannedTraining):
         if isinstance(program, ShardedProgram):
             buckets = program.gradient_buckets = GradientBuckets(program)
         for param in {id(p): p for p in program.parameters()}.values():
+            if not param.requires_grad:  # a frozen parameter (Whisper's positions) has no gradient
+                continue
             if buckets is None or not buckets.owns(param):
                 param.register_post_accumulate_grad_hook(_reduce_gradient)
         self.optimizer = build_optimizer(plan.optimizer, program.parameters())

@@ -57,7 +57,8 @@ def _block_layers(graph: TracedGraph, classes: NodeClasses) -> tuple[list[list[s
             label = f"{key[0]}.{key[1]}" if key[0] else str(key[1])
             current = max(current, index.get(label, current))
         groups[current].append(name)  # graph order is topological: never move back
-    return groups, blocks
+    kept = [i for i, group in enumerate(groups) if group]  # a block whose ops ran inside another's
+    return [groups[i] for i in kept], [blocks[i] for i in kept]
 
 
 def _merge(groups: list[list[str]], names: list[str], count: int) -> tuple[list[list[str]], list[str]]:

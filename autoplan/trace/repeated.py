@@ -106,6 +106,14 @@ def find_classes(graph: TracedGraph) -> NodeClasses:
         if groups:  # every copy is a block (a pipeline layer), the odd ones too
             repeated.extend(f"{prefix}.{i}" if prefix else str(i) for i in indices)
 
+    # blocks in the order the graph runs them (two stacks may run in another order than the
+    # order their parameters are declared in: CLIP's vision tower before its text tower)
+    order = {name: i for i, name in enumerate(graph.nodes)}
+    first_op = {f"{prefix}.{i}" if prefix else str(i): min((order[n] for n in names if graph.nodes[n].kind == "op"),
+                                                            default=len(order))
+                for (prefix, i), names in blocks.items()}
+    repeated.sort(key=lambda block: first_op[block])
+
     class_of: dict[str, int] = {}
     members: list[list[str]] = []
     for name in graph.nodes:

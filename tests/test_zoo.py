@@ -1,0 +1,136 @@
+"""Public architectures nobody here wrote (tests/zoo.py: tiny configurations of transformers'
+and PyTorch's own classes, random weights) plan on 4 devices with and without the pipeline
+search, and their programs pass ``--check`` against one device: the 4-device plan found with
+the pipeline search on 4 gloo processes, the 2-device intra-op plan on 2, and, for the first
+model of each family, a plan forced by a memory budget to shard weights on 4. Two launches
+(tests/check_worker.py) run every check; a model that fails to plan fails its own tests."""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+from autoplan.load import make_model_spec
+from autoplan.plan_schema import Plan
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.options import PlanOptions
+from launcher import ROOT, launch_worker
+
+sys.path.insert(0, str(ROOT / "tests"))
+from zoo import ALL_CASES  # noqa: E402
+
+ZOO_FILE = ROOT / "tests" / "zoo.py"
+SHARDING_BUDGETS = (0.3, 0.45, 0.6, 0.75, 0.9)  # of the replicated plan's memory, tried in turn
+# Known wrong: encoder-decoders that build their decoder inputs by writing into a slice of a new
+# tensor in place (``shift_right``: ``copy_`` into a view, ``masked_fill_``) compute wrong
+# decoder inputs once the planner gives the written tensor another placement than its view
+# (the write lands on a redistributed copy). The graph is not functionalized yet.
+IN_PLACE_VIEW_WRITES = {"t5", "bart", "whisper"}
+
+
+def _spec(name: str):
+    case = ALL_CASES[name]()
+    return make_model_spec(case.model, case.example_inputs, case.loss_fn, name=name)
+
+
+def _plan(name: str, devices: int, **options) -> tuple[Plan, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = plan_model(_spec(name), PlanOptions(devices, "cpu", **options))
+    return plan, sorted({str(w.message) for w in caught if "planned replicated" in str(w.message)})
+
+
+def _sharded(name: str, replicated: Plan) -> Plan | None:
+    """The 4-device intra-op plan under the smallest budget (a share of the replicated
+    plan's memory) that makes it shard a weight."""
+    for share in SHARDING_BUDGETS:
+        try:
+            plan, _ = _plan(name, 4, pipeline=False, memory_per_device=share * replicated.predicted.memory_bytes.peak)
+        except Exception:  # noqa: BLE001  (too small a budget: try a larger one)
+            continue
+        if any(p != "R" for placement in plan.params.values() for p in placement):
+            return plan
+    return None
+
+
+def _plans(name: str, shard: bool) -> dict:
+    pipelined, replicated_ops = _plan(name, 4)
+    intra, _ = _plan(name, 4, pipeline=False)
+    two, _ = _plan(name, 2, pipeline=False)
+    return {"pipelined": pipelined, "intra": intra, "two": two, "replicated_ops": replicated_ops,
+            "sharded": _sharded(name, intra) if shard else None}
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("zoo")
+    found: dict = {"plans": {}, "errors": {}, "launches": {}}
+    by_world: dict[int, list[dict]] = {2: [], 4: []}
+    families: set[str] = set()
+    for name, build in ALL_CASES.items():
+        family = build().family
+        try:
+            plans = found["plans"][name] = _plans(name, shard=family not in families)
+        except Exception as e:  # noqa: BLE001  (the model's own tests report it)
+            found["errors"][name] = f"{type(e).__name__}: {e}"
+            continue
+        families.add(family)
+        for label, plan, world in (("default", plans["two"], 2), ("default", plans["pipelined"], 4),
+                                   ("sharded", plans["sharded"], 4)):
+            if plan is None:
+                continue
+            path = out / f"{name}-{label}-{world}.json"
+            path.write_text(plan.to_json())
+            by_world[world].append({"name": f"{name}/{label}", "file": str(ZOO_FILE), "builder": name,
+                                    "plan": str(path)})
+    for world, listed in by_world.items():
+        folder = out / f"procs{world}"
+        folder.mkdir()
+        (folder / "cases.json").write_text(json.dumps(listed))
+        found["launches"][world] = launch_worker(ROOT / "tests" / "check_worker.py", world, folder, timeout=1200)
+    return found
+
+
+def _passed(zoo: dict, world: int, name: str) -> None:
+    for rank, results in zoo["launches"][world].items():
+        res = results[name]
+        assert "error" not in res, f"{name} on {world} processes, rank {rank}: {res.get('traceback')}"
+        assert res["ok"], f"{name} on {world} processes, rank {rank}:\n{res['text']}"
+
+
+def _known(name: str):
+    reason = "in-place writes into a view of a redistributed tensor (IN_PLACE_VIEW_WRITES)"
+    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason)) \
+        if name in IN_PLACE_VIEW_WRITES else name
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
+def test_zoo_model_plans(zoo, name: str) -> None:
+    assert name not in zoo["errors"], f"{name} did not plan: {zoo['errors'][name]}"
+    plans = zoo["plans"][name]
+    assert plans["pipelined"].devices == 4 and plans["intra"].devices == 4 and plans["two"].devices == 2
+
+
+@pytest.mark.parametrize("name", list(ALL_CASES))
+def test_zoo_default_plan_passes_check_on_4(zoo, name: str) -> None:
+    _passed(zoo, 4, f"{name}/default")
+
+
+@pytest.mark.parametrize("name", [_known(name) for name in ALL_CASES])
+def test_zoo_two_device_plan_passes_check_on_2(zoo, name: str) -> None:
+    _passed(zoo, 2, f"{name}/default")
+
+
+FIRST_OF_FAMILY = list({ALL_CASES[name]().family: name for name in reversed(ALL_CASES)}.values())
+
+
+@pytest.mark.parametrize("name", [_known(name) for name in FIRST_OF_FAMILY])
+def test_zoo_family_sharded_by_memory_passes_check(zoo, name: str) -> None:
+    assert name not in zoo["errors"], f"{name} did not plan: {zoo['errors'][name]}"
+    sharded = zoo["plans"][name]["sharded"]
+    assert sharded is not None, f"{name}: no budget among {SHARDING_BUDGETS} of the replicated memory shards a weight"
+    _passed(zoo, 4, f"{name}/sharded")
