@@ -63,8 +63,9 @@ def _run(args: list[str], gpu: bool = False, timeout: int = 600) -> tuple[bool, 
         return False, "timed out", time.perf_counter() - start
     text = proc.stdout + proc.stderr
     lines = [line for line in text.splitlines() if line.strip()]
-    verdict = next((line for line in reversed(lines) if "check:" in line or "error" in line.lower()),
-                   lines[-1] if lines else "")
+    telling = [line for line in lines if re.search(r"Error|error:|MISMATCH|FAILED|PASSED", line)
+               and "To enable traceback" not in line]
+    verdict = (telling or lines or [""])[-1]
     return proc.returncode == 0, verdict.strip()[:160], time.perf_counter() - start
 
 

@@ -37,7 +37,7 @@ from zoo import ALL_CASES, ZooCase  # noqa: E402
 AUTOPLAN_CLI = ROOT / ".venv" / "bin" / "autoplan"
 EXCEPTION_RE = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt):")
 FRAME_RE = re.compile(r'File "([^"]*/autoplan/[^"]+)", line (\d+)')
-PEAK_FRACTIONS = (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2)  # memory budgets tried to force sharding
+PEAK_FRACTIONS = (0.5, 0.7, 0.35, 0.25)  # memory budgets tried to force sharding, in this order
 SHARDED_TIME_LIMIT_S = 60  # ILP seconds per mesh under a tight budget (those solves can take minutes)
 
 
@@ -123,8 +123,9 @@ def shards_weights(plan: autoplan.Plan) -> bool:
 
 
 def sharding_budget(case: ZooCase, no_pipeline: autoplan.Plan) -> int | None:
-    """The largest per-device memory budget, a fraction of the one-stage plan's peak on 4
-    devices, under which the one-stage plan shards some weight (None if none does)."""
+    """A per-device memory budget, a fraction of the one-stage plan's peak on 4 devices (half
+    first: tight budgets make slow solves), under which the one-stage plan shards some weight
+    (None if none of those tried does)."""
     peak = no_pipeline.predicted.memory_bytes.peak
     for fraction in PEAK_FRACTIONS:
         budget = int(fraction * peak)

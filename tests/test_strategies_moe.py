@@ -204,23 +204,22 @@ def _grouped_strategy_set(node: fx.Node) -> set:
     return {(s.input_specs, s.output_spec) for s in _strategies(node)}
 
 
-def test_grouped_mm_fallback_shards_columns_and_contraction_never_experts() -> None:
+def test_grouped_mm_fallback_shards_columns_never_experts() -> None:
+    """transformers' custom op runs on local tensors (DTensor has no rule for it), which gives
+    a shard of the output: the column split only; the contraction stays whole."""
     x, w = _ints(8, 16), _ints(4, 16, 8, seed=1)
     node = _node(lambda x, w, o: torch.ops.transformers.grouped_mm_fallback(x, w, o), x, w, OFFS,
                  target="grouped_mm_fallback")
     imap = index_map_for(node)
     xl, wl, ol = (imap.inputs[n.name] for n in node.args)
-    assert xl[1] == wl[1] and xl[1] in imap.reducible  # in: contracted
+    assert xl[1] == wl[1] and xl[1] in imap.fixed  # in: contracted, kept whole
     assert wl[2] == imap.outputs[0][1]  # out: column-parallel
     assert {xl[0], wl[0], ol[0]} <= imap.fixed  # tokens and experts stay whole
     assert _grouped_strategy_set(node) == {
         (((R,), (R,), (R,)), (R,)),
         (((R,), (S(2),), (R,)), (S(1),)),  # column: w on its last dim
-        (((S(1),), (S(1),), (R,)), (P,)),  # row: partial sums
     }
-    assert _check_numerically(node, x, w, OFFS) == 3
-    names = {s.name for s in _strategies(node, (2, 2))}
-    assert "PS1 = S1R x S1S2 x RR (P @ 0)" in names  # both on a 2-D mesh
+    assert _check_numerically(node, x, w, OFFS) == 2
     # why the experts stay whole: a device holding experts 2:4 and their offsets starts expert 2's
     # group at row 0 (rows 0:3 belong to experts 0 and 1), so the two devices' outputs do not add up
     full = torch.ops.transformers.grouped_mm_fallback(x, w, OFFS)
