@@ -59,6 +59,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="allow what the emitted program cannot run yet (bf16, --recompute): a plan to read")
     parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")
     parser.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per mesh")
+    parser.add_argument("--jobs", type=int, default=None,
+                        help="processes the pipeline search runs in (default: one per core; same plan for any)")
     parser.add_argument("--out", default="autoplan_out", help="output folder for plan.json (default autoplan_out)")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (only JSON on stdout)")
     parser.add_argument("--run", action="store_true",
@@ -107,7 +109,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         args.devices_per_node, args.optimizer, args.lr, args.weight_decay, precision=precision,
         recompute=args.recompute, solver=args.solver, time_limit_s=args.time_limit, pipeline=not args.no_pipeline,
         stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, layers=args.layers,
-        manual=tuple(args.manual), plan_only=args.plan_only)
+        manual=tuple(args.manual), plan_only=args.plan_only, jobs=args.jobs)
     if args.mixed_precision:
         print("autoplan: note: --mixed-precision is --precision bf16", file=sys.stderr)
     return options

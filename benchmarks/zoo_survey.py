@@ -163,6 +163,8 @@ def run_cli(model_file: Path, out: Path, devices: int, extra: list[str], timeout
             child.communicate()
             return Outcome(False, error=f"Timeout: over {timeout_s:.0f} s", seconds=timeout_s)
     seconds = time.perf_counter() - start
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "output.log").write_text(text)
     if child.returncode == 0:
         return Outcome(True, "pass", seconds=seconds)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -174,7 +176,8 @@ def run_cli(model_file: Path, out: Path, devices: int, extra: list[str], timeout
 
 def last_error(lines: list[str]) -> str:
     """The line that says why a CLI run failed: the last exception a worker raised, else the
-    first mismatch the check found (with their count), else autoplan's error line, else the last."""
+    first mismatch the check found (with their count), else autoplan's error line, else the
+    launcher's exit code of the root cause, else the last line."""
     exceptions = [re.sub(r"^\[rank\d+\]:\s*", "", line) for line in lines
                   if EXCEPTION_RE.match(line) and "ChildFailedError" not in line]
     mismatches = [line for line in lines if "MISMATCH" in line]
@@ -183,7 +186,10 @@ def last_error(lines: list[str]) -> str:
     if mismatches:
         return f"{mismatches[0]} (+{len(mismatches) - 1} more mismatches)"
     errors = [line for line in lines if line.startswith("autoplan: error")]
-    return (errors or lines or [""])[-1]
+    if errors:
+        return errors[-1]
+    exits = [line for line in lines if line.startswith("exitcode")]  # torch.distributed.run's root cause
+    return f"no exception printed; {exits[-1]}" if exits else (lines or [""])[-1]
 
 
 def survey_case(name: str, run: bool, tmp: Path, timeout_s: float) -> CaseResult:
@@ -240,10 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--run", action="store_true", help="also run the CLI with --run --check")
     parser.add_argument("--timeout", type=float, default=900.0, help="seconds per CLI run")
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="work in this folder and keep it (model files; each run's plan, train.py, output.log)")
     args = parser.parse_args(argv)
     names = args.case or list(ALL_CASES)
     results = []
-    with tempfile.TemporaryDirectory(prefix="zoo_survey_") as tmp:
+    work = contextlib.nullcontext(str(args.keep)) if args.keep else tempfile.TemporaryDirectory(prefix="zoo_survey_")
+    with work as tmp:
+        Path(tmp).mkdir(parents=True, exist_ok=True)
         for name in names:
             start = time.perf_counter()
             results.append(survey_case(name, args.run, Path(tmp), args.timeout))

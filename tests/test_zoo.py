@@ -25,11 +25,6 @@ from zoo import ALL_CASES  # noqa: E402
 
 ZOO_FILE = ROOT / "tests" / "zoo.py"
 SHARDING_BUDGETS = (0.3, 0.45, 0.6, 0.75, 0.9)  # of the replicated plan's memory, tried in turn
-# Known wrong: encoder-decoders that build their decoder inputs by writing into a slice of a new
-# tensor in place (``shift_right``: ``copy_`` into a view, ``masked_fill_``) compute wrong
-# decoder inputs once the planner gives the written tensor another placement than its view
-# (the write lands on a redistributed copy). The graph is not functionalized yet.
-IN_PLACE_VIEW_WRITES = {"t5", "bart", "whisper"}
 
 
 def _spec(name: str):
@@ -102,12 +97,6 @@ def _passed(zoo: dict, world: int, name: str) -> None:
         assert res["ok"], f"{name} on {world} processes, rank {rank}:\n{res['text']}"
 
 
-def _known(name: str):
-    reason = "in-place writes into a view of a redistributed tensor (IN_PLACE_VIEW_WRITES)"
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=reason)) \
-        if name in IN_PLACE_VIEW_WRITES else name
-
-
 @pytest.mark.parametrize("name", list(ALL_CASES))
 def test_zoo_model_plans(zoo, name: str) -> None:
     assert name not in zoo["errors"], f"{name} did not plan: {zoo['errors'][name]}"
@@ -120,7 +109,7 @@ def test_zoo_default_plan_passes_check_on_4(zoo, name: str) -> None:
     _passed(zoo, 4, f"{name}/default")
 
 
-@pytest.mark.parametrize("name", [_known(name) for name in ALL_CASES])
+@pytest.mark.parametrize("name", list(ALL_CASES))
 def test_zoo_two_device_plan_passes_check_on_2(zoo, name: str) -> None:
     _passed(zoo, 2, f"{name}/default")
 
@@ -128,7 +117,7 @@ def test_zoo_two_device_plan_passes_check_on_2(zoo, name: str) -> None:
 FIRST_OF_FAMILY = list({ALL_CASES[name]().family: name for name in reversed(ALL_CASES)}.values())
 
 
-@pytest.mark.parametrize("name", [_known(name) for name in FIRST_OF_FAMILY])
+@pytest.mark.parametrize("name", FIRST_OF_FAMILY)
 def test_zoo_family_sharded_by_memory_passes_check(zoo, name: str) -> None:
     assert name not in zoo["errors"], f"{name} did not plan: {zoo['errors'][name]}"
     sharded = zoo["plans"][name]["sharded"]

@@ -207,6 +207,15 @@ def _consistent_producer(view: _GraphView, classes: NodeClasses, cls: int, pos: 
     return producers.pop() if len(producers) == 1 else None
 
 
+def writes_first_input(node: fx.Node) -> bool:
+    """Whether an op writes into its first argument (``aten.copy_``, ``aten.fill_``, …)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None or not schema.arguments:
+        return False
+    alias = schema.arguments[0].alias_info
+    return alias is not None and alias.is_write
+
+
 def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies]) -> Grouping:
     n = classes.num_classes
     group_of = list(range(n))
@@ -243,6 +252,21 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
             if spec is not None and (spec not in wanted or cs.costs[j].total_s < cs.costs[wanted[spec]].total_s):
                 wanted[spec] = j
         attach(cls, producer, lambda i: wanted.get(strat[producer].strategies[i].output_spec))
+
+    # an op that writes into its first input (copy_, fill_, masked_fill_) reads it as it is
+    # and returns it so: redistributed, the write would land on a copy, not on the tensor (or
+    # the view of a tensor) the rest of the graph reads
+    for cls in range(n):
+        rep = classes.representative(cls)
+        cs = strat[cls]
+        if cs.kind != "op" or group_of[cls] != cls or not writes_first_input(view.fx_nodes[rep]):
+            continue
+        producer = _consistent_producer(view, classes, cls, 0)
+        if producer is None or producer == cls:
+            continue
+        in_place = {s.input_specs[0]: j for j, s in enumerate(cs.strategies)
+                    if s.input_specs[0] is not None and s.output_spec == s.input_specs[0]}
+        attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec))
 
     # storage read by a single consumer class takes the spec that consumer asks for
     for cls in range(n):

@@ -18,6 +18,7 @@ from autoplan.errors import AutoplanError
 from autoplan.plan_schema import OPTIMIZER_NAMES, OptimizerPlan, PrecisionPlan
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import mesh_label
+from autoplan.planner.workers import default_jobs
 from autoplan.solvers import SolverName, check_solver_name
 
 if TYPE_CHECKING:
@@ -46,6 +47,7 @@ class PlannerOptions:
     allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
     remat: bool = False  # cost activation checkpointing (the emitted program does not checkpoint yet)
     canonical: bool = True  # break ties among equal-cost assignments canonically (a plan to run needs it)
+    jobs: int = 1  # processes the stage search runs in (the plan does not depend on it)
 
     @property
     def memory_budget(self) -> float:
@@ -70,7 +72,9 @@ class PlanOptions:
     while the program cannot run them. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
-    ``plan_only`` marks a plan that is for reading, not for running."""
+    ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
+    stage search runs in (default: one per core this process may use, one inside a distributed
+    job); the plan is the same for any number."""
 
     devices: int
     cluster: str | ClusterSpec = "h100"
@@ -92,11 +96,12 @@ class PlanOptions:
     layers: int | None = None
     manual: tuple[str, ...] = ()
     plan_only: bool = False
+    jobs: int | None = None
     cluster_spec: ClusterSpec = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _positive_int("devices", self.devices)
-        for name in ("stages", "microbatches", "layers", "devices_per_node"):
+        for name in ("stages", "microbatches", "layers", "devices_per_node", "jobs"):
             _positive_int(name, getattr(self, name))
         check_solver_name(self.solver)
         if self.time_limit_s is not None and not self.time_limit_s > 0:
@@ -164,7 +169,8 @@ class PlanOptions:
         """The options of the intra-op pass (one logical mesh at a time)."""
         return PlannerOptions(self.devices, self.cluster_spec, self.mesh,
                               OptimizerSpec(self.optimizer, mixed_precision=self.precision != "fp32"),
-                              self.solver, self.time_limit_s, remat=self.recompute)
+                              self.solver, self.time_limit_s, remat=self.recompute,
+                              jobs=self.jobs if self.jobs is not None else default_jobs())
 
     def pipeline_options(self) -> PipelineOptions:
         from autoplan.planner.pipeline import PipelineOptions

@@ -13,6 +13,7 @@ Every node then gets a :class:`NodeInfo`: shape and dtype (:mod:`values`), FLOPs
 
 from __future__ import annotations
 
+import torch.export
 import torch.fx
 
 from autoplan.load import ModelSpec
@@ -24,7 +25,7 @@ from autoplan.trace.naming import (PlaceholderNames, module_of_op, owner_module,
 from autoplan.trace.node_costs import node_bytes, node_flops
 from autoplan.trace.values import dtype_name, first_tensor, int_shape, tensor_leaves
 
-__all__ = ["WRAPPER_PREFIX", "tensor_leaves", "trace"]
+__all__ = ["WRAPPER_PREFIX", "describe", "tensor_leaves", "trace"]
 
 
 def trace(spec: ModelSpec) -> TracedGraph:
@@ -34,8 +35,14 @@ def trace(spec: ModelSpec) -> TracedGraph:
     exported = export_model(spec)
     gm = exported.graph_module
     tidy_graph(gm)
+    return describe(gm, exported, spec.module)
+
+
+def describe(gm: torch.fx.GraphModule, exported: torch.export.ExportedProgram, root: torch.nn.Module
+             ) -> TracedGraph:
+    """The TracedGraph of ``gm``, a tidied graph of ``root`` exported as ``exported`` (or one
+    written like it: :mod:`autoplan.trace.rescale`)."""
     names = placeholder_names(exported.graph_signature)
-    root = spec.module
     nodes = {node.name: _node_info(node, names, root) for node in gm.graph.nodes}
     return TracedGraph(
         graph_module=gm,

@@ -1,7 +1,9 @@
 """The inter-op pass: pipeline stages, sub-meshes, microbatches and the schedule.
 
-Layers. For every candidate microbatch count ``B`` the model is traced for one microbatch and
-cut into layers (:mod:`autoplan.trace.layers`). For every sub-mesh shape ``(n, m)`` (a
+Layers. For every candidate microbatch count ``B`` the graph of one microbatch is cut into
+layers (:mod:`autoplan.trace.layers`). Two microbatch sizes are traced and the others
+rescaled from them (:mod:`autoplan.trace.rescale`: a trace takes seconds at real size); the
+exact plans below are made on traced graphs, so that what runs is what was planned. For every sub-mesh shape ``(n, m)`` (a
 slice of a node or whole nodes) and every logical mesh of it, each distinct layer is costed
 by the intra-op ILP once (layers with equal ops and shapes share the answer).
 
@@ -66,6 +68,7 @@ import gc
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from functools import partial
 
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
@@ -77,8 +80,11 @@ from autoplan.planner.pipeline.exact import RERANK_MARGIN, split_budget
 from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
     normalize_schedule, pipeline_time)
-from autoplan.planner.pipeline.search import REFINED, cluster_shape, search_pipelines, trace_microbatch
+from autoplan.planner.pipeline.search import (REFINED, cluster_shape, on_traced_graph, search_pipelines,
+    trace_microbatch)
+from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
+from autoplan.trace.microbatch import batch_size
 
 __all__ = [
     "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
@@ -108,33 +114,46 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
         return _plan_pipeline(spec, options, popts)
 
 
+def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions, schedule: str
+                     ) -> Plan | AutoplanError:
+    """The exact plan of a pipeline the search found, or why it has none."""
+    try:
+        chosen = interleave(candidate) if schedule in INTERLEAVED else candidate
+        return assemble_pipeline(spec, chosen, options, schedule, {})
+    except AutoplanError as e:
+        return e
+
+
 def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> Plan:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
     start = time.perf_counter()
-    candidates, trace_s = search_pipelines(spec, options, popts)
+    candidates, graphs = search_pipelines(spec, options, popts)
     if not candidates:
         raise no_plan_fits(spec, options)
     schedule = popts.schedule or "1f1b"
-    search_s = time.perf_counter() - start - trace_s
+    search_s = time.perf_counter() - start - graphs.trace_s
     close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
-    planned: list[tuple[Plan, PipelineCandidate]] = []
-    errors: list[AutoplanError] = []
+    searched = len(close)
+    batch = batch_size(spec.example_inputs)
+    close = [c for c in (on_traced_graph(c, graphs, batch, options, popts) for c in close) if c is not None]
+    if not close:
+        raise no_plan_fits(spec, options)
     # the rivals are compared by their optima; only the winner's ties are broken canonically
     rivals = replace(options, canonical=False) if len(close) > 1 else options
+    pool: TaskPool[Plan | AutoplanError] = TaskPool(options.jobs if len(close) > 1 else 1)  # side by side
     for candidate in close:
-        try:
-            chosen = interleave(candidate) if schedule in INTERLEAVED else candidate
-            planned.append((assemble_pipeline(spec, chosen, rivals, schedule, {}), candidate))
-        except AutoplanError as e:
-            errors.append(e)
+        pool.submit(partial(_planned_exactly, spec, candidate, rivals, schedule))
+    outcomes = pool.results()
+    planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
     if not planned:
-        raise errors[0]
+        raise next(e for e in outcomes if isinstance(e, AutoplanError))
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
     if rivals is not options:
         chosen = interleave(best) if schedule in INTERLEAVED else best
         plan = assemble_pipeline(spec, chosen, options, schedule, {})
     total_s = time.perf_counter() - start
+    trace_s = graphs.trace_s
     plan.timings_s = {"trace": trace_s, "search": search_s, "exact": total_s - trace_s - search_s, "total": total_s}
     plan.alternatives = [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], p.predicted,
                                      f"{format_seconds(c.step_time_s)} per step in the stage search; planned exactly")
@@ -142,5 +161,5 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     plan.alternatives += [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], None,
                                       f"{format_seconds(c.step_time_s)} per step in the stage search",
                                       estimate_s=c.step_time_s)
-                          for c in candidates[len(close):][:max(0, 6 - len(planned))]]
+                          for c in candidates[searched:][:max(0, 6 - len(planned))]]
     return plan

@@ -4,7 +4,8 @@ layer ranges; the best pipelines searched again with their stage-internal bounda
 from __future__ import annotations
 
 import math
-import time
+from dataclasses import dataclass, replace
+from functools import partial
 
 from autoplan.cost_models import collective_time
 from autoplan.errors import AutoplanError
@@ -15,6 +16,7 @@ from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOpti
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
     link_between_stages, tied_layers)
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
+from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
 from autoplan.trace.batch_coupling import batch_couplings, microbatch_split_refusal
@@ -22,7 +24,8 @@ from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer, make_layers
 from autoplan.trace.microbatch import batch_size, microbatch_inputs
 from autoplan.trace.repeated import find_classes
-from autoplan.trace.tracer import trace
+from autoplan.trace.rescale import BatchSizeGraphs
+from autoplan.trace.tracer import describe, trace
 
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
@@ -130,20 +133,39 @@ def trace_microbatch(spec: ModelSpec, microbatches: int) -> TracedGraph:
     return trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, microbatches)))
 
 
+def microbatch_graphs(spec: ModelSpec) -> BatchSizeGraphs:
+    """The model's graphs by microbatch size: traced, or rescaled from two traces
+    (:mod:`autoplan.trace.rescale`)."""
+    batch = batch_size(spec.example_inputs)
+    return BatchSizeGraphs(lambda size: trace_microbatch(spec, batch // size),
+                           lambda gm, exported: describe(gm, exported, spec.module))
+
+
 def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions,
-                     ) -> tuple[list[PipelineCandidate], float]:
+                     ) -> tuple[list[PipelineCandidate], BatchSizeGraphs]:
     """Every feasible pipeline candidate (best per microbatch count and sub-mesh), and the
-    seconds spent tracing."""
-    schedules = [popts.schedule] if popts.schedule else ["1f1b"]
-    candidates: list[PipelineCandidate] = []
-    trace_s = 0.0
+    graphs searched (some rescaled rather than traced). The sub-mesh searches run in up to
+    ``options.jobs`` processes (:mod:`autoplan.planner.workers`), each started as soon as its
+    graph is traced; the answer does not depend on their number."""
+    graphs = microbatch_graphs(spec)
+    batch = batch_size(spec.example_inputs)
+    tasks: list[SearchTask] = []
+    pool = search_pool(tasks, options)
+    later: list[SearchTask] = []
+
+    def submit(found: list[SearchTask]) -> None:
+        for task in sorted(found, key=lambda t: -t.weight):
+            tasks.append(task)
+            pool.submit(partial(task.run, options, popts))
+
     refusal: str | None = None
-    for microbatches in microbatch_candidates(spec, popts):
+    counts = microbatch_candidates(spec, popts)
+    for microbatches in counts:
         if refusal is not None and microbatches > 1:
             continue  # cutting this batch into microbatches would change what the model computes
-        start = time.perf_counter()
-        graph = trace_microbatch(spec, microbatches)
-        trace_s += time.perf_counter() - start
+        if microbatches > 1:
+            graphs.trace(batch // counts[-1])  # the second trace: the smallest microbatch, often the best
+        graph = graphs.get(batch // microbatches)
         refusal = microbatch_split_refusal(batch_couplings(graph))
         if refusal is not None and microbatches > 1:
             raise AutoplanError(f"{microbatches} microbatches would change what the model computes: {refusal}; "
@@ -153,29 +175,131 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
             raise AutoplanError(f"--stages {popts.stages} needs at least {popts.stages} layers and the model cuts into "
                                 f"{len(layers)} ({', '.join(layer.name for layer in layers)}): choose at most "
                                 f"{len(layers)} stages, or cut finer with --layers")
-        for schedule in schedules:
-            for submesh in submeshes(options, popts, len(layers)):
-                if (microbatches == 1) != (submesh.size == options.devices) and popts.microbatches is None:
-                    continue  # one microbatch only without a pipeline; a pipeline only with several
-                meshes = stage_meshes(options, submesh)
-                if not meshes:
-                    continue
-                # interleaved chunks are cut after the search, so they share one logical mesh
-                for group in [[m] for m in meshes] if schedule in INTERLEAVED else [meshes]:
-                    candidates += search_submesh(graph, layers, options, popts, schedule, microbatches, submesh,
-                                                  group)
-    return refine(candidates, options, popts), trace_s
+        found = count_tasks(graph, layers, microbatches, options, popts)
+        later += found
+        if microbatches == 1:  # searched while the other microbatch sizes are traced
+            submit(found)
+            later = []
+    submit(later)  # the longest first, so that the processes end together
+    return refine([c for cs in pool.results() for c in cs], options, popts), graphs
+
+
+def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
+                popts: PipelineOptions) -> list[SearchTask]:
+    """The sub-mesh searches of one microbatch count."""
+    found: list[SearchTask] = []
+    for schedule in [popts.schedule] if popts.schedule else ["1f1b"]:
+        for submesh in submeshes(options, popts, len(layers)):
+            if (microbatches == 1) != (submesh.size == options.devices) and popts.microbatches is None:
+                continue  # one microbatch only without a pipeline; a pipeline only with several
+            meshes = stage_meshes(options, submesh)
+            # interleaved chunks are cut after the search, so they share one logical mesh
+            for group in ([[m] for m in meshes] if schedule in INTERLEAVED else [meshes]) if meshes else []:
+                found.append(SearchTask(graph, layers, schedule, microbatches, submesh, group))
+    return found
+
+
+@dataclass(frozen=True)
+class SearchTask:
+    """One sub-mesh's stage search at one microbatch count (:func:`search_submesh`)."""
+
+    graph: TracedGraph
+    layers: list[Layer]
+    schedule: str
+    microbatches: int
+    submesh: SubMesh
+    meshes: list[tuple[int, ...]]
+    boundaries: bool = False
+    costs: dict[tuple[int, ...], LayerCosts] | None = None
+    tied_meshes: list[tuple[int, ...]] | None = None
+
+    def run(self, options: PlannerOptions, popts: PipelineOptions) -> list[PipelineCandidate]:
+        return search_submesh(self.graph, self.layers, options, popts, self.schedule, self.microbatches,
+                              self.submesh, self.meshes, self.boundaries, self.costs, self.tied_meshes)
+
+    @property
+    def weight(self) -> float:
+        """A guess at the task's share of the work (its ILPs grow with the mesh)."""
+        return sum(1 + math.log2(math.prod(mesh)) for mesh in self.meshes)
+
+
+def search_pool(tasks: list[SearchTask], options: PlannerOptions) -> TaskPool[list[PipelineCandidate]]:
+    """A pool for ``tasks`` (the list the caller appends each task to as it submits it)."""
+    return TaskPool(options.jobs, pack=_portable,
+                    unpack=lambda i, found: [_restored(c, tasks[i], options) for c in found])
+
+
+def _portable(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:
+    """``candidates`` to send from a search process: without the graph and layers (the parent
+    has them), the options (they may hold functions) or the edge-cost memo."""
+    packed: dict[int, dict[tuple[int, ...], LayerCosts]] = {}
+    out = []
+    for c in candidates:
+        costs = None
+        if c.costs is not None:
+            if id(c.costs) not in packed:
+                packed[id(c.costs)] = {mesh: replace(lc, options=None, ctx=replace(lc.ctx, cache={}))
+                                       for mesh, lc in c.costs.items()}
+            costs = packed[id(c.costs)]
+        out.append(replace(c, graph=None, layers=[], costs=costs))
+    return out
+
+
+def _restored(candidate: PipelineCandidate, task: SearchTask, options: PlannerOptions) -> PipelineCandidate:
+    """A candidate from a search process, with its graph, layers and options back."""
+    for lc in (candidate.costs or {}).values():
+        lc.options = options
+    return replace(candidate, graph=task.graph, layers=task.layers)
 
 
 def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: PipelineOptions) -> list[PipelineCandidate]:
     """Search the ``REFINED`` best pipelines again with the boundaries inside their stages
     costed (two ILPs more per distinct pair of adjacent layers, so not for every sub-mesh);
-    best first."""
+    best first. The pairs' ILPs run first, spread over the processes (one task per logical
+    mesh of each searched sub-mesh); the searches again are then quick."""
     candidates = sorted(candidates, key=lambda c: c.step_time_s)
-    for i, c in enumerate(candidates[:REFINED]):
+    best = candidates[:REFINED]
+    tables: dict[int, tuple[LayerCosts, PipelineCandidate]] = {}
+    for c in best:
+        for mesh_costs in (c.costs or {}).values():
+            tables.setdefault(id(mesh_costs), (mesh_costs, c))
+    pool: TaskPool[dict[tuple[str, str], float]] = TaskPool(options.jobs)
+    for mesh_costs, c in tables.values():
+        pool.submit(partial(_boundary_costs, mesh_costs, c))
+    for (mesh_costs, _), pairs in zip(tables.values(), pool.results()):
+        mesh_costs.pairs.update(pairs)
+    for i, c in enumerate(best):
         again = search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh,
-                                list(c.costs or {}), boundaries=True, costs=c.costs,
-                                tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
+                               list(c.costs or {}), boundaries=True, costs=c.costs,
+                               tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
         if again:
             candidates[i] = again[0]
     return sorted(candidates, key=lambda c: c.step_time_s)
+
+
+def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> dict[tuple[str, str], float]:
+    """The boundary corrections of every pair of adjacent layers of ``candidate``'s graph on
+    ``costs``' logical mesh (:meth:`LayerCosts.boundary`)."""
+    layers = candidate.layers
+    for first, second in zip(layers, layers[1:]):
+        costs.boundary(candidate.graph, first, second)
+    return costs.pairs
+
+
+def on_traced_graph(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int, options: PlannerOptions,
+                    popts: PipelineOptions) -> PipelineCandidate | None:
+    """``candidate`` on the traced graph of its microbatch, so that the plan made from it is
+    the plan of the program that runs: found on a rescaled graph, the microbatch is traced;
+    where the trace is the rescaled graph (the same hash and layers), the search's answer
+    stands, else its sub-mesh is searched again on the trace (None if nothing fits there)."""
+    if graphs.is_traced(candidate.graph):
+        return candidate
+    graph = graphs.trace(batch // candidate.microbatches)
+    layers = make_layers(graph, find_classes(graph), popts.layers)
+    if graph.graph_hash == candidate.graph.graph_hash and \
+            [layer.nodes for layer in layers] == [layer.nodes for layer in candidate.layers]:
+        return replace(candidate, graph=graph, layers=layers)
+    again = search_submesh(graph, layers, options, popts, candidate.schedule, candidate.microbatches,
+                           candidate.submesh, list(candidate.costs or {}), boundaries=True,
+                           tied_meshes=[candidate.tied_mesh] if candidate.tied_mesh else None)
+    return min(again, key=lambda c: c.step_time_s) if again else None

@@ -1,0 +1,107 @@
+"""A graph rescaled from two traces (autoplan/trace/rescale.py) is the graph a trace at that
+batch size gives: the same hash (ops, arguments, shapes), node infos and layers, for every
+architecture of the zoo; the pipeline search plans alike with rescaled graphs or traces; and the
+search spread over processes finds what one process finds."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from autoplan.load import make_model_spec
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.options import PlanOptions
+from autoplan.planner.workers import TaskPool
+from autoplan.trace.layers import make_layers
+from autoplan.trace.microbatch import microbatch_inputs
+from autoplan.trace.repeated import find_classes
+from autoplan.trace.rescale import BatchSizeGraphs, NotAffine, rescale
+from autoplan.trace.tracer import describe, trace
+from launcher import ROOT
+
+sys.path.insert(0, str(ROOT / "tests"))
+from zoo import ALL_CASES, BATCH  # noqa: E402
+
+
+def _spec(name: str):
+    case = ALL_CASES[name]()
+    return make_model_spec(case.model, case.example_inputs, case.loss_fn, name=name)
+
+
+def _trace_at(spec, size: int):
+    return trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, BATCH // size)))
+
+
+@pytest.mark.parametrize("name", sorted(ALL_CASES))
+def test_rescaled_graph_is_the_trace(name: str) -> None:
+    spec = _spec(name)
+    first, one = _trace_at(spec, BATCH), _trace_at(spec, 1)
+    for size in (2, 4):
+        real = _trace_at(spec, size)
+        try:
+            rescaled = rescale(first, one, (BATCH, 1), size, lambda gm, ep: describe(gm, ep, spec.module))
+        except NotAffine:
+            # the search then traces this size: allowed, but not for the common families
+            assert name not in ("llama", "gpt2", "bert", "mixtral", "vit", "resnet"), name
+            continue
+        assert rescaled.graph_hash == real.graph_hash, (name, size)
+        assert list(rescaled.nodes.values()) == list(real.nodes.values()), (name, size)
+        layers = [layer.nodes for layer in make_layers(rescaled, find_classes(rescaled))]
+        assert layers == [layer.nodes for layer in make_layers(real, find_classes(real))]
+        # the program runs the written graph module like the traced one
+        assert rescaled.graph_module.code == real.graph_module.code
+
+
+def test_size_one_is_traced_and_other_sizes_rescaled() -> None:
+    spec = _spec("llama")
+    traced: list[int] = []
+
+    def trace_fn(size: int):
+        traced.append(size)
+        return _trace_at(spec, size)
+
+    graphs = BatchSizeGraphs(trace_fn, lambda gm, ep: describe(gm, ep, spec.module))
+    for size in (8, 1, 4, 2):
+        graphs.get(size)
+    assert traced == [8, 1]
+    assert graphs.is_traced(graphs.get(8)) and not graphs.is_traced(graphs.get(4))
+    assert graphs.trace(4).graph_hash == graphs.get(4).graph_hash
+
+
+def test_pipeline_plan_made_on_traces_and_independent_of_jobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan found with rescaled graphs and two processes equals the plan found tracing
+    every microbatch size in one process; its graph is a trace."""
+    spec = _spec("llama")
+    options = dict(memory_per_device=2e6)  # small enough that a pipeline wins
+    parallel = plan_model(spec, PlanOptions(4, "h100", jobs=2, **options))
+    monkeypatch.setattr(BatchSizeGraphs, "get", BatchSizeGraphs.trace)
+    serial = plan_model(spec, PlanOptions(4, "h100", jobs=1, **options))
+    assert len(parallel.stages) > 1
+    assert _decisions(parallel) == _decisions(serial)
+    assert parallel.graph_hash == serial.graph_hash
+
+
+def _decisions(plan) -> dict:
+    data = plan.decisions()
+    data["options"].pop("jobs")
+    return data
+
+
+def test_task_pool_keeps_submission_order_and_names_errors() -> None:
+    pool: TaskPool[int] = TaskPool(3, unpack=lambda i, x: (i, x))
+    for i in range(7):
+        pool.submit(lambda i=i: i * i)
+    assert pool.results() == [(i, i * i) for i in range(7)]
+
+    def fails() -> int:
+        raise ValueError("boom")
+
+    failing: TaskPool[int] = TaskPool(2)
+    failing.submit(lambda: 1)
+    failing.submit(fails)
+    with pytest.raises(RuntimeError, match="ValueError: boom"):
+        failing.results()
+    inline: TaskPool[int] = TaskPool(1)
+    with pytest.raises(ValueError, match="boom"):  # one job: the task runs when submitted
+        inline.submit(fails)
