@@ -16,15 +16,7 @@ from autoplan.strategies.candidates import (
     tensor_specs,
 )
 from autoplan.strategies.index_maps import index_map_for, known_ops
-
-
-def _node(fn, *inputs: torch.Tensor, target: str) -> fx.Node:
-    class Wrap(torch.nn.Module):
-        def forward(self, *xs):
-            return fn(*xs)
-
-    ep = torch.export.export(Wrap(), inputs, strict=False)
-    return next(n for n in ep.graph.nodes if n.op == "call_function" and target in str(n.target))
+from op_nodes import op_node
 
 
 def _strategies(node: fx.Node, mesh: tuple[int, ...]):
@@ -33,7 +25,7 @@ def _strategies(node: fx.Node, mesh: tuple[int, ...]):
 
 
 def test_linear_on_a_1d_mesh_has_batch_row_column_and_partial() -> None:
-    node = _node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    node = op_node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
     specs = {(s.input_specs, s.output_spec) for s in _strategies(node, (4,))}
     assert ((((R,), (R,)), (R,))) in specs                  # replicated
     assert ((((S(0),), (R,)), (S(0),))) in specs            # batch (data parallel)
@@ -43,14 +35,14 @@ def test_linear_on_a_1d_mesh_has_batch_row_column_and_partial() -> None:
 
 
 def test_a_dim_the_mesh_does_not_divide_is_absent() -> None:
-    node = _node(lambda x, w: F.linear(x, w), torch.randn(6, 16), torch.randn(32, 16), target="linear")
+    node = op_node(lambda x, w: F.linear(x, w), torch.randn(6, 16), torch.randn(32, 16), target="linear")
     outs = {s.output_spec for s in _strategies(node, (4,))}
     assert (S(0),) not in outs  # 6 rows over 4 devices
     assert (S(1),) in outs
 
 
 def test_column_parallel_input_gradient_is_partial() -> None:
-    node = _node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    node = op_node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
     column = next(s for s in _strategies(node, (4,)) if s.output_spec == (S(1),))
     assert column.partial_grads == ((0, 0),)  # x's gradient is all-reduced over axis 0
     batch = next(s for s in _strategies(node, (4,)) if s.output_spec == (S(0),))
@@ -58,21 +50,21 @@ def test_column_parallel_input_gradient_is_partial() -> None:
 
 
 def test_2d_mesh_combines_letters() -> None:
-    node = _node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    node = op_node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
     names = {s.name for s in _strategies(node, (2, 2))}
     assert "S0S1 = S0R x RS0" in names  # batch on axis 0, columns on axis 1
 
 
 def test_softmax_dim_and_layer_norm_dims_stay_whole() -> None:
-    node = _node(lambda x: torch.softmax(x, -1), torch.randn(8, 16), target="softmax")
+    node = op_node(lambda x: torch.softmax(x, -1), torch.randn(8, 16), target="softmax")
     assert {s.output_spec for s in _strategies(node, (2,))} == {(R,), (S(0),)}
-    ln = _node(lambda x, w, b: F.layer_norm(x, (16,), w, b), torch.randn(8, 4, 16), torch.randn(16),
+    ln = op_node(lambda x, w, b: F.layer_norm(x, (16,), w, b), torch.randn(8, 4, 16), torch.randn(16),
                torch.randn(16), target="layer_norm")
     assert {s.output_spec for s in _strategies(ln, (2,))} == {(R,), (S(0),), (S(1),)}
 
 
 def test_view_merging_dims_keeps_the_leading_shard() -> None:
-    node = _node(lambda x: x.reshape(32, 16), torch.randn(8, 4, 16), target="reshape")
+    node = op_node(lambda x: x.reshape(32, 16), torch.randn(8, 4, 16), target="reshape")
     pairs = {(s.input_specs[0], s.output_spec) for s in _strategies(node, (2,))}
     assert ((S(0),), (S(0),)) in pairs and ((S(2),), (S(1),)) in pairs
     assert all(inp != (S(1),) for inp, _ in pairs)  # the inner merged dim cannot carry the shard
@@ -80,15 +72,15 @@ def test_view_merging_dims_keeps_the_leading_shard() -> None:
 
 def test_attention_shards_batch_and_heads_only() -> None:
     q = torch.randn(2, 4, 8, 16)
-    node = _node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q.clone(), q.clone(),
+    node = op_node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q.clone(), q.clone(),
                  target="scaled_dot_product_attention")
     assert {s.output_spec for s in _strategies(node, (2,))} == {(R,), (S(0),), (S(1),)}
 
 
 def test_sum_of_a_sharded_dim_is_partial_and_max_is_not() -> None:
-    s = _node(lambda x: x.sum(0), torch.randn(8, 16), target="sum")
+    s = op_node(lambda x: x.sum(0), torch.randn(8, 16), target="sum")
     assert (P,) in {st.output_spec for st in _strategies(s, (2,))}
-    m = _node(lambda x: x.amax(0), torch.randn(8, 16), target="amax")
+    m = op_node(lambda x: x.amax(0), torch.randn(8, 16), target="amax")
     assert (P,) not in {st.output_spec for st in _strategies(m, (2,))}
 
 
@@ -100,16 +92,16 @@ def test_stored_tensor_specs_use_distinct_dims_per_axis() -> None:
 
 
 def test_ops_without_a_rule_have_no_index_map() -> None:
-    node = _node(lambda x: torch.logcumsumexp(x, 0), torch.randn(8, 16), target="logcumsumexp")
+    node = op_node(lambda x: torch.logcumsumexp(x, 0), torch.randn(8, 16), target="logcumsumexp")
     assert "logcumsumexp" not in known_ops()
     assert index_map_for(node) is None
 
 
 def test_einsum_forms_without_a_rule_have_no_index_map() -> None:
     a, b = torch.randn(2, 3, 4), torch.randn(2, 4, 5)
-    ellipsis = _node(lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), a, b, target="einsum")
+    ellipsis = op_node(lambda a, b: torch.einsum("...ij,...jk->...ik", a, b), a, b, target="einsum")
     assert index_map_for(ellipsis) is None
-    explicit = _node(lambda a, b: torch.einsum("bij,bjk->bik", a, b), a, b, target="einsum")
+    explicit = op_node(lambda a, b: torch.einsum("bij,bjk->bik", a, b), a, b, target="einsum")
     imap = index_map_for(explicit)
     assert imap is not None and imap.reducible == frozenset("j") and imap.outputs == (tuple("bik"),)
 

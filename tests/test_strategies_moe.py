@@ -23,17 +23,9 @@ from autoplan.sharding import P, R, S
 from autoplan.strategies.candidates import Strategy, enumerate_strategies, tensor_input_nodes
 from autoplan.strategies.index_maps import index_map_for, known_ops, op_name
 from autoplan.trace.tracer import trace
+from op_nodes import op_node
 
 MESH = (2,)
-
-
-def _node(fn, *inputs: torch.Tensor, target: str) -> fx.Node:
-    class Wrap(torch.nn.Module):
-        def forward(self, *xs):
-            return fn(*xs)
-
-    ep = torch.export.export(Wrap(), inputs, strict=False)
-    return next(n for n in ep.graph.nodes if n.op == "call_function" and target in str(n.target))
 
 
 def _strategies(node: fx.Node, mesh: tuple[int, ...] = MESH) -> list[Strategy]:
@@ -100,7 +92,7 @@ def _ints(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> tor
 
 def test_repeat_keeps_dims_repeated_once_and_keeps_tiled_dims_whole() -> None:
     x = _ints(4, 6)
-    node = _node(lambda x: x.repeat(1, 2), x, target="repeat")
+    node = op_node(lambda x: x.repeat(1, 2), x, target="repeat")
     imap = index_map_for(node)
     (xl,), (out,) = imap.inputs.values(), imap.outputs
     assert out[0] == xl[0] and out[0] not in imap.fixed  # repeated once: follows
@@ -109,7 +101,7 @@ def test_repeat_keeps_dims_repeated_once_and_keeps_tiled_dims_whole() -> None:
     assert _outputs(node) == {(R,), (S(0),), (P,)}
     assert _check_numerically(node, x) == 3
 
-    node = _node(lambda x: x.repeat(2, 1, 3), x, target="repeat")
+    node = op_node(lambda x: x.repeat(2, 1, 3), x, target="repeat")
     imap = index_map_for(node)
     (xl,), (out,) = imap.inputs.values(), imap.outputs
     assert out[0] in imap.fixed  # the new leading dim
@@ -121,10 +113,10 @@ def test_repeat_keeps_dims_repeated_once_and_keeps_tiled_dims_whole() -> None:
 
 def test_repeat_interleave_keeps_every_dim() -> None:
     x = _ints(4, 6)
-    node = _node(lambda x: x.repeat_interleave(2, dim=0), x, target="repeat_interleave")
+    node = op_node(lambda x: x.repeat_interleave(2, dim=0), x, target="repeat_interleave")
     assert _outputs(node) == {(R,), (S(0),), (S(1),)}  # not linear: no partial sums through it
     assert _check_numerically(node, x) == 3
-    flat = _node(lambda x: x.repeat_interleave(2), x, target="repeat_interleave")
+    flat = op_node(lambda x: x.repeat_interleave(2), x, target="repeat_interleave")
     assert index_map_for(flat) is not None and _outputs(flat) == {(R,)}  # n-D flattened: replicated
 
 
@@ -134,25 +126,25 @@ def test_repeat_interleave_keeps_every_dim() -> None:
 def test_floor_divide_is_element_wise_and_not_linear() -> None:
     a = torch.randint(-20, 20, (4, 6), generator=torch.Generator().manual_seed(1))
     b = torch.randint(1, 5, (6,), generator=torch.Generator().manual_seed(2))
-    node = _node(lambda a, b: torch.floor_divide(a, b), a, b, target="floor_divide")
+    node = op_node(lambda a, b: torch.floor_divide(a, b), a, b, target="floor_divide")
     imap = index_map_for(node)
     assert imap.inputs[node.args[1].name] == imap.outputs[0][1:]  # broadcast right-aligned
     assert not imap.linear
     assert _outputs(node) == {(R,), (S(0),), (S(1),)}
     assert _check_numerically(node, a, b) == 3
 
-    scalar = _node(lambda a: torch.ops.aten.floor_divide.Scalar(a, 3), a, target="floor_divide")
+    scalar = op_node(lambda a: torch.ops.aten.floor_divide.Scalar(a, 3), a, target="floor_divide")
     assert str(scalar.target) == "aten.floor_divide.Scalar"
     assert _outputs(scalar) == {(R,), (S(0),), (S(1),)}
     assert _check_numerically(scalar, a) == 3
 
     x = _ints(4, 6) * 3.5  # float: a linear op would offer partial sums
     for fn, target in ((lambda x: x // 2, "floor_divide"), (lambda x: torch.div(x, 2, rounding_mode="floor"), "div")):
-        node = _node(fn, x, target=target)
+        node = op_node(fn, x, target=target)
         assert not index_map_for(node).linear, node.target
         assert (P,) not in _outputs(node)
         assert _check_numerically(node, x) == 3
-    assert index_map_for(_node(lambda x: x / 2, x, target="div")).linear  # plain scaling stays linear
+    assert index_map_for(op_node(lambda x: x / 2, x, target="div")).linear  # plain scaling stays linear
 
 
 # ---------------------------------------------------------------- histc
@@ -160,7 +152,7 @@ def test_floor_divide_is_element_wise_and_not_linear() -> None:
 
 def test_histc_of_shards_adds_up_when_the_range_is_given() -> None:
     x = torch.randint(0, 4, (4, 6), generator=torch.Generator().manual_seed(3)).float()
-    node = _node(lambda x: torch.histc(x, bins=4, min=0, max=3), x, target="histc")
+    node = op_node(lambda x: torch.histc(x, bins=4, min=0, max=3), x, target="histc")
     imap = index_map_for(node)
     assert imap.reducible == frozenset(imap.inputs[node.args[0].name]) and not imap.linear
     pairs = {(s.input_specs[0], s.output_spec) for s in _strategies(node)}
@@ -170,7 +162,7 @@ def test_histc_of_shards_adds_up_when_the_range_is_given() -> None:
 
 def test_histc_without_a_range_stays_replicated() -> None:
     x = torch.tensor([0.0, 1, 2, 3, 4, 5, 6, 100])
-    node = _node(lambda x: torch.histc(x, bins=4), x, target="histc")  # bins over each shard's own range
+    node = op_node(lambda x: torch.histc(x, bins=4), x, target="histc")  # bins over each shard's own range
     assert index_map_for(node) is not None and _outputs(node) == {(R,)}
     lo, hi = x.chunk(2)
     assert not torch.equal(torch.histc(lo, 4) + torch.histc(hi, 4), torch.histc(x, 4))
@@ -182,7 +174,7 @@ def test_histc_without_a_range_stays_replicated() -> None:
 def test_scatter_splits_the_dims_it_does_not_write_along() -> None:
     x = _ints(8, 4)
     idx = torch.randint(0, 4, (8, 1), generator=torch.Generator().manual_seed(4))
-    node = _node(lambda x, i: torch.zeros_like(x).scatter_(1, i, 1.0), x, idx, target="scatter")
+    node = op_node(lambda x, i: torch.zeros_like(x).scatter_(1, i, 1.0), x, idx, target="scatter")
     assert op_name(node) == "scatter_"
     pairs = {(s.input_specs, s.output_spec) for s in _strategies(node)}
     assert pairs == {(((R,), (R,)), (R,)), (((S(0),), (S(0),)), (S(0),))}
@@ -190,7 +182,7 @@ def test_scatter_splits_the_dims_it_does_not_write_along() -> None:
 
     small = torch.randint(0, 4, (4, 2), generator=torch.Generator().manual_seed(5))
     src = _ints(4, 2)
-    node = _node(lambda x, i, s: torch.scatter(x, 1, i, s), x, small, src, target="scatter")
+    node = op_node(lambda x, i, s: torch.scatter(x, 1, i, s), x, small, src, target="scatter")
     assert _outputs(node) == {(R,)}  # index has fewer rows than x: rows do not line up
     assert _check_numerically(node, x, small, src) == 1
 
@@ -208,7 +200,7 @@ def test_grouped_mm_fallback_shards_columns_never_experts() -> None:
     """transformers' custom op runs on local tensors (DTensor has no rule for it), which gives
     a shard of the output: the column split only; the contraction stays whole."""
     x, w = _ints(8, 16), _ints(4, 16, 8, seed=1)
-    node = _node(lambda x, w, o: torch.ops.transformers.grouped_mm_fallback(x, w, o), x, w, OFFS,
+    node = op_node(lambda x, w, o: torch.ops.transformers.grouped_mm_fallback(x, w, o), x, w, OFFS,
                  target="grouped_mm_fallback")
     imap = index_map_for(node)
     xl, wl, ol = (imap.inputs[n.name] for n in node.args)
@@ -230,7 +222,7 @@ def test_grouped_mm_fallback_shards_columns_never_experts() -> None:
 
 def test_aten_grouped_mm_2d_by_3d_and_batched() -> None:
     x, w = _ints(8, 16, dtype=torch.bfloat16), _ints(4, 16, 16, dtype=torch.bfloat16, seed=1)
-    node = _node(lambda x, w, o: torch._grouped_mm(x, w, offs=o), x, w, OFFS, target="_grouped_mm")
+    node = op_node(lambda x, w, o: torch._grouped_mm(x, w, offs=o), x, w, OFFS, target="_grouped_mm")
     assert _grouped_strategy_set(node) == {
         (((R,), (R,), (R,)), (R,)),
         (((R,), (S(2),), (R,)), (S(1),)),
@@ -239,7 +231,7 @@ def test_aten_grouped_mm_2d_by_3d_and_batched() -> None:
     assert _check_numerically(node, x, w, OFFS) == 3
 
     a, b = _ints(4, 8, 16, dtype=torch.bfloat16), _ints(4, 16, 16, dtype=torch.bfloat16, seed=1)
-    node = _node(lambda a, b: torch._grouped_mm(a, b), a, b, target="_grouped_mm")
+    node = op_node(lambda a, b: torch._grouped_mm(a, b), a, b, target="_grouped_mm")
     assert _outputs(node) == {(R,), (S(0),), (S(1),), (S(2),), (P,)}  # batch, rows, columns, contraction
     assert _check_numerically(node, a, b) == 5
 
@@ -247,13 +239,13 @@ def test_aten_grouped_mm_2d_by_3d_and_batched() -> None:
 def test_aten_grouped_mm_with_groups_along_k_or_n() -> None:
     a, b = _ints(16, 32, dtype=torch.bfloat16), _ints(32, 16, dtype=torch.bfloat16, seed=1)
     offs = torch.tensor([8, 16, 24, 32], dtype=torch.int32)
-    node = _node(lambda a, b, o: torch._grouped_mm(a, b, offs=o), a, b, offs, target="_grouped_mm")
+    node = op_node(lambda a, b, o: torch._grouped_mm(a, b, offs=o), a, b, offs, target="_grouped_mm")
     assert _outputs(node) == {(R,), (S(1),), (S(2),)}  # 2-D x 2-D, groups along k: m and n only
     assert _check_numerically(node, a, b, offs) == 3
 
     a, b = _ints(4, 16, 32, dtype=torch.bfloat16), _ints(32, 64, dtype=torch.bfloat16, seed=1)
     offs = torch.tensor([16, 32, 48, 64], dtype=torch.int32)
-    node = _node(lambda a, b, o: torch._grouped_mm(a, b, offs=o), a, b, offs, target="_grouped_mm")
+    node = op_node(lambda a, b, o: torch._grouped_mm(a, b, offs=o), a, b, offs, target="_grouped_mm")
     assert _outputs(node) == {(R,), (S(0),), (P,)}  # 3-D x 2-D, groups along n: m and k only
     assert _check_numerically(node, a, b, offs) == 3
 
