@@ -306,18 +306,34 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
         grad = view.needs_grad[classes.representative(u)]
         gu, gv = grouping.group_of[u], grouping.group_of[v]
         from_parameter = src_info.kind == "parameter"
-        src_specs = [strat[u].strategies[j].output_spec for j in grouping.choice_map[u]]
-        consumers = [strat[v].strategies[j] for j in grouping.choice_map[v]]
-        matrix = [[0.0 if s.input_specs[pos] is None else
-                   count * edge_cost(src, s.input_specs[pos], shape, itemsize, grad, ctx, s.partial_axes(pos),
-                                     from_parameter, s.whole_grad_axes)
-                   for s in consumers] for src in src_specs]
+        src_specs = tuple(strat[u].strategies[j].output_spec for j in grouping.choice_map[u])
+        reads = tuple((s.input_specs[pos], s.partial_axes(pos), s.whole_grad_axes)
+                      for s in (strat[v].strategies[j] for j in grouping.choice_map[v]))
+        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter)
         if any(any(row) for row in matrix):
-            edges.append(Edge(gu, gv, matrix))
+            edges.append(Edge(gu, gv, [[count * c for c in row] for row in matrix]))
     names = [classes.representative(root) for root in grouping.roots]
     choice_names = [[strat[root].strategies[j].name for j in grouping.choice_map[root]] for root in grouping.roots]
     assert len(names) == num_groups
     return IntraOpProblem(costs, memory, edges, memory_budget, names, choice_names)
+
+
+def _edge_matrix(src_specs: tuple[ShardingSpec, ...],
+                 reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
+                 shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool
+                 ) -> list[list[float]]:
+    """Seconds of one edge for every producer spec × consumer read (its spec, partial and
+    whole gradient axes), memoised whole in ``ctx.cache``: the edges between ops of one kind
+    repeat within a layer and across the layers planned on one mesh."""
+    key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
+           ctx.parameter_edges if from_parameter else -1)
+    matrix = ctx.cache.get(key)
+    if matrix is None:
+        matrix = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
+                                                     whole)
+                   for dst, partial, whole in reads] for src in src_specs]
+        ctx.cache[key] = matrix
+    return matrix
 
 
 def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: _GraphView | None = None) -> CostContext:

@@ -23,7 +23,7 @@ ELEMENTWISE = frozenset(
     add_ mul_ sub_ div_ fill_ zeros_like ones_like full_like empty_like rand_like randn_like
     type_as lerp addcmul addcdiv sign floor ceil round trunc isnan isinf nan_to_num tril triu
     silu_ relu_ gelu_ copy_ rsub remainder fmod sgn exp2 expm1 log2 log10 sinh cosh atan
-    asin acos tan bitwise_xor logical_xor hardswish hardsigmoid floor_divide floor_divide_""".split()
+    asin acos tan bitwise_xor logical_xor hardswish hardsigmoid floor_divide floor_divide_ masked_fill_""".split()
 )
 # element-wise ops that are linear in their tensor inputs (P passes through)
 _LINEAR_ELEMENTWISE = frozenset("add sub neg add_ sub_ rsub".split())
