@@ -5,6 +5,7 @@ search spread over processes finds what one process finds."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -102,6 +103,10 @@ def test_task_pool_keeps_submission_order_and_names_errors() -> None:
     failing.submit(fails)
     with pytest.raises(RuntimeError, match="ValueError: boom"):
         failing.results()
+    dying: TaskPool[int] = TaskPool(2)
+    parent = os.getpid()
+    dying.submit(lambda: 7 if os.getpid() == parent else os._exit(3))  # dies in a child: runs here
+    assert dying.results() == [7]
     inline: TaskPool[int] = TaskPool(1)
     with pytest.raises(ValueError, match="boom"):  # one job: the task runs when submitted
         inline.submit(fails)

@@ -58,6 +58,7 @@ def _child(task: Callable[[], T], pack: Callable[[T], Any], connection: multipro
 @dataclass
 class _Running:
     index: int
+    task: Callable[[], Any]
     process: multiprocessing.process.BaseProcess
     connection: multiprocessing.connection.Connection
 
@@ -71,7 +72,8 @@ class TaskPool(Generic[T]):
 
     An :class:`AutoplanError` raised by a task is raised by :meth:`results` with its message;
     any other error as a RuntimeError carrying the child's traceback (the first submitted
-    task's error, whatever the order they failed in)."""
+    task's error, whatever the order they failed in). A task whose child dies without an
+    answer (killed, out of memory) runs again here."""
 
     def __init__(self, jobs: int, pack: Callable[[T], Any] = lambda x: x,
                  unpack: Callable[[int, Any], T] = lambda i, x: x) -> None:
@@ -121,17 +123,22 @@ class TaskPool(Generic[T]):
             process = context.Process(target=_child, args=(task, self.pack, send), daemon=True)
             process.start()
             send.close()
-            self.running.append(_Running(index, process, receive))
+            self.running.append(_Running(index, task, process, receive))
 
     def _receive(self, done: _Running) -> None:
         try:
             kind, payload = done.connection.recv()
-        except EOFError:
-            kind, payload = "error", f"a search process died (exit code {done.process.exitcode})"
+        except EOFError:  # the child died (killed, out of memory): run its task here instead
+            kind, payload = "died", None
         done.process.join()
         done.connection.close()
         self.running.remove(done)
-        if kind == "ok":
+        if kind == "died":
+            try:
+                self.answers[done.index] = done.task()
+            except Exception as e:  # noqa: BLE001 - raised by results(), in submission order
+                self.errors[done.index] = e
+        elif kind == "ok":
             self.answers[done.index] = self.unpack(done.index, payload)
         else:
             self.errors[done.index] = AutoplanError(payload) if kind == "autoplan" else RuntimeError(payload)
