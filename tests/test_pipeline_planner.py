@@ -397,3 +397,17 @@ def test_a_ranks_memory_is_split_among_its_stages() -> None:
     assert shares[1] == pytest.approx(2.0)  # rank 1: stage 1 needs no more than its least
     assert split_budget(10.0, least, fast, ranks=4) == [10.0] * 4
     assert split_budget(None, least, fast, ranks=2) == [None] * 4
+
+
+def test_pinned_microbatches_never_give_one_stage_with_several() -> None:
+    """Several microbatches in one stage (gradient accumulation) is not run by the program, so
+    the search does not plan it, even with the microbatches pinned."""
+    import mlp
+
+    from autoplan.load import make_model_spec
+    from autoplan.planner.front_door import plan_model
+    from autoplan.planner.options import PlanOptions
+
+    model, inputs = mlp.build()
+    plan = plan_model(make_model_spec(model, inputs, mlp.loss_fn), PlanOptions(2, "cpu", microbatches=2))
+    assert len(plan.stages) == 2 and plan.microbatches == 2

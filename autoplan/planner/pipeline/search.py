@@ -190,8 +190,10 @@ def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, opti
     found: list[SearchTask] = []
     for schedule in [popts.schedule] if popts.schedule else ["1f1b"]:
         for submesh in submeshes(options, popts, len(layers)):
-            if (microbatches == 1) != (submesh.size == options.devices) and popts.microbatches is None:
-                continue  # one microbatch only without a pipeline; a pipeline only with several
+            if microbatches > 1 and submesh.size == options.devices:
+                continue  # several microbatches without a pipeline: gradient accumulation, not run yet
+            if microbatches == 1 and submesh.size < options.devices and popts.microbatches is None:
+                continue  # a pipeline only with several microbatches, unless pinned
             meshes = stage_meshes(options, submesh)
             # interleaved chunks are cut after the search, so they share one logical mesh
             for group in ([[m] for m in meshes] if schedule in INTERLEAVED else [meshes]) if meshes else []:
