@@ -52,3 +52,25 @@ def test_in_place_op_keeps_its_producers_placement() -> None:
         assert placed[node.name].outputs[0] == placed[node.name].inputs[0], node.name
         checked += 1
     assert checked == 3
+
+
+class CopyThenUse(torch.nn.Module):
+    """An in-place op whose result a single-input op reads (it follows the in-place op, which
+    itself then follows its producer): the grouping composes the two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        buffer = x.new_zeros(x.shape)
+        written = buffer.copy_(self.lin(x))
+        return torch.tanh(written)
+
+
+def test_followers_of_an_in_place_op_follow_its_producer_too() -> None:
+    spec = make_model_spec(CopyThenUse(), (torch.randn(32, 16),), lambda out, x: out.pow(2).mean())
+    plan = plan_model(spec, PlanOptions(2, "cpu", pipeline=False))
+    placed = {node.name: node for node in plan.nodes}
+    assert placed["copy_"].inputs[0] == placed["new_zeros"].outputs[0]
+    assert placed["tanh"].inputs[0] == placed["copy_"].outputs[0]

@@ -266,7 +266,11 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
             continue
         in_place = {s.input_specs[0]: j for j, s in enumerate(cs.strategies)
                     if s.input_specs[0] is not None and s.output_spec == s.input_specs[0]}
-        attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec))
+        followers = [c for c in range(n) if c != cls and group_of[c] == cls]
+        if attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec)):
+            for c in followers:  # they followed cls's own choices: now its new root's, through cls
+                group_of[c] = group_of[cls]
+                choice_map[c] = [choice_map[c][j] for j in choice_map[cls]]
 
     # storage read by a single consumer class takes the spec that consumer asks for
     for cls in range(n):
