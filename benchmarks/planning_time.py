@@ -68,7 +68,8 @@ def _shape(plan: Plan) -> str:
     if len(plan.stages) > 1:
         meshes = sorted({mesh_label(tuple(s.mesh)) for s in plan.stages})
         return f"{len(plan.stages)} stages x {'/'.join(meshes)}, {plan.microbatches} mb"
-    return f"mesh {mesh_label(tuple(plan.mesh))}"
+    accumulated = f", {plan.microbatches} mb accumulated" if plan.microbatches > 1 else ""
+    return f"mesh {mesh_label(tuple(plan.mesh))}{accumulated}"
 
 
 def main() -> None:

@@ -399,9 +399,9 @@ def test_a_ranks_memory_is_split_among_its_stages() -> None:
     assert split_budget(None, least, fast, ranks=2) == [None] * 4
 
 
-def test_pinned_microbatches_never_give_one_stage_with_several() -> None:
-    """Several microbatches in one stage (gradient accumulation) is not run by the program, so
-    the search does not plan it, even with the microbatches pinned."""
+def test_pinned_microbatches_are_kept_with_or_without_a_pipeline() -> None:
+    """Pinned microbatches hold whether the search then pipelines or accumulates gradients in
+    one stage (tests/test_accumulation.py runs that program); the program is the pipeline one."""
     import mlp
 
     from autoplan.load import make_model_spec
@@ -409,5 +409,8 @@ def test_pinned_microbatches_never_give_one_stage_with_several() -> None:
     from autoplan.planner.options import PlanOptions
 
     model, inputs = mlp.build()
-    plan = plan_model(make_model_spec(model, inputs, mlp.loss_fn), PlanOptions(2, "cpu", microbatches=2))
-    assert len(plan.stages) == 2 and plan.microbatches == 2
+    spec = make_model_spec(model, inputs, mlp.loss_fn)
+    for options in (PlanOptions(2, "cpu", microbatches=2), PlanOptions(2, "cpu", microbatches=2, stages=1)):
+        plan = plan_model(spec, options)
+        assert plan.microbatches == 2 and plan.schedule != "none"
+    assert len(plan.stages) == 1

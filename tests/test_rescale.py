@@ -93,6 +93,7 @@ def test_task_pool_keeps_submission_order_and_names_errors() -> None:
     pool: TaskPool[int] = TaskPool(3, unpack=lambda i, x: (i, x))
     for i in range(7):
         pool.submit(lambda i=i: i * i)
+    assert pool.answer(5) == (5, 25)  # one answer, waited for while the others run
     assert pool.results() == [(i, i * i) for i in range(7)]
 
     def fails() -> int:

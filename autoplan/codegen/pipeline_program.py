@@ -328,6 +328,7 @@ class PipelineProgram(torch.nn.Module):
         self.has_first = 0 in local_stages
         self.has_last = layout.num_stages - 1 in local_stages
         self.loss_src = plan.stages[-1].devices[0]
+        self.single_stage = layout.num_stages == 1  # gradient accumulation
 
     # -- parameters
 
@@ -365,7 +366,8 @@ class PipelineProgram(torch.nn.Module):
         loss = torch.stack([x.detach() for x in losses]).sum() if self.has_last and losses \
             else torch.zeros((), device=self.device)
         loss = loss.to(torch.float32).contiguous()
-        dist.broadcast(loss, src=self.loss_src)
+        if not self.single_stage:  # one stage: every rank computed the loss
+            dist.broadcast(loss, src=self.loss_src)
         return loss
 
     def _microbatch_weights(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:

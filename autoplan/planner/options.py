@@ -121,9 +121,6 @@ class PlanOptions:
             if pinned:
                 raise AutoplanError(f"{', '.join(pinned)} pins a pipeline but pipelines are turned off: "
                                     f"drop one or the other")
-        if self.stages == 1 and self.microbatches is not None and self.microbatches > 1:
-            raise AutoplanError(f"{self.microbatches} microbatches in one stage is gradient accumulation, which the "
-                                f"program does not run yet: use --microbatches 1, or more stages")
         if self.stages is not None and self.devices % self.stages:
             raise AutoplanError(f"{self.stages} stages do not divide {self.devices} devices: "
                                 f"choose a divisor of {self.devices}")

@@ -96,6 +96,14 @@ class TaskPool(Generic[T]):
         self._collect(block=False)
         return index
 
+    def answer(self, index: int) -> T:
+        """Task ``index``'s answer, waiting for it (other tasks go on running)."""
+        while index not in self.answers and index not in self.errors:
+            self._collect(block=True)
+        if index in self.errors:
+            raise self.errors[index]
+        return self.answers[index]
+
     def results(self) -> list[T]:
         """Every task's answer, in submission order, once all have run."""
         while self.pending or self.running:

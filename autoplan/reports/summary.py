@@ -38,7 +38,9 @@ def layers_label(layers: list[str]) -> str:
 def _pipeline_lines(plan: Plan) -> list[str]:
     """The stages of a pipelined plan: layers, devices, logical mesh, latency per microbatch."""
     if len(plan.stages) < 2:
-        return []
+        return [] if plan.microbatches == 1 else \
+            ["", f"gradient accumulation: {plan.microbatches} microbatches, one after the other (schedule "
+                 f"{plan.schedule}): one microbatch's activations alive at a time"]
     lines = ["", (f"pipeline: {len(plan.stages)} stages, {plan.microbatches} microbatches, schedule {plan.schedule}, "
                  f"bubble {format_seconds(plan.predicted.bubble_s)} per step")]
     rows = [[str(i), layers_label(s.layers), ranges_label(s.devices), mesh_label(s.mesh), str(len(s.params)),

@@ -82,7 +82,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     return Plan(
         graph_hash=graph.graph_hash, devices=options.devices, cluster=options.cluster.to_dict(),
         mesh=list(candidate.meshes[0]), stages=stage_plans, microbatches=candidate.microbatches,
-        schedule=schedule if len(stage_plans) > 1 else "none", params=params, inputs=inputs, nodes=nodes,
+        schedule=schedule if len(stage_plans) > 1 or candidate.microbatches > 1 else "none", params=params, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name, batch_coupling=coupling)
 

@@ -152,11 +152,16 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
     tasks: list[SearchTask] = []
     pool = search_pool(tasks, options)
     later: list[SearchTask] = []
+    accumulating: list[SearchTask] = []  # searched if the whole batch does not fit one stage
+    whole_batch: list[int] = []  # the pool's indices of the one-stage searches of the whole batch
 
-    def submit(found: list[SearchTask]) -> None:
+    def submit(found: list[SearchTask]) -> list[int]:
+        """Submit ``found``, the longest first (so that the processes end together); their indices."""
+        indices = []
         for task in sorted(found, key=lambda t: -t.weight):
-            tasks.append(task)
-            pool.submit(partial(task.run, options, popts))
+            tasks.append(task)  # before submitting: a finished task's answer is matched to it
+            indices.append(pool.submit(partial(task.run, options, popts)))
+        return indices
 
     refusal: str | None = None
     counts = microbatch_candidates(spec, popts)
@@ -178,10 +183,29 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         found = count_tasks(graph, layers, microbatches, options, popts)
         later += found
         if microbatches == 1:  # searched while the other microbatch sizes are traced
-            submit(found)
+            whole_batch = submit(found)
             later = []
-    submit(later)  # the longest first, so that the processes end together
+        else:
+            accumulating += accumulation_tasks(graph, layers, microbatches, options, popts)
+    if refusal is None and not any(pool.answer(i) for i in whole_batch):
+        later += accumulating  # the whole batch does not fit one stage
+    submit(later)
     return refine([c for cs in pool.results() for c in cs], options, popts), graphs
+
+
+def accumulation_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
+                       popts: PipelineOptions) -> list[SearchTask]:
+    """Gradient accumulation: one stage on all the devices, its microbatches one after the
+    other, so that one microbatch's activations are alive at a time. Searched only where the
+    whole batch in one stage does not fit: it computes as much, and communicates at least as
+    much (each microbatch pays the latencies the whole batch pays once), so the whole batch is
+    never slower."""
+    if popts.stages not in (None, 1) or microbatches < 2:
+        return []
+    whole = SubMesh(*cluster_shape(options))
+    return [SearchTask(graph, layers, schedule, microbatches, whole, stage_meshes(options, whole))
+            for schedule in ([popts.schedule] if popts.schedule else ["1f1b"])
+            if schedule not in INTERLEAVED]  # interleaving needs stages to interleave
 
 
 def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
@@ -191,7 +215,7 @@ def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, opti
     for schedule in [popts.schedule] if popts.schedule else ["1f1b"]:
         for submesh in submeshes(options, popts, len(layers)):
             if microbatches > 1 and submesh.size == options.devices:
-                continue  # several microbatches without a pipeline: gradient accumulation, not run yet
+                continue  # several microbatches in one stage: gradient accumulation, searched after
             if microbatches == 1 and submesh.size < options.devices and popts.microbatches is None:
                 continue  # a pipeline only with several microbatches, unless pinned
             meshes = stage_meshes(options, submesh)
