@@ -203,9 +203,10 @@ def accumulation_tasks(graph: TracedGraph, layers: list[Layer], microbatches: in
     if popts.stages not in (None, 1) or microbatches < 2:
         return []
     whole = SubMesh(*cluster_shape(options))
-    return [SearchTask(graph, layers, schedule, microbatches, whole, stage_meshes(options, whole))
+    meshes = stage_meshes(options, whole)
+    return [SearchTask(graph, layers, schedule, microbatches, whole, meshes)
             for schedule in ([popts.schedule] if popts.schedule else ["1f1b"])
-            if schedule not in INTERLEAVED]  # interleaving needs stages to interleave
+            if schedule not in INTERLEAVED and meshes]  # interleaving needs stages to interleave
 
 
 def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
