@@ -21,6 +21,7 @@ import multiprocessing.connection
 import multiprocessing.process
 import os
 import traceback
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -129,7 +130,12 @@ class TaskPool(Generic[T]):
             index, task = self.pending.popleft()
             receive, send = context.Pipe(duplex=False)
             process = context.Process(target=_child, args=(task, self.pack, send), daemon=True)
-            process.start()
+            with warnings.catch_warnings():
+                # Python 3.12+ warns about forking a process with threads (torch may hold a few
+                # idle ones); a child only runs the search's Python and the ILP solver
+                warnings.filterwarnings("ignore", message=".*use of fork\\(\\) may lead to deadlocks",
+                                        category=DeprecationWarning)
+                process.start()
             send.close()
             self.running.append(_Running(index, task, process, receive))
 
