@@ -111,3 +111,13 @@ def test_task_pool_keeps_submission_order_and_names_errors() -> None:
     inline: TaskPool[int] = TaskPool(1)
     with pytest.raises(ValueError, match="boom"):  # one job: the task runs when submitted
         inline.submit(fails)
+
+
+def test_default_jobs_share_the_node_with_other_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from autoplan.planner.workers import default_jobs
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    alone = default_jobs()
+    assert alone >= 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(alone * 2))  # more ranks than cores: one process each
+    assert default_jobs() == 1

@@ -32,16 +32,19 @@ T = TypeVar("T")
 
 
 def default_jobs() -> int:
-    """The cores this process may run on; one inside a distributed job (its ranks plan side
-    by side already, and a process holding a process group's threads is not forked)."""
+    """The cores this process may run on, shared with the other ranks of its node under
+    torchrun (they all plan at once); one inside an initialised process group (a process
+    holding its threads is not forked)."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         return 1
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, cores // max(1, ranks_here))
 
 
 def _child(task: Callable[[], T], pack: Callable[[T], Any], connection: multiprocessing.connection.Connection
