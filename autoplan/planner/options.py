@@ -73,8 +73,9 @@ class PlanOptions:
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
-    stage search runs in (default: one per core this process may use, one inside a distributed
-    job); the plan is the same for any number."""
+    stage search runs in (default: one per core this process may use, shared with the node's
+    other ranks under torchrun, one inside a process group); the plan is the same for any
+    number."""
 
     devices: int
     cluster: str | ClusterSpec = "h100"
