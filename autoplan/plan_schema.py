@@ -298,6 +298,12 @@ class Plan:
             raise AutoplanError(f"no plan at {p}: run autoplan on the model first")
         return cls.from_json(p.read_text())
 
+    @property
+    def scheduled(self) -> bool:
+        """Whether the program runs on torch's pipeline schedule: several stages, or one stage
+        with several microbatches (gradient accumulation)."""
+        return len(self.stages) > 1 or self.microbatches > 1
+
     def collectives_in(self, phase: str) -> list[PlannedCollective]:
         return [c for c in self.collectives if c.phase == phase]
 

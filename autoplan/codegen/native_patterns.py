@@ -261,7 +261,7 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     or ``"none"`` (then ``reason`` says why, for the pattern that came closest)."""
     if len(plan.mesh) != 1:
         return Recognised("none", {}, f"mesh {plan.mesh} is not 1-D")
-    if len(plan.stages) > 1 or plan.microbatches > 1:
+    if plan.scheduled:
         return Recognised("none", {}, "pipeline stages or microbatches")
     n = plan.mesh[0]
     found = _recognise_ddp(spec, graph, plan, n)

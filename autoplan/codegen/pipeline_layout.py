@@ -102,7 +102,7 @@ def _floating(val: Any) -> bool:
 def pipeline_layout(graph: TracedGraph, plan: Plan) -> StageLayout:
     """Assign every op node to a stage and find the values crossing each boundary."""
     num_stages = len(plan.stages)
-    if num_stages < 2 and plan.microbatches < 2:
+    if not plan.scheduled:
         raise AutoplanError("the plan has one stage and one microbatch: run it with build_program, not build_pipeline")
     k = math.prod(plan.stages[0].mesh)
     for s, st in enumerate(plan.stages):

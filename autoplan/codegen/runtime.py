@@ -225,7 +225,7 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
     ctx = init_distributed()
     check_plan_devices(plan, ctx.world_size)
     refuse_unsupported(plan)
-    if len(plan.stages) > 1 or plan.microbatches > 1:
+    if plan.scheduled:
         return _pipelined(spec, plan, ctx, graph)
     graph = graph or trace(spec)
     check_plan_fits(plan, graph, ctx.world_size)

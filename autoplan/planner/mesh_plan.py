@@ -220,9 +220,11 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
     n = classes.num_classes
     group_of = list(range(n))
     choice_map = [list(range(len(strat[c].strategies))) for c in range(n)]
+    followers: dict[int, list[int]] = {}  # root -> the classes that follow it
 
     def attach(cls: int, target: int, pick: Callable[[int], int | None]) -> bool:
-        """Make ``cls`` follow ``target``'s group, taking strategy pick(target strategy)."""
+        """Make ``cls`` follow ``target``'s group, taking strategy pick(target strategy). The
+        classes that followed ``cls`` follow the new root through it."""
         root = group_of[target]
         mapping = []
         for target_index in choice_map[target]:
@@ -232,6 +234,11 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
             mapping.append(chosen)
         group_of[cls] = root
         choice_map[cls] = mapping
+        moved = followers.pop(cls, [])
+        for c in moved:  # they took cls's own choices (cls was a root): compose
+            group_of[c] = root
+            choice_map[c] = [choice_map[c][j] for j in mapping]
+        followers.setdefault(root, []).extend([cls, *moved])
         return True
 
     # followers, in graph order so that a producer's own grouping is final first
@@ -266,11 +273,7 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
             continue
         in_place = {s.input_specs[0]: j for j, s in enumerate(cs.strategies)
                     if s.input_specs[0] is not None and s.output_spec == s.input_specs[0]}
-        followers = [c for c in range(n) if c != cls and group_of[c] == cls]
-        if attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec)):
-            for c in followers:  # they followed cls's own choices: now its new root's, through cls
-                group_of[c] = group_of[cls]
-                choice_map[c] = [choice_map[c][j] for j in choice_map[cls]]
+        attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec))
 
     # storage read by a single consumer class takes the spec that consumer asks for
     for cls in range(n):

@@ -36,7 +36,7 @@ logical mesh.
 Gradient accumulation. One stage on all the devices with ``B > 1`` microbatches (the
 microbatches run one after the other, one microbatch's activations alive) is searched only
 where no one-stage plan of the whole batch fits: it computes as much and communicates at least
-as much, so it never wins on time (:func:`accumulation_tasks`).
+as much, so it never wins on time (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
 
 Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
@@ -85,8 +85,8 @@ from autoplan.planner.pipeline.exact import RERANK_MARGIN, split_budget
 from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
     normalize_schedule, pipeline_time)
-from autoplan.planner.pipeline.search import (REFINED, accumulation_tasks, cluster_shape, on_traced_graph,
-    search_pipelines, trace_microbatch)
+from autoplan.planner.pipeline.search import (REFINED, cluster_shape, on_traced_graph, search_pipelines,
+    trace_microbatch)
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
 from autoplan.trace.microbatch import batch_size
@@ -94,7 +94,7 @@ from autoplan.trace.microbatch import batch_size
 __all__ = [
     "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
     "Schedule", "activations_in_flight", "cluster_shape", "layer_costs", "normalize_schedule", "pipeline_time",
-    "accumulation_tasks", "plan_pipeline", "split_budget", "tied_layers", "trace_microbatch",
+    "plan_pipeline", "split_budget", "tied_layers", "trace_microbatch",
 ]
 
 

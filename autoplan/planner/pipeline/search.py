@@ -181,11 +181,10 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
                                 f"{len(layers)} ({', '.join(layer.name for layer in layers)}): choose at most "
                                 f"{len(layers)} stages, or cut finer with --layers")
         found = count_tasks(graph, layers, microbatches, options, popts)
-        later += found
         if microbatches == 1:  # searched while the other microbatch sizes are traced
             whole_batch = submit(found)
-            later = []
         else:
+            later += found
             accumulating += accumulation_tasks(graph, layers, microbatches, options, popts)
     if refusal is None and not any(pool.answer(i) for i in whole_batch):
         later += accumulating  # the whole batch does not fit one stage
@@ -204,16 +203,21 @@ def accumulation_tasks(graph: TracedGraph, layers: list[Layer], microbatches: in
         return []
     whole = SubMesh(*cluster_shape(options))
     meshes = stage_meshes(options, whole)
+    # interleaving needs stages to interleave
     return [SearchTask(graph, layers, schedule, microbatches, whole, meshes)
-            for schedule in ([popts.schedule] if popts.schedule else ["1f1b"])
-            if schedule not in INTERLEAVED and meshes]  # interleaving needs stages to interleave
+            for schedule in searched_schedules(popts) if schedule not in INTERLEAVED and meshes]
+
+
+def searched_schedules(popts: PipelineOptions) -> list[str]:
+    """The schedules searched: the pinned one, else 1F1B."""
+    return [popts.schedule] if popts.schedule else ["1f1b"]
 
 
 def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
                 popts: PipelineOptions) -> list[SearchTask]:
     """The sub-mesh searches of one microbatch count."""
     found: list[SearchTask] = []
-    for schedule in [popts.schedule] if popts.schedule else ["1f1b"]:
+    for schedule in searched_schedules(popts):
         for submesh in submeshes(options, popts, len(layers)):
             if microbatches > 1 and submesh.size == options.devices:
                 continue  # several microbatches in one stage: gradient accumulation, searched after
