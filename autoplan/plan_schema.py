@@ -12,7 +12,7 @@ from typing import Any
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.errors import AutoplanError
 
-PLAN_FORMAT = "autoplan.plan/2"
+PLAN_FORMAT = "autoplan.plan/3"
 
 
 class Phase(StrEnum):
@@ -83,6 +83,16 @@ class ParamStorage:
     param: list[str]
     grad: list[str]
     optimizer_state: list[str]
+
+
+@dataclass
+class RecomputedLayer:
+    """A layer whose activations the forward does not keep: the program runs its op nodes
+    (graph order) under non-reentrant activation checkpointing, which keeps the values it
+    reads and runs them again in the backward, collectives included."""
+
+    layer: str
+    nodes: list[str]
 
 
 class CouplingHandling(StrEnum):
@@ -226,7 +236,7 @@ class Plan:
     explanation: str = ""  # the largest cost terms and memory holders of the chosen plan
     optimizer: OptimizerPlan = field(default_factory=OptimizerPlan)
     precision: PrecisionPlan = field(default_factory=PrecisionPlan)
-    recompute: list[str] = field(default_factory=list)  # regions recomputed in the backward (layer names)
+    recompute: list[RecomputedLayer] = field(default_factory=list)  # layers recomputed in the backward
     storage: dict[str, ParamStorage] = field(default_factory=dict)  # parameter -> param, grad, optimizer state
     options: dict[str, Any] = field(default_factory=dict)  # the planning options, as given
     batch_coupling: list[BatchCouplingPlan] = field(default_factory=list)
@@ -274,7 +284,7 @@ class Plan:
                 explanation=str(data.get("explanation", "")),
                 optimizer=OptimizerPlan(**data["optimizer"]),
                 precision=PrecisionPlan(**data["precision"]),
-                recompute=list(data["recompute"]),
+                recompute=[RecomputedLayer(r["layer"], list(r["nodes"])) for r in data["recompute"]],
                 storage={k: ParamStorage(**v) for k, v in data["storage"].items()},
                 options=dict(data.get("options", {})),
                 batch_coupling=[BatchCouplingPlan(c["node"], c["description"], CouplingHandling(c["handling"]))

@@ -49,6 +49,9 @@ def _built(spec, plan) -> dict:
         return {"refused": str(e)}
     out = {"optimizer": _optimizer(pm)}
     program = pm.program
+    checkpointed = getattr(getattr(program, "_interpreter", None), "checkpointed", None)
+    if checkpointed is not None:
+        out["checkpointed"] = sorted({region.layer for region in checkpointed.region_of.values()})
     if hasattr(program, "schedule") and hasattr(program, "num_microbatches"):
         out["schedule"] = type(program.schedule).__name__
         out["microbatches"] = program.num_microbatches
@@ -74,8 +77,7 @@ def main(out_dir: Path) -> None:
         }
         bf16 = copy.deepcopy(base)
         bf16.precision = PrecisionPlan.named("bf16")
-        recompute = copy.deepcopy(base)
-        recompute.recompute = [layer for stage in base.stages for layer in stage.layers]
+        recompute = plan_model(mlp, PlanOptions(2, "cpu", pipeline=False, recompute=True))
         zero = copy.deepcopy(base)
         name = next(iter(zero.storage))
         sharded = ["R" if p != "R" else "S(0)" for p in zero.params[name]]  # unlike the parameter

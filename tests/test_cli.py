@@ -20,7 +20,7 @@ def test_examples_plan(example: str, tmp_path: Path, capsys: pytest.CaptureFixtu
     assert run([str(ROOT / "examples" / f"{example}.py"), "--devices", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["devices"] == 8 and plan["format"] == "autoplan.plan/2"
+    assert plan["devices"] == 8 and plan["format"] == "autoplan.plan/3"
     assert "parameters:" in out and "collectives per step:" in out
     assert plan["params"] and all(len(v) == len(plan["mesh"]) for v in plan["params"].values())
 

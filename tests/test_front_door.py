@@ -47,12 +47,13 @@ def test_plan_records_every_decision() -> None:
     plan = autoplan.plan(spec.module, spec.example_inputs, devices=2, cluster="cpu", pipeline=False,
                          optimizer="sgd-momentum", lr=0.1, precision="bf16", recompute=True, plan_only=True)
     data = json.loads(plan.to_json())
-    assert data["format"] == PLAN_FORMAT == "autoplan.plan/2"
+    assert data["format"] == PLAN_FORMAT == "autoplan.plan/3"
     assert data["optimizer"]["name"] == "sgd-momentum" and data["optimizer"]["lr"] == 0.1
     assert data["optimizer"]["momentum"] == 0.9
     assert data["precision"] == {"name": "bf16", "param_dtype": "bfloat16", "compute_dtype": "bfloat16",
                                  "reduce_dtype": "float32"}
-    assert data["recompute"] == plan.stages[0].layers and data["recompute"]
+    recomputed = [n for layer in data["recompute"] for n in layer["nodes"]]
+    assert recomputed == plan.stages[0].nodes and len(data["recompute"]) == 2  # every layer
     assert set(data["storage"]) == set(data["params"])
     assert all(s["param"] == data["params"][n] for n, s in data["storage"].items())
     assert data["options"]["plan_only"] is True and data["options"]["pipeline"] is False
@@ -68,7 +69,6 @@ def test_default_optimizer_is_adamw() -> None:
 
 @pytest.mark.parametrize("options, needle", [
     ({"precision": "bf16"}, "bf16 compute is costed, but the emitted program trains in fp32 only"),
-    ({"recompute": True}, "the emitted program does not recompute"),
     ({"devices": 0}, "devices must be a whole number of at least 1, got 0"),
     ({"stages": 3}, "3 stages do not divide 8 devices"),
     ({"stages": 2, "pipeline": False}, "stages=2 pins a pipeline but pipelines are turned off"),
@@ -97,15 +97,15 @@ def test_plan_of_another_format_is_one_line(tmp_path: Path) -> None:
     old.write_text(json.dumps({"format": "autoplan.plan/1", "devices": 2}))
     with pytest.raises(AutoplanError) as e:
         Plan.load(old)
-    assert str(e.value) == ("the plan is of format 'autoplan.plan/1' and this autoplan reads autoplan.plan/2: "
+    assert str(e.value) == ("the plan is of format 'autoplan.plan/1' and this autoplan reads autoplan.plan/3: "
                             "plan the model again with this version")
 
 
 def test_program_carries_out_each_decision(tmp_path: Path) -> None:
     """Plans that differ in one decision each build programs that differ accordingly (2 gloo
-    processes): the optimizer and its hyper-parameters, the schedule and microbatches; what
-    the program cannot do yet is refused in one line. The AdamW plan's parameters after two
-    steps equal a single-device AdamW run's."""
+    processes): the optimizer and its hyper-parameters, the schedule and microbatches, the
+    recomputed layers (run checkpointed); what the program cannot do yet is refused in one
+    line. The AdamW plan's parameters after two steps equal a single-device AdamW run's."""
     ranks = launch_worker(ROOT / "tests" / "decisions_worker.py", 2, tmp_path)
     for rank, res in ranks.items():
         assert "error" not in res, res.get("traceback")
@@ -119,7 +119,7 @@ def test_program_carries_out_each_decision(tmp_path: Path) -> None:
         assert res["sgd_momentum"]["optimizer"]["momentum"] == 0.9
         assert res["adamw_wd"]["optimizer"]["weight_decay"] == 0.1 and res["adamw_wd"]["optimizer"]["lr"] == 3e-4
         assert res["bf16"]["refused"].startswith("the plan asks for bf16 precision")
-        assert res["recompute"]["refused"].startswith("the plan recomputes 1 regions")
+        assert res["recompute"]["checkpointed"] == ["layer0", "layer1"]
         assert "optimizer state unlike the parameter (ZeRO)" in res["zero"]["refused"]
         assert (res["pipe_gpipe_2"]["schedule"], res["pipe_gpipe_2"]["microbatches"]) == ("ScheduleGPipe", 2)
         assert (res["pipe_1f1b_4"]["schedule"], res["pipe_1f1b_4"]["microbatches"]) == ("Schedule1F1B", 4)

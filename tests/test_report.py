@@ -263,7 +263,7 @@ def test_communication_split_by_kind_adds_up_to_the_plans(mlp_report: tuple[Path
 
 def _tiny_plan() -> dict:
     return {
-        "format": "autoplan.plan/2", "graph_hash": "x", "devices": 2, "mesh": [2], "microbatches": 1,
+        "format": "autoplan.plan/3", "graph_hash": "x", "devices": 2, "mesh": [2], "microbatches": 1,
         "schedule": "none", "inputs": {}, "nodes": [], "collectives": [],
         "optimizer": {"name": "adamw"}, "precision": {"name": "fp32"}, "recompute": [], "storage": {},
         "cluster": make_options(2, "cpu").cluster.to_dict(),

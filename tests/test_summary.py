@@ -22,7 +22,7 @@ def _prediction(step_s: float) -> dict:
 
 def _plan(**fields) -> Plan:
     data = {
-        "format": "autoplan.plan/2", "graph_hash": "x", "devices": 2, "mesh": [2], "microbatches": 1,
+        "format": "autoplan.plan/3", "graph_hash": "x", "devices": 2, "mesh": [2], "microbatches": 1,
         "schedule": "none", "inputs": {}, "nodes": [], "collectives": [],
         "optimizer": {"name": "adamw"}, "precision": {"name": "fp32"}, "recompute": [], "storage": {},
         "cluster": make_options(2, "cpu").cluster.to_dict(),

@@ -28,9 +28,10 @@ backward has no DTensor rule), and tied weights stay one parameter.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -40,6 +41,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
@@ -55,6 +57,15 @@ SKIPPED_OPS = {
 SKIPPED_NAMES = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
 
 
+@contextlib.contextmanager
+def dispatch_settings() -> Iterator[None]:
+    """What every op of a program runs under. ``implicit_replication``: plain tensors that ops
+    create inside DTensor dispatch (masks in the math attention) mix with DTensors as
+    replicated ones; attention runs with the math backend (see the module docstring)."""
+    with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
 class _PlanInterpreter(torch.fx.Interpreter):
     """Runs the traced graph on DTensors, redistributing each op's inputs as the plan says."""
 
@@ -62,6 +73,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
         super().__init__(program.graph_module, garbage_collect_values=True)
         self.program = program
         self._placeholder_values: dict[str, Any] = {}
+        self.checkpointed = CheckpointedRegions(program.plan.recompute, program.graph_module.graph.nodes,
+                                                dispatch_settings)
 
     def run_with(self, placeholder_values: dict[str, Any]) -> Any:
         self._placeholder_values = placeholder_values
@@ -71,6 +84,19 @@ class _PlanInterpreter(torch.fx.Interpreter):
             self._placeholder_values = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        if n in self.checkpointed:
+            return self.checkpointed.value(n, self.env, self._run_in)
+        return self._run_one(n)
+
+    def _run_in(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+        """Run ``n`` on ``env`` (a recomputed layer's own values) instead of the walk's."""
+        walk, self.env = self.env, env
+        try:
+            return self._run_one(n)
+        finally:
+            self.env = walk
+
+    def _run_one(self, n: torch.fx.Node) -> Any:
         if n.op == "placeholder":
             return self._placeholder_values[n.name]
         if n.op == "call_function":
@@ -232,9 +258,7 @@ class ShardedProgram(torch.nn.Module):
                 values[node.name] = self._constants[node.name]
             else:
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
-        # implicit_replication: plain tensors that ops create inside DTensor dispatch (masks in the
-        # math attention) mix with DTensors as replicated ones.
-        with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
+        with dispatch_settings():
             out = self._interpreter.run_with(values)
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         # The plan materialises the loss replicated (its "-> output" collective); the model's

@@ -263,6 +263,8 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
         return Recognised("none", {}, f"mesh {plan.mesh} is not 1-D")
     if plan.scheduled:
         return Recognised("none", {}, "pipeline stages or microbatches")
+    if plan.recompute:
+        return Recognised("none", {}, "layers recomputed in the backward")
     n = plan.mesh[0]
     found = _recognise_ddp(spec, graph, plan, n)
     if isinstance(found, Recognised):

@@ -30,9 +30,6 @@ def refuse_unsupported(plan: Plan) -> None:
     if plan.precision.name != "fp32":
         raise AutoplanError(f"the plan asks for {plan.precision.name} precision and the program trains in fp32 "
                             f"only: plan with --precision fp32")
-    if plan.recompute:
-        raise AutoplanError(f"the plan recomputes {len(plan.recompute)} regions in the backward and the program "
-                            f"does not checkpoint activations yet: plan without --recompute")
     for name, storage in plan.storage.items():
         if storage.grad != storage.param or storage.optimizer_state != storage.param:
             raise AutoplanError(f"the plan stores {name}'s gradient or optimizer state unlike the parameter "

@@ -70,16 +70,15 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.distributed.tensor.experimental import implicit_replication
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from autoplan.codegen.dtensor_program import ShardedProgram
+from autoplan.codegen.checkpointing import CheckpointedRegions
+from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
 from autoplan.codegen.redistribution import redistribute, to_dtensor_placements
 from autoplan.errors import AutoplanError
-from autoplan.plan_schema import CouplingHandling, NodePlan, Plan
+from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import NodeKind, TracedGraph
 
@@ -98,7 +97,8 @@ class _StageModule(torch.nn.Module):
 
     def __init__(self, index: int, layout: StageLayout, mesh: DeviceMesh, node_plans: dict[str, NodePlan],
                  params: dict[str, torch.Tensor], placeholder_fqn: dict[str, str],
-                 constants: dict[str, torch.Tensor], graph_module: torch.fx.GraphModule) -> None:
+                 constants: dict[str, torch.Tensor], graph_module: torch.fx.GraphModule,
+                 recomputed: Sequence[RecomputedLayer] = ()) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
@@ -107,6 +107,7 @@ class _StageModule(torch.nn.Module):
         self.nodes = layout.nodes[index]
         self.input_nodes = layout.inputs[index]
         self.output_nodes = layout.outputs[index]
+        self.checkpointed = CheckpointedRegions(recomputed, self.nodes, dispatch_settings)
         self.is_last = index == layout.num_stages - 1
         self._locals: dict[torch.fx.Node, str] = {}  # parameter/buffer placeholder -> attribute
         self._constants: dict[torch.fx.Node, torch.Tensor] = {}
@@ -137,9 +138,9 @@ class _StageModule(torch.nn.Module):
         for node, attr in self._locals.items():
             env[node] = getattr(self, attr)
         env.update(self._constants)
-        with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
+        with dispatch_settings():
             for n in self.nodes:
-                env[n] = self._run(n, env)
+                env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
         outs = []
         for node in self.output_nodes:
             value = env[node]
@@ -276,7 +277,7 @@ class PipelineProgram(torch.nn.Module):
         node_plans = {np_.name: np_ for np_ in plan.nodes}
         self.stage_modules = torch.nn.ModuleList(
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
-                         graph.graph_module) for s in local_stages)
+                         graph.graph_module, plan.recompute) for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):
         # every rank creates every group, in the same order

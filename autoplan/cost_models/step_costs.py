@@ -12,8 +12,12 @@ A training step is forward + backward + optimizer step. Per node and strategy:
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
   activations the forward keeps for the backward.
 
-With activation checkpointing (``remat``) a node keeps no activation: only the graph's inputs
-(a pipeline stage's received activations) stay, and the backward runs the forward once more.
+Activation checkpointing. A recomputed node (in a layer the plan recomputes, or every op of
+the graph with ``remat``) runs its forward once more in the backward, and so does every
+resharding on its inputs (the recomputed forward redistributes again). It keeps its output
+for the backward only where a node outside its region reads it (the next region's saved
+input); with ``remat`` nothing is kept but the graph's inputs (a layer costed alone counts
+what it receives as inputs).
 
 Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
 carries the gradient the other way. The consumer leaves an input's gradient as partial sums on
@@ -30,6 +34,7 @@ column-parallel input.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from autoplan.cost_models import (CollectiveStep, DeviceSpec, LinkSpec, OptimizerSpec, collective_time,
@@ -94,11 +99,17 @@ class CostContext:
     backward_factor: float = 2.0
     microbatches: int = 1  # per-microbatch work (compute, activation traffic) runs this many times a step
     activations_in_flight: int = 1  # microbatches whose activations a stage holds at once (the schedule's)
-    remat: bool = False  # activation checkpointing: keep only graph inputs, recompute the forward
+    remat: bool = False  # every op node is recomputed as one region: keep only the graph's inputs
+    recompute_regions: Mapping[str, str] = field(default_factory=dict)  # op node -> its recomputed layer
     # parameter → consumer edges of the graph being planned (that carry a gradient): each bucketed
     # gradient reduction pays this share of one collective's latency (see steps_seconds)
     parameter_edges: int = 0
     cache: dict = field(default_factory=dict)
+
+
+    def region_of(self, name: str) -> str | None:
+        """The recomputed region holding op node ``name`` (None: its activations are kept)."""
+        return "graph" if self.remat else self.recompute_regions.get(name)
 
 
 def _local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
@@ -136,20 +147,20 @@ def moved_bytes(info: NodeInfo) -> float:
 
 
 def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inputs: list[bool],
-            needs_grad: bool, saves_output: bool, ctx: CostContext) -> NodeCost:
+            needs_grad: bool, saves_output: bool, ctx: CostContext, recomputed: bool = False) -> NodeCost:
     """An op node under ``strategy``. ``grad_inputs[i]`` says whether input i needs a gradient.
 
     Forward: the roofline of the node's FLOPs and moved bytes (:func:`moved_bytes`; the memory
     term at the device's :attr:`~autoplan.cost_models.DeviceSpec.activation_bandwidth`) split
     over the shards, plus the device's per-op overhead; the backward costs ``backward_factor``
-    forwards."""
+    forwards, and one forward more where the node is ``recomputed``."""
     shards = strategy.compute_shards
     forward = roofline_time(info.flops / shards, moved_bytes(info) / shards, ctx.device, info.dtype or "float32")
-    backward = (ctx.backward_factor + (1.0 if ctx.remat else 0.0)) if needs_grad else 0.0
+    backward = (ctx.backward_factor if needs_grad else 0.0) + (1.0 if recomputed else 0.0)
     compute = (forward + ctx.device.op_overhead_s) * (1.0 + backward) * ctx.microbatches
     comm = steps_seconds(backward_reduction_steps(info, strategy), ctx) * ctx.microbatches if needs_grad else 0.0
     activations = 0.0
-    if saves_output and info.shape is not None and not ctx.remat:
+    if saves_output and info.shape is not None:
         activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
         activations *= ctx.activations_in_flight
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
@@ -208,22 +219,23 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
 
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
-              whole_axes: frozenset[int] = frozenset()) -> float:
+              whole_axes: frozenset[int] = frozenset(), recomputed: bool = False) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
-    microbatch; the backward every microbatch, except for the gradient of a parameter read as
-    it is stored, which is reduced once per step (bucketed, no latency per parameter). A
-    parameter read in another placement is resharded every microbatch, and its gradient goes
-    back through that resharding each time."""
+    microbatch (twice where the consumer is ``recomputed``); the backward every microbatch,
+    except for the gradient of a parameter read as it is stored, which is reduced once per
+    step (bucketed, no latency per parameter). A parameter read in another placement is
+    resharded every microbatch, and its gradient goes back through that resharding each time."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes,
-           ctx.parameter_edges if from_parameter else -1)
+           ctx.parameter_edges if from_parameter else -1, recomputed)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)
         if from_parameter and src == dst:
             cached = steps_seconds(backward, ctx, bucketed=True)
         else:
-            cached = (steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
+            runs = 2.0 if recomputed else 1.0
+            cached = (runs * steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
         ctx.cache[key] = cached
     return cached

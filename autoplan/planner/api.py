@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autoplan.cost_models import ClusterSpec, OptimizerSpec
@@ -20,9 +21,11 @@ from autoplan.planner.assemble import node_plans, placements, predict, single_st
 from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
+from autoplan.planner.recompute import recomputable, recomputed_layers, regions
 from autoplan.solvers import explain, format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
+from autoplan.trace.layers import Layer, make_layers
 from autoplan.trace.repeated import NodeClasses, find_classes
 from autoplan.trace.tracer import trace
 
@@ -37,9 +40,9 @@ class MeshOutcome:
 
 
 def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...], options: PlannerOptions,
-                canonical: bool = True) -> MeshOutcome:
+                canonical: bool = True, recomputed: Sequence[Layer] = ()) -> MeshOutcome:
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer,
-                      remat=options.remat)
+                      recompute_regions=regions(recomputed))
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
                                options.time_limit_s, options.pick, options.allow_storage, canonical)
@@ -58,8 +61,12 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         raise AutoplanError(f"mesh {mesh_label(options.mesh)} holds {math.prod(options.mesh)} devices but devices is "
                             f"{options.devices}: make them agree (a smaller mesh is a pipeline stage's: pass --stages)")
     meshes = [options.mesh] if options.mesh else candidate_meshes(options.devices)
+    recomputed: list[Layer] = []
+    if options.remat:  # every layer that may be, recomputed
+        layers = make_layers(graph, classes)
+        recomputed = [layers[i] for i in sorted(recomputable(graph, layers))]
     # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically
-    outcomes = [_solve_mesh(graph, classes, mesh, options, canonical=options.canonical and len(meshes) == 1)
+    outcomes = [_solve_mesh(graph, classes, mesh, options, options.canonical and len(meshes) == 1, recomputed)
                 for mesh in meshes]
     feasible = [o for o in outcomes if o.result is not None]
     if not feasible:
@@ -71,7 +78,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
     predictions = {o.mesh: predict(graph, classes, o.result, o.ctx) for o in feasible}
     best = min(feasible, key=lambda o: predictions[o.mesh][0].step_time_s)
     if options.canonical and len(meshes) > 1:
-        canonical = _solve_mesh(graph, classes, best.mesh, options)
+        canonical = _solve_mesh(graph, classes, best.mesh, options, recomputed=recomputed)
         if canonical.result is not None:
             canonical.result.solution.solve_time_s += best.result.solution.solve_time_s
             outcomes[outcomes.index(best)] = best = canonical
@@ -112,6 +119,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         model=model_name,
         explanation=explain(result.problem, result.solution, top=8),
         batch_coupling=coupling_plans(graph, 1),
+        recompute=recomputed_layers(recomputed),
     )
 
 

@@ -56,6 +56,11 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             seconds += steps_seconds(forward, ctx) * ctx.microbatches
             for step in forward:
                 _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved, times=ctx.microbatches)
+            if ctx.region_of(name) is not None:  # the recomputed forward redistributes again in the backward
+                seconds += steps_seconds(forward, ctx) * ctx.microbatches
+                for step in forward:
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, f"{where} (recomputed)", moved,
+                         times=ctx.microbatches)
             if moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
                 seconds += steps_seconds(backward, ctx, bucketed=True)      # step, in buckets
                 for step in backward:

@@ -67,7 +67,6 @@ def with_decisions(plan: Plan, options: PlanOptions) -> Plan:
     """Write into ``plan`` what the program must carry out beyond placements."""
     plan.optimizer = options.optimizer_plan()
     plan.precision = PrecisionPlan.named(options.precision)
-    plan.recompute = [layer for stage in plan.stages for layer in stage.layers] if options.recompute else []
     plan.storage = {name: ParamStorage(list(spec), list(spec), list(spec)) for name, spec in plan.params.items()}
     plan.options = options.to_dict()
     return plan

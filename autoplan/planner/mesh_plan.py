@@ -34,7 +34,7 @@ from autoplan.strategies.candidates import (Strategy, enumerate_strategies, repl
     strategy_name)
 from autoplan.strategies.index_maps import index_map_for, op_name
 from autoplan.trace.graph import NodeInfo, NodeKind, TracedGraph
-from autoplan.trace.repeated import NodeClasses
+from autoplan.trace.repeated import NodeClasses, split_classes
 
 # ops whose output the backward does not need saved: views, and copies of the same values
 VIEW_OPS = ALIASING_OPS | {"getitem", "contiguous"}
@@ -161,7 +161,9 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
     input_names = view.inputs[name]
     input_infos = [view.graph.nodes[i] for i in input_names]
     grad_inputs = [view.needs_grad[i] for i in input_names]
-    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS
+    region = ctx.region_of(name)
+    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS and (
+        region is None or (not ctx.remat and any(ctx.region_of(u) != region for u in view.users[name])))
     if node.target is operator.getitem and producer is not None:
         index = node.args[1]
         picked = [p.output_specs[index] if isinstance(index, int) and index < len(p.output_specs)
@@ -184,7 +186,8 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
             strategies = [s for s in strategies if allow_storage(info, s.output_specs[0])] or strategies
         if not strategies:
             strategies = [replicated_strategy(len(input_names), len(imap.outputs), len(mesh_shape))]
-    costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx) for s in strategies]
+    costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx, region is not None)
+             for s in strategies]
     return ClassStrategies(kind, strategies, costs)
 
 
@@ -316,7 +319,8 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
         src_specs = tuple(strat[u].strategies[j].output_spec for j in grouping.choice_map[u])
         reads = tuple((s.input_specs[pos], s.partial_axes(pos), s.whole_grad_axes)
                       for s in (strat[v].strategies[j] for j in grouping.choice_map[v]))
-        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter)
+        recomputed = ctx.region_of(classes.representative(v)) is not None
+        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter, recomputed)
         if any(any(row) for row in matrix):
             edges.append(Edge(gu, gv, [[count * c for c in row] for row in matrix]))
     names = [classes.representative(root) for root in grouping.roots]
@@ -327,17 +331,17 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
 
 def _edge_matrix(src_specs: tuple[ShardingSpec, ...],
                  reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
-                 shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool
-                 ) -> list[list[float]]:
+                 shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool,
+                 recomputed: bool = False) -> list[list[float]]:
     """Seconds of one edge for every producer spec × consumer read (its spec, partial and
     whole gradient axes), memoised whole in ``ctx.cache``: the edges between ops of one kind
     repeat within a layer and across the layers planned on one mesh."""
     key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
-           ctx.parameter_edges if from_parameter else -1)
+           ctx.parameter_edges if from_parameter else -1, recomputed)
     matrix = ctx.cache.get(key)
     if matrix is None:
         matrix = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
-                                                     whole)
+                                                     whole, recomputed)
                    for dst, partial, whole in reads] for src in src_specs]
         ctx.cache[key] = matrix
     return matrix
@@ -368,6 +372,8 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     needed for a plan that runs, not for a cost estimate."""
     view = _GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
+    if ctx.recompute_regions:  # copies of a block share a strategy only where they are recomputed alike
+        classes = split_classes(classes, lambda name: ctx.region_of(name) is not None)
     messages: list[str] = []
 
     def warn(message: str) -> None:

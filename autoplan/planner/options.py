@@ -29,7 +29,6 @@ PrecisionName = Literal["fp32", "bf16"]
 # What the emitted program cannot carry out yet: planning for it needs plan_only=True.
 UNSUPPORTED_BY_PROGRAM = {
     "precision": "bf16 compute is costed, but the emitted program trains in fp32 only",
-    "recompute": "activation checkpointing is costed, but the emitted program does not recompute",
 }
 
 
@@ -45,7 +44,7 @@ class PlannerOptions:
     time_limit_s: float | None = None
     pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
     allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
-    remat: bool = False  # cost activation checkpointing (the emitted program does not checkpoint yet)
+    remat: bool = False  # recompute every layer that may be (else layers are recomputed where memory needs it)
     canonical: bool = True  # break ties among equal-cost assignments canonically (a plan to run needs it)
     jobs: int = 1  # processes the stage search runs in (the plan does not depend on it)
 
@@ -67,9 +66,10 @@ class PlanOptions:
     :class:`ClusterSpec`; ``mesh``: pin the logical mesh (of a pipeline stage's devices when
     ``stages`` is given); ``memory_per_device`` (bytes or ``"40GB"``) and ``devices_per_node``
     override the cluster's. ``optimizer`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with
-    ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision`` and
-    ``recompute`` (activation checkpointing) are costed, and refused unless ``plan_only``
-    while the program cannot run them. ``pipeline=False`` plans intra-op only; ``stages``,
+    ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision`` is
+    costed, and a precision other than fp32 refused unless ``plan_only`` while the program
+    cannot run it. ``recompute=True`` recomputes every layer in the backward (activation
+    checkpointing) that may be; otherwise the planner recomputes layers where memory needs it. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
@@ -149,7 +149,6 @@ class PlanOptions:
         object.__setattr__(self, "manual", tuple(self.manual))
         if not self.plan_only:
             asked = [UNSUPPORTED_BY_PROGRAM["precision"]] if self.precision != "fp32" else []
-            asked += [UNSUPPORTED_BY_PROGRAM["recompute"]] if self.recompute else []
             if asked:
                 raise AutoplanError(f"{'; '.join(asked)}: plan with plan_only=True (--plan-only) to cost it "
                                     f"without a program")

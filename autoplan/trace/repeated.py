@@ -9,6 +9,7 @@ share a class. Every member of a class gets the same strategy.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from torch import fx
@@ -126,3 +127,19 @@ def find_classes(graph: TracedGraph) -> NodeClasses:
             class_of[name] = cls
             members[cls].append(name)
     return NodeClasses(class_of, members, repeated)
+
+
+def split_classes(classes: NodeClasses, key: Callable[[str], Hashable]) -> NodeClasses:
+    """``classes`` with each class cut into the members of equal ``key`` (first-seen order):
+    members that are costed differently (a block recomputed in the backward and a copy that
+    is not) must not share a strategy's cost."""
+    members: list[list[str]] = []
+    for group in classes.members:
+        parts: dict[Hashable, list[str]] = {}
+        for name in group:
+            parts.setdefault(key(name), []).append(name)
+        members.extend(parts.values())
+    if len(members) == len(classes.members):
+        return classes
+    class_of = {name: c for c, group in enumerate(members) for name in group}
+    return NodeClasses(class_of, members, list(classes.blocks))

@@ -18,6 +18,7 @@ from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.exact import stage_results
 from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages
 from autoplan.planner.pipeline.schedules import pipeline_time
+from autoplan.planner.recompute import recomputed_layers
 from autoplan.sharding import local_shape, spec_from_json
 from autoplan.solvers import format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
@@ -84,7 +85,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         mesh=list(candidate.meshes[0]), stages=stage_plans, microbatches=candidate.microbatches,
         schedule=schedule if len(stage_plans) > 1 or candidate.microbatches > 1 else "none", params=params, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
-        warnings=warnings_, model=spec.name, batch_coupling=coupling)
+        warnings=warnings_, model=spec.name, batch_coupling=coupling,
+        recompute=recomputed_layers(layers[i] for i in sorted(candidate.recomputed)))
 
 
 def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:

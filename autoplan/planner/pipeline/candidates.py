@@ -37,6 +37,7 @@ class PipelineCandidate:
     schedule: str = "1f1b"
     costs: dict[tuple[int, ...], LayerCosts] | None = None  # the layer ILPs per logical mesh, for a second search
     boundaries: bool = False  # whether the search costed the boundaries inside stages
+    recomputed: frozenset[int] = frozenset()  # the layers recomputed in the backward (indices into layers)
 
     @property
     def ranks(self) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import plan_intra_op
+from autoplan.planner.recompute import recomputable
 from autoplan.solvers import evaluate, trim_memory_together
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
@@ -34,6 +35,27 @@ class LayerCosts:
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
+    twin: LayerCosts | None = None  # the same layers recomputed in the backward (:attr:`recomputing`)
+
+    @property
+    def recomputing(self) -> LayerCosts:
+        """These layers' costs where each is recomputed in the backward (made on first use)."""
+        if self.ctx.remat:
+            return self
+        if self.twin is None:
+            self.twin = LayerCosts(self.options, replace(self.ctx, remat=True, cache={}))
+        return self.twin
+
+    def portable(self) -> LayerCosts:
+        """A copy to send between processes: without the options (they may hold functions) or
+        the edge-cost memo (:meth:`restore` puts the options back)."""
+        twin = self.twin.portable() if self.twin is not None else None
+        return replace(self, options=None, ctx=replace(self.ctx, cache={}), twin=twin)
+
+    def restore(self, options: PlannerOptions) -> None:
+        self.options = options
+        if self.twin is not None:
+            self.twin.restore(options)
 
     def cost(self, graph: TracedGraph, layer: Layer, mode: str = FAST) -> tuple[float, float]:
         """(seconds per step, bytes per device) of one layer, by ``mode``: its fastest plan
@@ -145,8 +167,18 @@ def tied_layers(graph: TracedGraph, layers: list[Layer]) -> set[int]:
 def layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: int, in_flight: int) -> LayerCosts:
     cluster = options.cluster
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
-                      microbatches=microbatches, activations_in_flight=in_flight, remat=options.remat)
+                      microbatches=microbatches, activations_in_flight=in_flight)
     return LayerCosts(options, ctx)
+
+
+@dataclass(frozen=True)
+class RangePlan:
+    """A layer range's estimated plan: seconds per step, bytes per device, and the (absolute)
+    indices of the layers it recomputes in the backward."""
+
+    seconds: float
+    memory: float
+    recomputed: frozenset[int] = frozenset()
 
 
 class RangeTable:
@@ -171,6 +203,9 @@ class RangeTable:
         self.reads = layer_inputs(graph, layers) if reads is None else reads  # one per graph and layers
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
+        self.may_recompute: frozenset[int] | None = None  # the layers that may be recomputed
+        self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
+        self.twin_table: RangeTable | None = None  # the layers' costs all recomputed
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
             costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
@@ -205,19 +240,83 @@ class RangeTable:
         return self._range(LEAN, start, end)[1] - self.counted_apart(start, end)
 
     def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
-        """Layers [start, end): their fastest plans if they fit ``budget`` together, else
-        trimmed to their shares, else their least-memory plans (which then do not fit)."""
+        """(seconds per step, bytes per device) of :meth:`plan`."""
+        chosen = self.plan(start, end, budget)
+        return chosen.seconds, chosen.memory
+
+    def plan(self, start: int, end: int, budget: float | None) -> RangePlan:
+        """Layers [start, end): their fastest plans if they fit ``budget`` together; else the
+        faster of two ways to fit (:meth:`_sharded`, :meth:`_recomputed`), or the leaner where
+        neither fits. With ``PlannerOptions.remat`` every layer that may be is recomputed."""
+        key = (start, end, budget)
+        if key not in self.plans:
+            self.plans[key] = self._plan(start, end, budget)
+        return self.plans[key]
+
+    def _plan(self, start: int, end: int, budget: float | None) -> RangePlan:
+        seconds, memory = self._range(FAST, start, end)
+        fastest = RangePlan(seconds + self.joins[end - 1] - self.joins[start], memory - self.counted_apart(start, end))
+        fits = budget is None or fastest.memory <= budget
+        if self.costs.options.remat:
+            return self._recomputed(start, end, budget, every=True) or (
+                fastest if fits else self._sharded(start, end, budget))
+        if fits:
+            return fastest
+        ways = [way for way in (self._sharded(start, end, budget), self._recomputed(start, end, budget)) if way]
+        fitting = [way for way in ways if way.memory <= budget]
+        if fitting:
+            return min(fitting, key=lambda way: way.seconds)
+        return min(ways, key=lambda way: way.memory)
+
+    def _sharded(self, start: int, end: int, budget: float) -> RangePlan:
+        """The layers' fastest plans trimmed to fit ``budget`` together, else their
+        least-memory plans (which then do not fit)."""
         excess = self.counted_apart(start, end)
         joins = self.joins[end - 1] - self.joins[start]
-        seconds, memory = self._range(FAST, start, end)
-        if budget is None or memory - excess <= budget:
-            return seconds + joins, memory - excess
         lean = self._range(LEAN, start, end)
         trimmed = None if lean[1] - excess >= budget else \
             self.costs.trimmed(self.graph, self.layers[start:end], budget + excess)
         if trimmed is None:
-            return lean[0], lean[1] - excess
-        return trimmed[0] + joins, trimmed[1] - excess
+            return RangePlan(lean[0], lean[1] - excess)
+        return RangePlan(trimmed[0] + joins, trimmed[1] - excess)
+
+    def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False) -> RangePlan | None:
+        """Recompute layers in the backward until the range fits ``budget`` (all that may be,
+        with ``every``): each step recomputes the layer that frees the most bytes per second it
+        adds, a quick estimate like the trimming. Where recomputing every layer of the range is
+        not enough, its layers are also trimmed, all recomputed. None where no layer of the
+        range may be recomputed."""
+        if self.may_recompute is None:
+            self.may_recompute = recomputable(self.graph, self.layers)
+        candidates = [i for i in range(start, end) if i in self.may_recompute]
+        if not candidates:
+            return None
+        twin = self.costs.recomputing
+        excess = self.counted_apart(start, end)
+        joins = self.joins[end - 1] - self.joins[start]
+        seconds, memory = self._range(FAST, start, end)
+        memory -= excess
+
+        def change(i: int) -> tuple[float, float]:  # (seconds added, bytes freed)
+            plain, again = self.costs.cost(self.graph, self.layers[i]), twin.cost(self.graph, self.layers[i])
+            return again[0] - plain[0], plain[1] - again[1]
+
+        changes = {i: change(i) for i in candidates}
+        order = sorted((i for i in candidates if every or changes[i][1] > 0),
+                       key=lambda i: (changes[i][0] / changes[i][1] if changes[i][1] > 0 else math.inf, i))
+        chosen: set[int] = set()
+        for i in order:
+            if not every and budget is not None and memory <= budget:
+                break
+            chosen.add(i)
+            seconds, memory = seconds + changes[i][0], memory - changes[i][1]
+        if budget is not None and memory > budget and len(chosen) == end - start:
+            if self.twin_table is None:
+                self.twin_table = RangeTable(self.graph, self.layers, twin, False, self.reads)
+            trimmed = self.twin_table._sharded(start, end, budget)
+            return RangePlan(trimmed.seconds + (joins if trimmed.memory <= budget else 0.0), trimmed.memory,
+                             frozenset(chosen))
+        return RangePlan(seconds + joins, memory, frozenset(chosen))
 
 
 def layer_inputs(graph: TracedGraph, layers: list[Layer]) -> list[dict[str, tuple[int, float]]]:

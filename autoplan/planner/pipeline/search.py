@@ -84,10 +84,12 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
         except InterOpInfeasibleError:
             continue
         latencies = [s.cost.latency_s for s in solution.stages]
+        recomputed = frozenset().union(*(tables[s.cost.logical_mesh].plan(s.start, s.end, budget).recomputed
+                                         for s in solution.stages))
         found.append(PipelineCandidate(microbatches, submesh, [s.cost.logical_mesh for s in solution.stages],
                                 [(s.start, s.end) for s in solution.stages],
                                 pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
-                                graph, layers, schedule, costs, boundaries, tied_mesh=tied_mesh))
+                                graph, layers, schedule, costs, boundaries, recomputed, tied_mesh=tied_mesh))
     return found
 
 
@@ -269,8 +271,7 @@ def _portable(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:
         costs = None
         if c.costs is not None:
             if id(c.costs) not in packed:
-                packed[id(c.costs)] = {mesh: replace(lc, options=None, ctx=replace(lc.ctx, cache={}))
-                                       for mesh, lc in c.costs.items()}
+                packed[id(c.costs)] = {mesh: lc.portable() for mesh, lc in c.costs.items()}
             costs = packed[id(c.costs)]
         out.append(replace(c, graph=None, layers=[], costs=costs))
     return out
@@ -279,7 +280,7 @@ def _portable(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:
 def _restored(candidate: PipelineCandidate, task: SearchTask, options: PlannerOptions) -> PipelineCandidate:
     """A candidate from a search process, with its graph, layers and options back."""
     for lc in (candidate.costs or {}).values():
-        lc.options = options
+        lc.restore(options)
     return replace(candidate, graph=task.graph, layers=task.layers)
 
 

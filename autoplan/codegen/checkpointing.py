@@ -1,0 +1,102 @@
+"""Run the layers a plan recomputes (:attr:`Plan.recompute`) under activation checkpointing.
+
+A program that walks the traced graph node by node hands each node to
+:meth:`CheckpointedRegions.value`. At a recomputed layer's first node the whole layer runs as
+one function under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: the
+forward keeps only the values the layer reads from outside; the backward runs the whole layer
+again (its redistributions, and so its collectives, included; no early stop) before its
+gradients. The layer's
+other nodes then take the values it produced; the values only the layer itself reads are not
+kept at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils.checkpoint import checkpoint
+
+from autoplan.errors import AutoplanError
+from autoplan.plan_schema import RecomputedLayer
+
+NodeRunner = Callable[[torch.fx.Node, dict[torch.fx.Node, Any]], Any]
+
+
+@dataclass(frozen=True)
+class Region:
+    """One recomputed layer: its nodes in graph order, the values it reads from outside and
+    the values of its own that later nodes read."""
+
+    layer: str
+    nodes: tuple[torch.fx.Node, ...]
+    inputs: tuple[torch.fx.Node, ...]
+    outputs: tuple[torch.fx.Node, ...]
+
+
+def _region(layer: RecomputedLayer, by_name: Mapping[str, torch.fx.Node], order: Mapping[torch.fx.Node, int]
+            ) -> Region | None:
+    nodes = sorted((by_name[name] for name in layer.nodes if name in by_name), key=order.__getitem__)
+    if not nodes:
+        return None
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in inside))
+    late = [a.name for a in inputs if order.get(a, -1) > order[nodes[0]]]  # unlisted: given before the walk
+    if late:
+        raise AutoplanError(f"layer {layer.layer} reads {late[0]}, which the graph computes inside it: "
+                            f"the layer cannot be recomputed; plan again without recomputing it")
+    outputs = tuple(n for n in nodes if any(u not in inside for u in n.users))
+    return Region(layer.layer, tuple(nodes), tuple(inputs), outputs)
+
+
+class CheckpointedRegions:
+    """The recomputed layers among ``nodes`` and the values they produced that the walk has
+    not reached yet."""
+
+    def __init__(self, recomputed: Iterable[RecomputedLayer], nodes: Iterable[torch.fx.Node],
+                 context: Callable[[], AbstractContextManager] = nullcontext) -> None:
+        self.context = context
+        listed = list(nodes)
+        by_name = {n.name: n for n in listed}
+        order = {n: i for i, n in enumerate(listed)}
+        self.region_of: dict[torch.fx.Node, Region] = {}
+        for layer in recomputed:
+            region = _region(layer, by_name, order)
+            if region is not None:
+                self.region_of.update((n, region) for n in region.nodes)
+        self._pending: dict[torch.fx.Node, Any] = {}
+
+    def __contains__(self, node: torch.fx.Node) -> bool:
+        return node in self.region_of
+
+    def value(self, node: torch.fx.Node, env: Mapping[torch.fx.Node, Any], run_node: NodeRunner) -> Any:
+        """``node``'s value: at its region's first node the region runs (``run_node(n, values)``
+        runs one node on the values computed so far); ``None`` for a value only the region reads."""
+        region = self.region_of[node]
+        if node is region.nodes[0]:
+            self._pending.update(run_checkpointed(region, [env[a] for a in region.inputs], run_node, self.context))
+        return self._pending.pop(node, None)
+
+
+def run_checkpointed(region: Region, inputs: list[Any], run_node: NodeRunner,
+                     context: Callable[[], AbstractContextManager] = nullcontext) -> dict[torch.fx.Node, Any]:
+    """Run ``region`` on ``inputs`` (the values of ``region.inputs``) under non-reentrant
+    activation checkpointing; its outputs by node. The region runs inside ``context()`` both
+    times (the program's dispatch settings: the backward's recomputation runs outside the
+    forward's ``with`` blocks, and must save the same tensors)."""
+
+    def body(*values: Any) -> tuple[Any, ...]:
+        local: dict[torch.fx.Node, Any] = dict(zip(region.inputs, values))
+        with context():
+            for n in region.nodes:
+                local[n] = run_node(n, local)
+        return tuple(local[n] for n in region.outputs)
+
+    # early_stop=False: the whole region runs again, its last collectives included, as planned
+    # (torch's early stop would end the recomputation at the last tensor the backward needs)
+    results = checkpoint(body, *inputs, use_reentrant=False, preserve_rng_state=True, early_stop=False)
+    return dict(zip(region.outputs, results))

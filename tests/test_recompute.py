@@ -1,0 +1,146 @@
+"""Activation checkpointing: layers recomputed in the backward, costed, chosen under memory and
+run. A checkpointed region keeps fewer tensors and gives the same gradients; a recomputed plan
+costs one forward more and keeps fewer activations; a memory budget that one stage's sharding
+cannot meet makes the search recompute layers; the programs (1-D, 2x2, pipelined) pass
+``--check`` on 2 and 4 gloo processes, the recomputed forward's collectives counted."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from autoplan.codegen.checkpointing import CheckpointedRegions
+from autoplan.errors import MemoryInfeasibleError
+from autoplan.load import make_model_spec
+from autoplan.plan_schema import Plan, RecomputedLayer
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.options import PlanOptions
+from launcher import ROOT, launch_worker
+
+sys.path.insert(0, str(ROOT / "tests"))
+from zoo import ALL_CASES  # noqa: E402
+
+
+def _spec(name: str):
+    case = ALL_CASES[name]()
+    return make_model_spec(case.model, case.example_inputs, case.loss_fn, name=name)
+
+
+def _walk(gm: torch.fx.GraphModule, x: torch.Tensor, regions: CheckpointedRegions) -> torch.Tensor:
+    """Run ``gm`` node by node as the programs do, recomputed regions through ``regions``."""
+    interpreter = torch.fx.Interpreter(gm)
+
+    def run(n: torch.fx.Node, env: dict) -> object:
+        interpreter.env = env
+        return interpreter.run_node(n)
+
+    env: dict = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            env[n] = x
+        elif n.op == "output":
+            return env[n.args[0]]
+        else:
+            env[n] = regions.value(n, env, run) if n in regions else run(n, env)
+    raise AssertionError("no output")
+
+
+def test_checkpointed_region_keeps_fewer_tensors_and_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    gm = torch.fx.symbolic_trace(model)
+    ops = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    x = torch.randn(4, 8)
+    results = []
+    for recomputed in ([], [RecomputedLayer("middle", ops[1:4])]):
+        saved = []
+        model.zero_grad()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            loss = _walk(gm, x, CheckpointedRegions(recomputed, gm.graph.nodes)).sum()
+        loss.backward()
+        results.append((len(saved), loss.item(), [p.grad.clone() for p in model.parameters()]))
+    (kept_plain, loss_plain, grads_plain), (kept_ckpt, loss_ckpt, grads_ckpt) = results
+    assert kept_ckpt < kept_plain
+    assert loss_ckpt == loss_plain
+    assert all(torch.equal(a, b) for a, b in zip(grads_plain, grads_ckpt))
+
+
+def test_recomputing_costs_a_forward_and_frees_activations() -> None:
+    spec = _spec("gpt2")
+    kept = plan_model(spec, PlanOptions(2, "cpu", pipeline=False, mesh=(2,)))
+    again = plan_model(spec, PlanOptions(2, "cpu", pipeline=False, mesh=(2,), recompute=True))
+    assert not kept.recompute and [r.layer for r in again.recompute] == kept.stages[0].layers
+    assert again.predicted.memory_bytes.activations < kept.predicted.memory_bytes.activations
+    assert again.predicted.compute_s > kept.predicted.compute_s
+
+
+def _beyond_sharding(name: str) -> tuple[Plan, float]:
+    """The largest budget (a share of what the fastest plan needs) that no plan of the whole
+    batch on one stage meets without recomputation, and the search's one-stage, whole-batch
+    plan under it."""
+    spec = _spec(name)
+    fastest = plan_model(spec, PlanOptions(2, "cpu", stages=1, microbatches=1))
+    assert not fastest.recompute
+    for share in (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3):
+        budget = share * fastest.predicted.memory_bytes.peak
+        try:
+            plan_model(spec, PlanOptions(2, "cpu", pipeline=False, memory_per_device=budget))
+        except MemoryInfeasibleError:
+            return plan_model(spec, PlanOptions(2, "cpu", stages=1, microbatches=1, memory_per_device=budget)), budget
+    raise AssertionError(f"{name}: sharding met every budget tried")
+
+
+@pytest.fixture(scope="module")
+def chosen() -> tuple[Plan, float]:
+    return _beyond_sharding("llama")
+
+
+def test_search_recomputes_where_sharding_alone_does_not_fit(chosen: tuple[Plan, float]) -> None:
+    plan, budget = chosen
+    assert plan.recompute and len(plan.stages) == 1 and plan.microbatches == 1
+    assert plan.predicted.memory_bytes.peak <= budget
+
+
+def _write_cases(tmp_path, plans: dict[str, tuple[str, Plan]]) -> None:
+    cases = []
+    for name, (model, plan) in plans.items():
+        path = tmp_path / f"{name}.json"
+        path.write_text(plan.to_json())
+        cases.append({"name": name, "file": str(ROOT / "tests" / "zoo.py"), "builder": model, "plan": str(path)})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+
+
+def _assert_passed(results: dict, names) -> None:
+    for rank, found in results.items():
+        for name in names:
+            assert "error" not in found[name], f"{name}, rank {rank}: {found[name].get('traceback')}"
+            assert found[name]["ok"], f"{name}, rank {rank}:\n{found[name]['text']}"
+
+
+def test_recomputing_programs_pass_check_on_2_processes(chosen: tuple[Plan, float], tmp_path) -> None:
+    plans = {
+        "llama chosen": ("llama", chosen[0]),
+        "llama all": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=1, recompute=True))),
+        "gpt2 all": ("gpt2", plan_model(_spec("gpt2"), PlanOptions(2, "cpu", stages=1, recompute=True))),
+        "llama 2 stages": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=2, recompute=True))),
+    }
+    assert all(plan.recompute for _, plan in plans.values())
+    _write_cases(tmp_path, plans)
+    _assert_passed(launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=600), plans)
+
+
+def test_recomputing_programs_pass_check_on_4_processes(tmp_path) -> None:
+    mesh_2x2 = plan_model(_spec("gpt2"), PlanOptions(4, "cpu", stages=1, mesh=(2, 2), recompute=True,
+                                                     memory_per_device="600KB"))
+    assert any(c.where.endswith("(recomputed)") for c in mesh_2x2.collectives)  # sharded inside a layer
+    plans = {
+        "gpt2 2x2": ("gpt2", mesh_2x2),
+        "llama 2 stages x 2": ("llama", plan_model(_spec("llama"), PlanOptions(4, "cpu", stages=2, mesh=(2,),
+                                                                                recompute=True))),
+    }
+    _write_cases(tmp_path, plans)
+    _assert_passed(launch_worker(ROOT / "tests" / "check_worker.py", 4, tmp_path, timeout=600), plans)
