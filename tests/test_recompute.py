@@ -19,6 +19,7 @@ from autoplan.load import make_model_spec
 from autoplan.plan_schema import Plan, RecomputedLayer
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.options import PlanOptions
+from autoplan.reports.summary import summary_text
 from launcher import ROOT, launch_worker
 
 sys.path.insert(0, str(ROOT / "tests"))
@@ -103,6 +104,7 @@ def test_search_recomputes_where_sharding_alone_does_not_fit(chosen: tuple[Plan,
     plan, budget = chosen
     assert plan.recompute and len(plan.stages) == 1 and plan.microbatches == 1
     assert plan.predicted.memory_bytes.peak <= budget
+    assert "activation checkpointing: " in summary_text(plan)
 
 
 def _write_cases(tmp_path, plans: dict[str, tuple[str, Plan]]) -> None:

@@ -16,8 +16,8 @@ Activation checkpointing. A recomputed node (in a layer the plan recomputes, or 
 the graph with ``remat``) runs its forward once more in the backward, and so does every
 resharding on its inputs (the recomputed forward redistributes again). It keeps its output
 for the backward only where a node outside its region reads it (the next region's saved
-input); with ``remat`` nothing is kept but the graph's inputs (a layer costed alone counts
-what it receives as inputs).
+input); with ``remat`` the whole graph is one region (a layer costed alone counts what it
+receives as inputs, and keeps what it hands on).
 
 Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
 carries the gradient the other way. The consumer leaves an input's gradient as partial sums on

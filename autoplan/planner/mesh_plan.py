@@ -161,9 +161,9 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
     input_names = view.inputs[name]
     input_infos = [view.graph.nodes[i] for i in input_names]
     grad_inputs = [view.needs_grad[i] for i in input_names]
-    region = ctx.region_of(name)
-    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS and (
-        region is None or (not ctx.remat and any(ctx.region_of(u) != region for u in view.users[name])))
+    region = ctx.region_of(name)  # recomputed: kept only where read outside its region (or graph)
+    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS and (region is None or any(
+        view.graph.nodes[u].kind != "op" or ctx.region_of(u) != region for u in view.users[name]))
     if node.target is operator.getitem and producer is not None:
         index = node.args[1]
         picked = [p.output_specs[index] if isinstance(index, int) and index < len(p.output_specs)

@@ -50,6 +50,15 @@ def _pipeline_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _recompute_lines(plan: Plan) -> list[str]:
+    """The layers recomputed in the backward (activation checkpointing)."""
+    if not plan.recompute:
+        return []
+    count = len(plan.recompute)
+    return ["", f"activation checkpointing: {count} layer{'s' if count > 1 else ''} recomputed in the backward "
+                f"({layers_label([r.layer for r in plan.recompute])})"]
+
+
 def _prediction_line(p: Prediction) -> str:
     return (f"{format_seconds(p.step_time_s)} per step (compute {format_seconds(p.compute_s)}, "
             f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device")
@@ -111,7 +120,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
                      f"{s.num_variables} variables, {s.num_constraints} constraints, {format_seconds(s.solve_time_s)}")
     if plan.timings_s:
         lines.append("planning time: " + planning_time_text(plan.timings_s))
-    lines += _pipeline_lines(plan)
+    lines += _pipeline_lines(plan) + _recompute_lines(plan)
     lines += ["", "parameters:"]
     lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.params.items()],
                                        ["parameter", "placement"])]

@@ -25,6 +25,15 @@ boundary activations (and receiving their gradients) over the link to the next s
   (:func:`autoplan.solvers.trim_memory_together`: a quick estimate); where not even the
   least-memory plans fit, the stage is absent.
 
+Activation checkpointing. Where a range's fastest plans do not fit, recomputing layers in the
+backward is the other way to fit (:meth:`RangeTable.plan`): each layer is also costed recomputed
+(its own ILP with every op recomputed: one forward more, its redistributions again, only its
+inputs kept), and layers are recomputed one by one, the one freeing the most bytes per second
+it adds first, until the range fits; the faster of trimming and recomputing wins (where
+recomputing every layer is not enough, the recomputed layers are trimmed too). The stage's
+exact ILP then costs exactly those layers recomputed, and the program checkpoints them. A
+layer that writes into a tensor (BatchNorm's running statistics) is never recomputed.
+
 Stages. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's recurrence)
 cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline stages
 pair rank i of one stage with rank i of the next), each stage on the logical mesh of that
@@ -35,8 +44,8 @@ logical mesh.
 
 Gradient accumulation. One stage on all the devices with ``B > 1`` microbatches (the
 microbatches run one after the other, one microbatch's activations alive) is searched only
-where no one-stage plan of the whole batch fits: it computes as much and communicates at least
-as much, so it never wins on time (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
+where no one-stage plan of the whole batch fits without recomputing layers: it computes as much
+and communicates at least as much, so it never beats the plain whole batch (recomputation it may) (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
 
 Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned

@@ -188,8 +188,8 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         else:
             later += found
             accumulating += accumulation_tasks(graph, layers, microbatches, options, popts)
-    if refusal is None and not any(pool.answer(i) for i in whole_batch):
-        later += accumulating  # the whole batch does not fit one stage
+    if refusal is None and not any(options.remat or not c.recomputed for i in whole_batch for c in pool.answer(i)):
+        later += accumulating  # the whole batch does not fit one stage without recomputation
     submit(later)
     return refine([c for cs in pool.results() for c in cs], options, popts), graphs
 
@@ -198,9 +198,10 @@ def accumulation_tasks(graph: TracedGraph, layers: list[Layer], microbatches: in
                        popts: PipelineOptions) -> list[SearchTask]:
     """Gradient accumulation: one stage on all the devices, its microbatches one after the
     other, so that one microbatch's activations are alive at a time. Searched only where the
-    whole batch in one stage does not fit: it computes as much, and communicates at least as
-    much (each microbatch pays the latencies the whole batch pays once), so the whole batch is
-    never slower."""
+    whole batch in one stage does not fit without recomputing layers: it computes as much, and
+    communicates at least as much (each microbatch pays the latencies the whole batch pays
+    once), so the whole batch is never slower; recomputation, which computes a forward more,
+    it may beat."""
     if popts.stages not in (None, 1) or microbatches < 2:
         return []
     whole = SubMesh(*cluster_shape(options))
