@@ -524,6 +524,31 @@ def test_views_move_no_bytes() -> None:
         assert moved_bytes(node(target)) == 512.0
 
 
+def test_mixed_precision_computes_at_the_bf16_peak_and_keeps_half_the_bytes() -> None:
+    """Under mixed precision a float32 op runs at the bfloat16 peak and its output is kept in 2
+    bytes; a parameter's own size (float32 master, float32 gradient reduction) stays."""
+    from autoplan.cost_models.step_costs import CostContext, op_cost, storage_cost, value_itemsize
+    from autoplan.strategies.candidates import replicated_strategy
+    from autoplan.trace.graph import NodeInfo
+
+    device = load_cluster("h100").device
+    matmul = NodeInfo("mm", "op", "aten.mm.default", (4096, 4096), "float32", 4, 2 * 4096.0 ** 3, 3 * 4 * 4096.0 ** 2,
+                      "", "", ())
+    weight = NodeInfo("w", "parameter", "", (4096, 4096), "float32", 4, 0.0, 0.0, "", "", (), fqn="w")
+    strategy = replicated_strategy(2, 1, 1)
+    costs = {}
+    for mixed in (False, True):
+        ctx = CostContext((1,), (LinkSpec(1e9, 0.0),), device, OptimizerSpec("adamw", mixed_precision=mixed))
+        costs[mixed] = op_cost(matmul, strategy, [weight, weight], [True, True], True, True, ctx)
+        assert value_itemsize(weight, mixed) == 4
+    assert value_itemsize(matmul, True) == 2 and value_itemsize(matmul, False) == 4
+    assert costs[True].memory.activations == costs[False].memory.activations / 2
+    ratio = device.peak("float32") / device.peak("bfloat16")
+    assert costs[True].compute_s == pytest.approx(costs[False].compute_s * ratio, rel=0.05)
+    ctx = CostContext((1,), (LinkSpec(1e9, 0.0),), device, OptimizerSpec("adamw", mixed_precision=True))
+    assert storage_cost(weight, (R,), ctx, trainable=True).memory.params == 2 * 4096 ** 2
+
+
 def test_optimizer_state_bytes() -> None:
     assert OptimizerSpec("adam").state_bytes_per_param(4) == (4, 4, 8)
     mixed = OptimizerSpec("adam", mixed_precision=True)

@@ -120,6 +120,12 @@ def test_manual_plans_are_costed_or_explained(small_gpt) -> None:
     assert bad.predicted is None and "infeasible" in bad.reason
     with pytest.raises(AutoplanError, match="write it like"):
         parse_manual("dp2")
+    checkpointed = cost_manual(small_gpt, options, parse_manual("dp=2,tp=2,ac=full"))
+    assert checkpointed.name.endswith(",ac=full")
+    assert checkpointed.predicted.compute_s > ok.predicted.compute_s
+    assert checkpointed.predicted.memory_bytes.activations < ok.predicted.memory_bytes.activations
+    with pytest.raises(AutoplanError, match="selective checkpointing is not costed yet"):
+        parse_manual("dp=2,ac=selective")
 
 
 def test_cli_shows_manual_plans_and_writes_a_timeline(tmp_path: Path) -> None:

@@ -112,6 +112,26 @@ class CostContext:
         return "graph" if self.remat else self.recompute_regions.get(name)
 
 
+HALF_PRECISION = "bfloat16"
+
+
+def value_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
+    """Bytes per element of a value a step computes, keeps or moves. Under mixed precision a
+    float32 activation (or user input) is bfloat16: the parameters are cast for the forward
+    and backward (FSDP2's ``MixedPrecisionPolicy``) and the values computed from them follow.
+    A parameter keeps its own size: its master copy is float32 and its gradients are reduced
+    in float32."""
+    if mixed_precision and info.kind != "parameter" and info.dtype.replace("torch.", "") == "float32":
+        return 2
+    return info.itemsize
+
+
+def compute_dtype(info: NodeInfo, mixed_precision: bool) -> str:
+    """The dtype an op's FLOPs run at: bfloat16 for a float32 op under mixed precision."""
+    dtype = info.dtype or "float32"
+    return HALF_PRECISION if mixed_precision and dtype.replace("torch.", "") == "float32" else dtype
+
+
 def _local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
     return float(math.prod(local_shape(shape, spec, mesh_shape))) * itemsize
 
@@ -126,7 +146,8 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
         return NodeCost(optimizer_s=step, memory=MemoryParts(elements * param_b, elements * grad_b, elements * opt_b))
     if info.kind in ("parameter", "buffer", "constant"):
         return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
-    return NodeCost(memory=MemoryParts(activations=elements * info.itemsize * ctx.activations_in_flight))
+    itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
+    return NodeCost(memory=MemoryParts(activations=elements * itemsize * ctx.activations_in_flight))
 
 
 #: ATen ops whose output is a view of their input: they move no memory, only dispatch costs.
@@ -155,13 +176,16 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     over the shards, plus the device's per-op overhead; the backward costs ``backward_factor``
     forwards, and one forward more where the node is ``recomputed``."""
     shards = strategy.compute_shards
-    forward = roofline_time(info.flops / shards, moved_bytes(info) / shards, ctx.device, info.dtype or "float32")
+    mixed = ctx.optimizer.mixed_precision
+    itemsize = value_itemsize(info, mixed)
+    moved = moved_bytes(info) * (itemsize / info.itemsize if info.itemsize else 1.0)
+    forward = roofline_time(info.flops / shards, moved / shards, ctx.device, compute_dtype(info, mixed))
     backward = (ctx.backward_factor if needs_grad else 0.0) + (1.0 if recomputed else 0.0)
     compute = (forward + ctx.device.op_overhead_s) * (1.0 + backward) * ctx.microbatches
     comm = steps_seconds(backward_reduction_steps(info, strategy), ctx) * ctx.microbatches if needs_grad else 0.0
     activations = 0.0
     if saves_output and info.shape is not None:
-        activations = _local_bytes(info.shape, info.itemsize, strategy.output_spec, ctx.mesh_shape)
+        activations = _local_bytes(info.shape, itemsize, strategy.output_spec, ctx.mesh_shape)
         activations *= ctx.activations_in_flight
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, backward_reduction_steps, edge_steps,
-    steps_seconds)
+    steps_seconds, value_itemsize)
 from autoplan.plan_schema import MemoryEstimate, NodePlan, PlannedCollective, Prediction, SolverStats, StagePlan
 from autoplan.planner.mesh_plan import IntraOpResult, with_parameter_edges
 from autoplan.sharding import spec_to_json
@@ -48,7 +48,8 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             if dst is None or not src_strategy.output_specs:
                 continue
             info = graph.nodes[inp]
-            forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), info.itemsize,
+            itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
+            forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), itemsize,
                                            result.needs_grad[inp], ctx, strategy.partial_axes(pos),
                                            strategy.whole_grad_axes)
             where = f"{_shown(graph, classes.representative(classes.class_of[inp]))} -> {where_v}"

@@ -20,6 +20,7 @@ from autoplan.load import ModelSpec
 from autoplan.plan_schema import Alternative, Plan
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import StorageRule
+from autoplan.planner.recompute import recomputable
 from autoplan.planner.pipeline import (
     PipelineCandidate,
     PipelineOptions,
@@ -34,27 +35,31 @@ from autoplan.trace.graph import NodeInfo, TracedGraph
 from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 
-_KEYS = ("dp", "tp", "pp", "microbatches", "schedule")
+_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "ac")
+_CHECKPOINTING = ("full", "none")  # ac=: every layer recomputed in the backward, or none
 
 
 @dataclass(frozen=True, kw_only=True)
 class ManualPlan:
     """A Megatron-LM style plan as ``--manual`` writes it: degrees of data, tensor and
-    pipeline parallelism, microbatches and the schedule."""
+    pipeline parallelism, microbatches, the schedule and activation checkpointing (``ac``)."""
 
     schedule: str = "1f1b"
     dp: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
+    ac: str = "none"
 
     @property
     def label(self) -> str:
-        return f"manual dp={self.dp},tp={self.tp},pp={self.pp},microbatches={self.microbatches}"
+        checkpointing = f",ac={self.ac}" if self.ac != "none" else ""
+        return f"manual dp={self.dp},tp={self.tp},pp={self.pp},microbatches={self.microbatches}{checkpointing}"
 
 
 def parse_manual(text: str) -> ManualPlan:
-    """``dp=2,tp=4,pp=2,microbatches=64`` (any subset; the rest default to 1, 1f1b)."""
+    """``dp=2,tp=4,pp=2,microbatches=64,ac=full`` (any subset; the rest default to 1, 1f1b,
+    no checkpointing)."""
     values: dict[str, object] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*(\w+)", item)
@@ -63,6 +68,11 @@ def parse_manual(text: str) -> ManualPlan:
         key, value = m.group(1), m.group(2)
         if key == "schedule":
             values[key] = normalize_schedule(value)
+        elif key == "ac":
+            if value.lower() not in _CHECKPOINTING:
+                raise AutoplanError(f"--manual ac={value}: use ac=full (every layer recomputed) or ac=none"
+                                    + (" (selective checkpointing is not costed yet)" if value == "selective" else ""))
+            values[key] = value.lower()
         elif not value.isdigit() or int(value) < 1:
             raise AutoplanError(f"--manual {key}={value}: must be a positive integer")
         else:
@@ -155,8 +165,9 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)), math.inf,
-                           graph, layers)
+    recomputed = recomputable(graph, layers) if manual.ac == "full" else frozenset()
+    candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)),
+                                  math.inf, graph, layers, recomputed=recomputed)
     return assemble_pipeline(spec, candidate, opts, manual.schedule, {})
 
 

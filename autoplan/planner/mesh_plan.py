@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
-    storage_cost)
+    storage_cost, value_itemsize)
 from autoplan.sharding import R, ShardingSpec
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy, storage_strategies,
@@ -312,7 +312,7 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
     edges: list[Edge] = []
     for (u, v, pos), count in _class_edges(view, classes).items():
         src_info = view.graph.nodes[classes.representative(u)]
-        shape, itemsize = src_info.shape or (), src_info.itemsize
+        shape, itemsize = src_info.shape or (), value_itemsize(src_info, ctx.optimizer.mixed_precision)
         grad = view.needs_grad[classes.representative(u)]
         gu, gv = grouping.group_of[u], grouping.group_of[v]
         from_parameter = src_info.kind == "parameter"

@@ -40,7 +40,7 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
     solved: dict[tuple, tuple[TracedGraph, IntraOpResult]] = {}
     stored: dict[str, ShardingSpec] = {}  # FQN -> spec chosen by the first stage holding it
     results: dict[int, tuple[TracedGraph, IntraOpResult, CostContext]] = {}
-    least, fast = stage_needs(candidate)
+    least, fast = stage_needs(candidate, options.optimizer.mixed_precision)
     for rank in range(ranks):
         mine = list(range(rank, stages, ranks))
         for attempt in range(BUDGET_RETRIES + 1):
@@ -104,11 +104,11 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     return sub, result, ctx
 
 
-def stage_needs(candidate: PipelineCandidate) -> tuple[list[float], list[float]]:
+def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False) -> tuple[list[float], list[float]]:
     """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
     layer count, least 0, where they are not at hand)."""
     least, fast = [], []
-    reads = layer_inputs(candidate.graph, candidate.layers)
+    reads = layer_inputs(candidate.graph, candidate.layers, mixed_precision)
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
         if candidate.costs and mesh in candidate.costs:
             table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads)

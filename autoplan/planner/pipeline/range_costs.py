@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models import LinkSpec
-from autoplan.cost_models.step_costs import CostContext
+from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import plan_intra_op
 from autoplan.planner.recompute import recomputable
@@ -125,10 +125,11 @@ def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
         cluster.inter_node
 
 
-def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
+def cut_bytes(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers). A value produced in layer i and last read
-    in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j."""
+    in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j. (Sizes as
+    :func:`~autoplan.cost_models.step_costs.value_itemsize` gives them.)"""
     layer_of = layer_index(layers)
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     loss = loss_name(graph)
@@ -138,7 +139,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
                     if user.op != "output" or name == loss), default=i)
         info = graph.nodes[name]
         if last > i and info.shape is not None:
-            nbytes = math.prod(info.shape) * info.itemsize
+            nbytes = math.prod(info.shape) * value_itemsize(info, mixed_precision)
             diff[i + 1] += nbytes
             diff[last + 1] -= nbytes
     return list(itertools.accumulate(diff))[:len(layers) + 1]
@@ -200,7 +201,7 @@ class RangeTable:
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: LayerCosts, boundaries: bool,
                  reads: list[dict[str, tuple[int, float]]] | None = None) -> None:
         self.graph, self.layers, self.costs = graph, layers, costs
-        self.reads = layer_inputs(graph, layers) if reads is None else reads  # one per graph and layers
+        self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision) if reads is None else reads
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute: frozenset[int] | None = None  # the layers that may be recomputed
@@ -319,7 +320,8 @@ class RangeTable:
         return RangePlan(seconds + joins, memory, frozenset(chosen))
 
 
-def layer_inputs(graph: TracedGraph, layers: list[Layer]) -> list[dict[str, tuple[int, float]]]:
+def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False
+                 ) -> list[dict[str, tuple[int, float]]]:
     """For each layer, the values it reads that an earlier layer produced: name -> (producing
     layer, bytes of the whole value). Parameters, buffers and user inputs are not listed."""
     layer_of = layer_index(layers)
@@ -332,7 +334,7 @@ def layer_inputs(graph: TracedGraph, layers: list[Layer]) -> list[dict[str, tupl
                 producer = layer_of.get(source.name, i)
                 info = graph.nodes.get(source.name)
                 if producer != i and info is not None and info.kind == "op" and info.shape is not None:
-                    reads[source.name] = (producer, math.prod(info.shape) * info.itemsize)
+                    reads[source.name] = (producer, math.prod(info.shape) * value_itemsize(info, mixed_precision))
         out.append(reads)
     return out
 

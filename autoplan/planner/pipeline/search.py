@@ -48,10 +48,10 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     for mesh in meshes:
         if mesh not in costs:
             costs[mesh] = layer_costs(options, mesh, microbatches, in_flight)
-    reads = layer_inputs(graph, layers)
+    reads = layer_inputs(graph, layers, options.optimizer.mixed_precision)
     tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads) for mesh in meshes}
     link = link_between_stages(options, submesh)
-    boundary = cut_bytes(graph, layers)
+    boundary = cut_bytes(graph, layers, options.optimizer.mixed_precision)
     budget = options.memory_budget
     tied = tied_layers(graph, layers)
 
