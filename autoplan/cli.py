@@ -54,8 +54,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
                        help="fp32, or bf16 (bf16 parameters and compute, fp32 optimizer and reductions: costed only)")
     train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
-    train.add_argument("--recompute", action="store_true", help="recompute every layer in the backward (activation checkpointing); "
-                            "without it, layers are recomputed where memory needs it")
+    train.add_argument("--recompute", nargs="?", const="all", default="auto", choices=("auto", "all", "none"),
+                       help="activation checkpointing: auto (default: layers recomputed in the backward where "
+                            "memory needs it), all (every layer; --recompute alone) or none")
     train.add_argument("--plan-only", action="store_true",
                        help="allow what the emitted program cannot run yet (bf16): a plan to read")
     parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")

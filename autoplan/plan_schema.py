@@ -148,6 +148,7 @@ class Prediction:
     memory_bytes: MemoryEstimate
     comm_by_kind_s: dict[str, float] = field(default_factory=dict)
     bubble_s: float = 0.0  # pipeline time no stage spends working
+    mfu: float = 0.0  # model FLOPs utilisation (:func:`~autoplan.cost_models.step_costs.model_flops_utilization`)
 
 
 @dataclass
@@ -336,4 +337,5 @@ def _prediction(data: dict[str, Any]) -> Prediction:
         memory_bytes=MemoryEstimate(**data["memory_bytes"]),
         comm_by_kind_s=dict(data.get("comm_by_kind_s", {})),
         bubble_s=float(data.get("bubble_s", 0.0)),
+        mfu=float(data.get("mfu", 0.0)),
     )

@@ -27,6 +27,7 @@ import gpt  # noqa: E402
 
 from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.planner.api import make_options  # noqa: E402
+from autoplan.planner.recompute import RecomputePolicy  # noqa: E402
 from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.planner.manual import cost_manual, parse_manual  # noqa: E402
 from autoplan.planner.meshes import meshes_label  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> None:
                                   device="meta")
         spec = make_model_spec(model.half(), inputs, gpt.loss_fn, name=f"GPT {name}")
         options = replace(make_options(devices, args.cluster, optimizer=OptimizerSpec("adam", mixed_precision=True)),
-                          remat=True)
+                          recompute=RecomputePolicy.ALL)
         start = time.perf_counter()
         plan = plan_pipeline(spec, options)
         elapsed = time.perf_counter() - start

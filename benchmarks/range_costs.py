@@ -32,6 +32,7 @@ import gpt  # noqa: E402
 from autoplan.cost_models import OptimizerSpec  # noqa: E402
 from autoplan.errors import MemoryInfeasibleError  # noqa: E402
 from autoplan.planner.api import make_options  # noqa: E402
+from autoplan.planner.recompute import RecomputePolicy  # noqa: E402
 from autoplan.planner.mesh_plan import plan_intra_op  # noqa: E402
 from autoplan.trace.layers import make_layers  # noqa: E402
 from autoplan.trace.repeated import find_classes  # noqa: E402
@@ -73,7 +74,7 @@ def main() -> None:
                               device="meta")
     spec = make_model_spec(model.half(), microbatch_inputs(inputs, args.microbatches), gpt.loss_fn)
     options = replace(make_options(args.devices, args.cluster, optimizer=OptimizerSpec("adam", mixed_precision=True)),
-                      remat=True)
+                      recompute=RecomputePolicy.ALL)
     budget = options.memory_budget
     graph = trace(spec)
     layers = make_layers(graph, find_classes(graph), None)

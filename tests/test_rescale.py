@@ -74,7 +74,7 @@ def test_pipeline_plan_made_on_traces_and_independent_of_jobs(monkeypatch: pytes
     """The plan found with rescaled graphs and two processes equals the plan found tracing
     every microbatch size in one process; its graph is a trace."""
     spec = _spec("llama")
-    options = dict(memory_per_device=2e6)  # small enough that a pipeline wins
+    options = dict(memory_per_device=2e6, recompute="none")  # small enough that a pipeline wins
     parallel = plan_model(spec, PlanOptions(4, "h100", jobs=2, **options))
     monkeypatch.setattr(BatchSizeGraphs, "get", BatchSizeGraphs.trace)
     serial = plan_model(spec, PlanOptions(4, "h100", jobs=1, **options))

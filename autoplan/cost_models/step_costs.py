@@ -34,11 +34,11 @@ column-parallel input.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from autoplan.cost_models import (CollectiveStep, DeviceSpec, LinkSpec, OptimizerSpec, collective_time,
-    optimizer_step_time, reshard_steps, roofline_time)
+from autoplan.cost_models import (BACKWARD_FACTOR, CollectiveStep, DeviceSpec, LinkSpec, OptimizerSpec,
+    collective_time, optimizer_step_time, reshard_steps, roofline_time)
 from autoplan.sharding import P, R, ShardingSpec, local_shape
 from autoplan.strategies.candidates import Strategy
 from autoplan.trace.graph import NodeInfo
@@ -130,6 +130,20 @@ def compute_dtype(info: NodeInfo, mixed_precision: bool) -> str:
     """The dtype an op's FLOPs run at: bfloat16 for a float32 op under mixed precision."""
     dtype = info.dtype or "float32"
     return HALF_PRECISION if mixed_precision and dtype.replace("torch.", "") == "float32" else dtype
+
+
+def model_flops_utilization(graph_nodes: Iterable[NodeInfo], passes: int, step_time_s: float, devices: int,
+                            device: DeviceSpec, mixed_precision: bool) -> float:
+    """Model FLOPs utilisation of a step that runs the graph of ``graph_nodes`` ``passes`` times
+    (microbatches): its forward and backward FLOPs (``1 + BACKWARD_FACTOR`` forwards; a
+    recomputed forward is not the model's work) over what ``devices`` devices could do in the
+    step at the peak of the dtype the heaviest op computes in."""
+    nodes = [n for n in graph_nodes if n.kind == "op"]
+    if not nodes or step_time_s <= 0:
+        return 0.0
+    flops = sum(n.flops for n in nodes) * passes * (1 + BACKWARD_FACTOR)
+    dtype = compute_dtype(max(nodes, key=lambda n: n.flops), mixed_precision)
+    return flops / (step_time_s * devices * device.peak(dtype))
 
 
 def _local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:

@@ -21,7 +21,7 @@ from autoplan.planner.assemble import node_plans, placements, predict, single_st
 from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
-from autoplan.planner.recompute import recomputable, recomputed_layers, regions
+from autoplan.planner.recompute import RecomputePolicy, recomputable, recomputed_layers, regions
 from autoplan.solvers import explain, format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
@@ -62,7 +62,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
                             f"{options.devices}: make them agree (a smaller mesh is a pipeline stage's: pass --stages)")
     meshes = [options.mesh] if options.mesh else candidate_meshes(options.devices)
     recomputed: list[Layer] = []
-    if options.remat:  # every layer that may be, recomputed
+    if options.recompute == RecomputePolicy.ALL:  # every layer that may be, recomputed
         layers = make_layers(graph, classes)
         recomputed = [layers[i] for i in sorted(recomputable(graph, layers))]
     # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically

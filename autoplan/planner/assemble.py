@@ -3,9 +3,11 @@ program will run per step, and the predicted step time and memory."""
 
 from __future__ import annotations
 
+import math
+
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, backward_reduction_steps, edge_steps,
-    steps_seconds, value_itemsize)
+    model_flops_utilization, steps_seconds, value_itemsize)
 from autoplan.plan_schema import MemoryEstimate, NodePlan, PlannedCollective, Prediction, SolverStats, StagePlan
 from autoplan.planner.mesh_plan import IntraOpResult, with_parameter_edges
 from autoplan.sharding import spec_to_json
@@ -91,7 +93,9 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
     for cost in result.node_costs.values():
         memory = memory + cost.memory
     estimate = MemoryEstimate(memory.params, memory.grads, memory.optimizer, memory.activations, memory.total)
-    return Prediction(compute + comm, compute, comm, estimate, by_kind), collectives
+    mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, compute + comm, math.prod(ctx.mesh_shape),
+                                  ctx.device, ctx.optimizer.mixed_precision)
+    return Prediction(compute + comm, compute, comm, estimate, by_kind, mfu=mfu), collectives
 
 
 def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:

@@ -20,7 +20,7 @@ from autoplan.load import ModelSpec
 from autoplan.plan_schema import Alternative, Plan
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import StorageRule
-from autoplan.planner.recompute import recomputable
+from autoplan.planner.recompute import RecomputePolicy, recomputable
 from autoplan.planner.pipeline import (
     PipelineCandidate,
     PipelineOptions,
@@ -165,7 +165,8 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    recomputed = recomputable(graph, layers) if manual.ac == "full" else frozenset()
+    recomputed = recomputable(graph, layers) if manual.ac == "full" or options.recompute == RecomputePolicy.ALL \
+        else frozenset()
     candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)),
                                   math.inf, graph, layers, recomputed=recomputed)
     return assemble_pipeline(spec, candidate, opts, manual.schedule, {})

@@ -18,6 +18,7 @@ from autoplan.errors import AutoplanError
 from autoplan.plan_schema import OPTIMIZER_NAMES, OptimizerPlan, PrecisionPlan
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import mesh_label
+from autoplan.planner.recompute import RecomputePolicy
 from autoplan.planner.workers import default_jobs
 from autoplan.solvers import SolverName, check_solver_name
 
@@ -44,7 +45,7 @@ class PlannerOptions:
     time_limit_s: float | None = None
     pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
     allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
-    remat: bool = False  # recompute every layer that may be (else layers are recomputed where memory needs it)
+    recompute: RecomputePolicy = RecomputePolicy.AUTO  # which layers the backward recomputes
     canonical: bool = True  # break ties among equal-cost assignments canonically (a plan to run needs it)
     jobs: int = 1  # processes the stage search runs in (the plan does not depend on it)
 
@@ -68,8 +69,9 @@ class PlanOptions:
     override the cluster's. ``optimizer`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with
     ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision`` is
     costed, and a precision other than fp32 refused unless ``plan_only`` while the program
-    cannot run it. ``recompute=True`` recomputes every layer in the backward (activation
-    checkpointing) that may be; otherwise the planner recomputes layers where memory needs it. ``pipeline=False`` plans intra-op only; ``stages``,
+    cannot run it. ``recompute``: activation checkpointing, ``"auto"`` (the planner recomputes
+    layers in the backward where memory needs it), ``"all"`` (every layer that may be; also
+    ``True``) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
@@ -87,7 +89,7 @@ class PlanOptions:
     weight_decay: float | None = None
     momentum: float | None = None
     precision: PrecisionName = "fp32"
-    recompute: bool = False
+    recompute: str = "auto"
     solver: SolverName = "highs"
     time_limit_s: float | None = None
     pipeline: bool = True
@@ -105,6 +107,10 @@ class PlanOptions:
         for name in ("stages", "microbatches", "layers", "devices_per_node", "jobs"):
             _positive_int(name, getattr(self, name))
         check_solver_name(self.solver)
+        recompute = {True: "all", False: "auto"}.get(self.recompute, self.recompute)  # type: ignore[call-overload]
+        if str(recompute).lower() not in tuple(RecomputePolicy):
+            raise AutoplanError(f"recompute must be auto, all or none, got {self.recompute!r}")
+        object.__setattr__(self, "recompute", str(recompute).lower())
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise AutoplanError(f"the time limit must be a positive number of seconds, got {self.time_limit_s}")
         if self.optimizer.strip().lower() not in OPTIMIZER_NAMES:
@@ -169,7 +175,7 @@ class PlanOptions:
         """The options of the intra-op pass (one logical mesh at a time)."""
         return PlannerOptions(self.devices, self.cluster_spec, self.mesh,
                               OptimizerSpec(self.optimizer, mixed_precision=self.precision != "fp32"),
-                              self.solver, self.time_limit_s, remat=self.recompute,
+                              self.solver, self.time_limit_s, recompute=RecomputePolicy(self.recompute),
                               jobs=self.jobs if self.jobs is not None else default_jobs())
 
     def pipeline_options(self) -> PipelineOptions:

@@ -11,11 +11,21 @@ would write it twice.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from enum import StrEnum
 
 from autoplan.plan_schema import RecomputedLayer
 from autoplan.planner.mesh_plan import writes_first_input
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer
+
+
+class RecomputePolicy(StrEnum):
+    """Which layers are recomputed in the backward: those the planner picks where memory needs
+    it (``auto``), every layer that may be (``all``), or none."""
+
+    AUTO = "auto"
+    ALL = "all"
+    NONE = "none"
 
 
 def recomputable(graph: TracedGraph, layers: list[Layer]) -> frozenset[int]:

@@ -123,6 +123,9 @@ def summary_section(plan: Plan) -> Section:
         ["schedule", plan.schedule],
         ["predicted step time", (f"{format_seconds(p.step_time_s)} (compute {format_seconds(p.compute_s)}, "
                                  f"communication {format_seconds(p.comm_s)}, bubble {format_seconds(p.bubble_s)})")],
+        ["predicted MFU", f"{p.mfu:.1%} (the model's forward and backward FLOPs over the devices' peak)"],
+        ["activation checkpointing", f"{len(plan.recompute)} layers recomputed in the backward"
+                                     if plan.recompute else "none"],
         ["memory per device (peak)", format_bytes(m.peak) + (f" of {format_bytes(budget)} "
                                                                f"({_percent(m.peak, budget)} of the budget)"
                                                                if budget else "")],
@@ -306,18 +309,19 @@ def comparison_section(plan: Plan, baselines: list[Alternative] | None, progress
                              "predicted step time of the found plan beside data, tensor and pipeline parallelism "
                              "(and any --manual plans); infeasible plans show why"))
     rows = [["found plan", _plan_shape(plan), format_seconds(p.step_time_s), format_seconds(p.compute_s),
-             format_seconds(p.comm_s), format_seconds(p.bubble_s), format_bytes(p.memory_bytes.peak), "1.00x"]]
+             format_seconds(p.comm_s), format_seconds(p.bubble_s), format_bytes(p.memory_bytes.peak), f"{p.mfu:.1%}",
+             "1.00x"]]
     for a in compared:
         shape = f"pp={a.mesh[0]}, dp={a.mesh[1]}, tp={a.mesh[2]}" if len(a.mesh) == 3 else mesh_label(a.mesh)
         if a.predicted:
             q = a.predicted
             rows.append([a.name, shape, format_seconds(q.step_time_s), format_seconds(q.compute_s),
                          format_seconds(q.comm_s), format_seconds(q.bubble_s), format_bytes(q.memory_bytes.peak),
-                         f"{q.step_time_s / p.step_time_s:.2f}x" if p.step_time_s else "-"])
+                         f"{q.mfu:.1%}", f"{q.step_time_s / p.step_time_s:.2f}x" if p.step_time_s else "-"])
         else:
-            rows.append([a.name, shape, a.reason or "infeasible", "", "", "", "", ""])
+            rows.append([a.name, shape, a.reason or "infeasible", "", "", "", "", "", ""])
     blocks.append(Table(["plan", "shape", "step time", "compute", "communication", "bubble", "peak memory",
-                         "step time / found"], rows))
+                         "MFU", "step time / found"], rows))
     searched = [a for a in plan.alternatives if not a.name.startswith("manual ")]
     if searched:
         blocks.append(Table(["candidate", "why not"], [[a.name, alternative_text(a)]

@@ -61,7 +61,8 @@ def _recompute_lines(plan: Plan) -> list[str]:
 
 def _prediction_line(p: Prediction) -> str:
     return (f"{format_seconds(p.step_time_s)} per step (compute {format_seconds(p.compute_s)}, "
-            f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device")
+            f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device, "
+            f"MFU {p.mfu:.1%}")
 
 
 def planning_time_text(timings_s: dict[str, float]) -> str:

@@ -99,6 +99,7 @@ from autoplan.planner.pipeline.search import (REFINED, cluster_shape, on_traced_
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
 from autoplan.trace.microbatch import batch_size
+from autoplan.trace.rescale import BatchSizeGraphs
 
 __all__ = [
     "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
@@ -138,6 +139,17 @@ def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: Pla
         return e
 
 
+def _first_planned(spec: ModelSpec, candidates: list[PipelineCandidate], graphs: BatchSizeGraphs, batch: int,
+                   options: PlannerOptions, popts: PipelineOptions, schedule: str) -> list[tuple[Plan, PipelineCandidate]]:
+    """The first of ``candidates`` whose exact plan exists, with it (none: empty)."""
+    for found in candidates:
+        candidate = on_traced_graph(found, graphs, batch, options, popts)
+        outcome = _planned_exactly(spec, candidate, options, schedule) if candidate is not None else None
+        if isinstance(outcome, Plan):
+            return [(outcome, candidate)]
+    return []
+
+
 def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> Plan:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
@@ -160,6 +172,8 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
         pool.submit(partial(_planned_exactly, spec, candidate, rivals, schedule))
     outcomes = pool.results()
     planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
+    if not planned:  # the search's estimates fit, the exact plans do not: the next best that does
+        planned = _first_planned(spec, candidates[searched:], graphs, batch, options, popts, schedule)
     if not planned:
         raise next(e for e in outcomes if isinstance(e, AutoplanError))
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)

@@ -7,7 +7,7 @@ import math
 from dataclasses import replace
 
 from autoplan.cost_models import ALL_REDUCE, BROADCAST, LinkSpec, collective_time
-from autoplan.cost_models.step_costs import is_floating
+from autoplan.cost_models.step_costs import is_floating, model_flops_utilization
 from autoplan.errors import MemoryInfeasibleError
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import MemoryEstimate, Plan, PlannedCollective, Prediction, StagePlan
@@ -76,7 +76,10 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     for kind, seconds in after_kinds.items():
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds
     predicted = Prediction(step, computes[busiest], comms[busiest] + after, MemoryEstimate(**vars(worst)), by_kind,
-                           bubble_s=max(0.0, scheduled - candidate.microbatches * max(latencies)))
+                           bubble_s=max(0.0, scheduled - candidate.microbatches * max(latencies)),
+                           mfu=model_flops_utilization(graph.nodes.values(), candidate.microbatches, step,
+                                                       options.devices, options.cluster.device,
+                                                       options.optimizer.mixed_precision))
     first = results[0][1]
     warnings_ = sorted({w for _, r, _ in results for w in r.warnings})
     emit_warnings(warnings_)

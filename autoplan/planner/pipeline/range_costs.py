@@ -12,7 +12,7 @@ from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import plan_intra_op
-from autoplan.planner.recompute import recomputable
+from autoplan.planner.recompute import RecomputePolicy, recomputable
 from autoplan.solvers import evaluate, trim_memory_together
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
@@ -248,7 +248,8 @@ class RangeTable:
     def plan(self, start: int, end: int, budget: float | None) -> RangePlan:
         """Layers [start, end): their fastest plans if they fit ``budget`` together; else the
         faster of two ways to fit (:meth:`_sharded`, :meth:`_recomputed`), or the leaner where
-        neither fits. With ``PlannerOptions.remat`` every layer that may be is recomputed."""
+        neither fits. ``PlannerOptions.recompute`` may ask for every layer that may be
+        recomputed, or none."""
         key = (start, end, budget)
         if key not in self.plans:
             self.plans[key] = self._plan(start, end, budget)
@@ -258,12 +259,15 @@ class RangeTable:
         seconds, memory = self._range(FAST, start, end)
         fastest = RangePlan(seconds + self.joins[end - 1] - self.joins[start], memory - self.counted_apart(start, end))
         fits = budget is None or fastest.memory <= budget
-        if self.costs.options.remat:
+        policy = self.costs.options.recompute
+        if policy == RecomputePolicy.ALL:
             return self._recomputed(start, end, budget, every=True) or (
                 fastest if fits else self._sharded(start, end, budget))
         if fits:
             return fastest
-        ways = [way for way in (self._sharded(start, end, budget), self._recomputed(start, end, budget)) if way]
+        ways = [self._sharded(start, end, budget)]
+        if policy == RecomputePolicy.AUTO:
+            ways += [way for way in (self._recomputed(start, end, budget),) if way]
         fitting = [way for way in ways if way.memory <= budget]
         if fitting:
             return min(fitting, key=lambda way: way.seconds)

@@ -188,7 +188,8 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         else:
             later += found
             accumulating += accumulation_tasks(graph, layers, microbatches, options, popts)
-    if refusal is None and not any(options.remat or not c.recomputed for i in whole_batch for c in pool.answer(i)):
+    plainly = [c for i in whole_batch for c in pool.answer(i) if options.recompute != "auto" or not c.recomputed]
+    if refusal is None and not plainly:
         later += accumulating  # the whole batch does not fit one stage without recomputation
     submit(later)
     return refine([c for cs in pool.results() for c in cs], options, popts), graphs
