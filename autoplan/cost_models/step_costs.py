@@ -12,12 +12,11 @@ A training step is forward + backward + optimizer step. Per node and strategy:
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
   activations the forward keeps for the backward.
 
-Activation checkpointing. A recomputed node (in a layer the plan recomputes, or every op of
-the graph with ``remat``) runs its forward once more in the backward, and so does every
+Activation checkpointing. A recomputed node (in a layer the plan recomputes,
+``recompute_regions``) runs its forward once more in the backward, and so does every
 resharding on its inputs (the recomputed forward redistributes again). It keeps its output
 for the backward only where a node outside its region reads it (the next region's saved
-input); with ``remat`` the whole graph is one region (a layer costed alone counts what it
-receives as inputs, and keeps what it hands on).
+input).
 
 Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
 carries the gradient the other way. The consumer leaves an input's gradient as partial sums on
@@ -99,7 +98,6 @@ class CostContext:
     backward_factor: float = 2.0
     microbatches: int = 1  # per-microbatch work (compute, activation traffic) runs this many times a step
     activations_in_flight: int = 1  # microbatches whose activations a stage holds at once (the schedule's)
-    remat: bool = False  # every op node is recomputed as one region: keep only the graph's inputs
     recompute_regions: Mapping[str, str] = field(default_factory=dict)  # op node -> its recomputed layer
     # parameter → consumer edges of the graph being planned (that carry a gradient): each bucketed
     # gradient reduction pays this share of one collective's latency (see steps_seconds)
@@ -109,7 +107,7 @@ class CostContext:
 
     def region_of(self, name: str) -> str | None:
         """The recomputed region holding op node ``name`` (None: its activations are kept)."""
-        return "graph" if self.remat else self.recompute_regions.get(name)
+        return self.recompute_regions.get(name)
 
 
 HALF_PRECISION = "bfloat16"

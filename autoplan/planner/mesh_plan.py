@@ -27,7 +27,7 @@ import torch
 from torch import fx
 
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
-    storage_cost, value_itemsize)
+    edge_steps, steps_seconds, storage_cost, value_itemsize)
 from autoplan.sharding import R, ShardingSpec
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy, storage_strategies,
@@ -405,6 +405,37 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
             node_costs[member] = strat[cls].costs[j]
     return IntraOpResult(mesh_shape, chosen, node_costs, solution, problem, classes.num_classes,
                          len(graph.nodes), view.inputs, view.needs_grad, messages)
+
+
+def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) -> tuple[float, float]:
+    """(seconds added, bytes freed) per step by recomputing every op of ``graph`` in the
+    backward under ``result``'s strategies (as one region, costed as
+    :func:`~autoplan.cost_models.step_costs.op_cost` and :func:`edge_cost` cost a recomputed
+    node): each op's forward and the forward resharding of its inputs run once more; the
+    outputs of ops that only the graph itself reads are no longer kept."""
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    mixed = ctx.optimizer.mixed_precision
+    added = freed = 0.0
+    for name, cost in result.node_costs.items():
+        info = graph.nodes[name]
+        if info.kind != "op":
+            continue
+        added += cost.compute_s / (1.0 + (ctx.backward_factor if result.needs_grad[name] else 0.0))
+        if not any(user.op == "output" for user in fx_nodes[name].users):
+            freed += cost.memory.activations
+        if fx_nodes[name].target is operator.getitem:
+            continue
+        strategy = result.chosen[name]
+        for pos, source in enumerate(result.input_names[name]):
+            dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None
+            produced = result.chosen[source].output_specs
+            if dst is None or not produced or produced[0] == dst:
+                continue
+            source_info = graph.nodes[source]
+            forward, _ = edge_steps(produced[0], dst, source_info.shape or (), value_itemsize(source_info, mixed),
+                                    False, ctx)
+            added += steps_seconds(forward, ctx) * ctx.microbatches
+    return added, freed
 
 
 def emit_warnings(messages: list[str]) -> None:

@@ -26,13 +26,15 @@ boundary activations (and receiving their gradients) over the link to the next s
   least-memory plans fit, the stage is absent.
 
 Activation checkpointing. Where a range's fastest plans do not fit, recomputing layers in the
-backward is the other way to fit (:meth:`RangeTable.plan`): each layer is also costed recomputed
-(its own ILP with every op recomputed: one forward more, its redistributions again, only its
-inputs kept), and layers are recomputed one by one, the one freeing the most bytes per second
-it adds first, until the range fits; the faster of trimming and recomputing wins (where
-recomputing every layer is not enough, the recomputed layers are trimmed too). The stage's
-exact ILP then costs exactly those layers recomputed, and the program checkpoints them. A
-layer that writes into a tensor (BatchNorm's running statistics) is never recomputed.
+backward is the other way to fit (:meth:`RangeTable.plan`): each layer's fastest plan is also
+costed recomputed (:func:`~autoplan.planner.mesh_plan.recompute_change`: one forward more, its
+redistributions again, only what it hands on kept; no second ILP), and layers are recomputed one
+by one, the one freeing the most bytes per second it adds first, until the range fits; the
+faster of trimming and recomputing wins. Where recomputing every layer is not enough, the
+layers are trimmed as well, counting on only a share ``1/n`` of the bytes recomputing frees
+(``n`` the mesh's size: a trimmed plan keeps fewer activations). The stage's exact ILP then
+costs exactly those layers recomputed, and the program checkpoints them. A layer that writes
+into a tensor (BatchNorm's running statistics) is never recomputed.
 
 Stages. The stage DP (:func:`autoplan.solvers.inter_op.solve_inter_op`, Alpa's recurrence)
 cuts the layers into stages that all get the same sub-mesh shape (torch's pipeline stages

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field, replace
 from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.mesh_plan import plan_intra_op
+from autoplan.planner.mesh_plan import plan_intra_op, recompute_change
 from autoplan.planner.recompute import RecomputePolicy, recomputable
 from autoplan.solvers import evaluate, trim_memory_together
 from autoplan.solvers.inter_op import SubMesh
@@ -35,27 +35,15 @@ class LayerCosts:
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
-    twin: LayerCosts | None = None  # the same layers recomputed in the backward (:attr:`recomputing`)
-
-    @property
-    def recomputing(self) -> LayerCosts:
-        """These layers' costs where each is recomputed in the backward (made on first use)."""
-        if self.ctx.remat:
-            return self
-        if self.twin is None:
-            self.twin = LayerCosts(self.options, replace(self.ctx, remat=True, cache={}))
-        return self.twin
+    changes: dict[str, tuple[float, float]] = field(default_factory=dict)  # recomputing a fastest plan
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
         the edge-cost memo (:meth:`restore` puts the options back)."""
-        twin = self.twin.portable() if self.twin is not None else None
-        return replace(self, options=None, ctx=replace(self.ctx, cache={}), twin=twin)
+        return replace(self, options=None, ctx=replace(self.ctx, cache={}))
 
     def restore(self, options: PlannerOptions) -> None:
         self.options = options
-        if self.twin is not None:
-            self.twin.restore(options)
 
     def cost(self, graph: TracedGraph, layer: Layer, mode: str = FAST) -> tuple[float, float]:
         """(seconds per step, bytes per device) of one layer, by ``mode``: its fastest plan
@@ -75,8 +63,17 @@ class LayerCosts:
                                        allow_storage=self.options.allow_storage, canonical=False)
                 self.problems[layer.signature] = result.problem
                 self.fast_choices[layer.signature] = result.solution.choices
+                self.changes[layer.signature] = recompute_change(sub, result, self.ctx)
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
+
+    def recomputed(self, graph: TracedGraph, layer: Layer) -> tuple[float, float]:
+        """(seconds per step, bytes per device) of one layer's fastest plan recomputed in the
+        backward, the same strategies (:func:`~autoplan.planner.mesh_plan.recompute_change`:
+        no ILP)."""
+        seconds, memory = self.cost(graph, layer)
+        added, freed = self.changes[layer.signature]
+        return seconds + added, memory - freed
 
     def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float) -> tuple[float, float] | None:
         """(seconds, bytes) of ``layers``' fastest plans trimmed together until they fit
@@ -206,7 +203,6 @@ class RangeTable:
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute: frozenset[int] | None = None  # the layers that may be recomputed
         self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
-        self.twin_table: RangeTable | None = None  # the layers' costs all recomputed
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
             costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
@@ -287,23 +283,23 @@ class RangeTable:
 
     def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False) -> RangePlan | None:
         """Recompute layers in the backward until the range fits ``budget`` (all that may be,
-        with ``every``): each step recomputes the layer that frees the most bytes per second it
-        adds, a quick estimate like the trimming. Where recomputing every layer of the range is
-        not enough, its layers are also trimmed, all recomputed. None where no layer of the
-        range may be recomputed."""
+        with ``every``): each step recomputes, in its fastest plan, the layer that frees the most
+        bytes per second it adds (:meth:`LayerCosts.recomputed`), a quick estimate like the
+        trimming. Where recomputing every layer of the range is not enough, its layers are also
+        trimmed (see below). None where no layer of the range may be recomputed."""
         if self.may_recompute is None:
             self.may_recompute = recomputable(self.graph, self.layers)
         candidates = [i for i in range(start, end) if i in self.may_recompute]
         if not candidates:
             return None
-        twin = self.costs.recomputing
         excess = self.counted_apart(start, end)
         joins = self.joins[end - 1] - self.joins[start]
         seconds, memory = self._range(FAST, start, end)
         memory -= excess
 
         def change(i: int) -> tuple[float, float]:  # (seconds added, bytes freed)
-            plain, again = self.costs.cost(self.graph, self.layers[i]), twin.cost(self.graph, self.layers[i])
+            layer = self.layers[i]
+            plain, again = self.costs.cost(self.graph, layer), self.costs.recomputed(self.graph, layer)
             return again[0] - plain[0], plain[1] - again[1]
 
         changes = {i: change(i) for i in candidates}
@@ -316,10 +312,12 @@ class RangeTable:
             chosen.add(i)
             seconds, memory = seconds + changes[i][0], memory - changes[i][1]
         if budget is not None and memory > budget and len(chosen) == end - start:
-            if self.twin_table is None:
-                self.twin_table = RangeTable(self.graph, self.layers, twin, False, self.reads)
-            trimmed = self.twin_table._sharded(start, end, budget)
-            return RangePlan(trimmed.seconds + (joins if trimmed.memory <= budget else 0.0), trimmed.memory,
+            # every layer recomputed and still too large: trim as well, counting on a share 1/n of
+            # the bytes recomputing frees (a trimmed plan keeps fewer activations to free; n the
+            # mesh's size), and charging the fastest plans' recomputation
+            freed = sum(changes[i][1] for i in chosen) / math.prod(self.costs.ctx.mesh_shape)
+            trimmed = self._sharded(start, end, budget + freed)
+            return RangePlan(trimmed.seconds + sum(changes[i][0] for i in chosen), trimmed.memory - freed,
                              frozenset(chosen))
         return RangePlan(seconds + joins, memory, frozenset(chosen))
 
