@@ -29,8 +29,9 @@ Activation checkpointing. Where a range's fastest plans do not fit, recomputing 
 backward is the other way to fit (:meth:`RangeTable.plan`): each layer's fastest plan is also
 costed recomputed (:func:`~autoplan.planner.mesh_plan.recompute_change`: one forward more, its
 redistributions again, only what it hands on kept; no second ILP), and layers are recomputed one
-by one, the one freeing the most bytes per second it adds first, until the range fits; the
-faster of trimming and recomputing wins. Where recomputing every layer is not enough, the
+by one, the one freeing the most bytes per second it adds first, until the range fits; this
+where trimming alone does not fit (see :meth:`RangeTable.plan` for why it comes second). Where
+recomputing every layer is not enough, the
 layers are trimmed as well, counting on only a share ``1/n`` of the bytes recomputing frees
 (``n`` the mesh's size: a trimmed plan keeps fewer activations). The stage's exact ILP then
 costs exactly those layers recomputed, and the program checkpoints them. A layer that writes
@@ -92,7 +93,7 @@ from autoplan.plan_schema import Alternative, Plan
 from autoplan.planner.options import PlannerOptions
 from autoplan.planner.pipeline.assemble import assemble_pipeline, no_plan_fits
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions, candidate_name, interleave
-from autoplan.planner.pipeline.exact import RERANK_MARGIN, split_budget
+from autoplan.planner.pipeline.exact import RERANK_MARGIN, TRIMMED_MARGIN, split_budget
 from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
     normalize_schedule, pipeline_time)
@@ -141,6 +142,20 @@ def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: Pla
         return e
 
 
+def _trimmed_rival(candidates: list[PipelineCandidate], close: list[PipelineCandidate]) -> list[PipelineCandidate]:
+    """The best candidate that recomputes nothing, where every close one recomputes layers and
+    it is within ``TRIMMED_MARGIN`` of the best: the search's estimate of a range trimmed to fit
+    runs high, its estimate of recomputation does not (the Llama-70B shape: 8 stages on 4x2,
+    72 layers recomputed, estimated 14.6 s and planned at 14.7 s; 4 stages on 2x8, trimmed,
+    estimated 16.6 s and planned at 10.9 s), so the exact plans settle it."""
+    if not close or not all(c.recomputed for c in close):
+        return []
+    plain = next((c for c in candidates if not c.recomputed), None)
+    if plain is None or any(plain is c for c in close) or plain.step_time_s > close[0].step_time_s * (1 + TRIMMED_MARGIN):
+        return []
+    return [plain]
+
+
 def _first_planned(spec: ModelSpec, candidates: list[PipelineCandidate], graphs: BatchSizeGraphs, batch: int,
                    options: PlannerOptions, popts: PipelineOptions, schedule: str) -> list[tuple[Plan, PipelineCandidate]]:
     """The first of ``candidates`` whose exact plan exists, with it (none: empty)."""
@@ -162,7 +177,8 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     schedule = popts.schedule or "1f1b"
     search_s = time.perf_counter() - start - graphs.trace_s
     close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
-    searched = len(close)
+    close += _trimmed_rival(candidates, close)
+    searched = [id(c) for c in close]
     batch = batch_size(spec.example_inputs)
     close = [c for c in (on_traced_graph(c, graphs, batch, options, popts) for c in close) if c is not None]
     if not close:
@@ -175,7 +191,8 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     outcomes = pool.results()
     planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
     if not planned:  # the search's estimates fit, the exact plans do not: the next best that does
-        planned = _first_planned(spec, candidates[searched:], graphs, batch, options, popts, schedule)
+        planned = _first_planned(spec, [c for c in candidates if id(c) not in searched], graphs, batch, options,
+                                 popts, schedule)
     if not planned:
         raise next(e for e in outcomes if isinstance(e, AutoplanError))
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
@@ -191,5 +208,5 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     plan.alternatives += [Alternative(candidate_name(c), [len(c.cuts), *c.meshes[0]], None,
                                       f"{format_seconds(c.step_time_s)} per step in the stage search",
                                       estimate_s=c.step_time_s)
-                          for c in candidates[searched:][:max(0, 6 - len(planned))]]
+                          for c in [c for c in candidates if id(c) not in searched][:max(0, 6 - len(planned))]]
     return plan

@@ -196,8 +196,9 @@ class RangeTable:
     (:meth:`counted_apart`); user inputs, which may be sharded, are left counted as they are."""
 
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: LayerCosts, boundaries: bool,
-                 reads: list[dict[str, tuple[int, float]]] | None = None) -> None:
+                 reads: list[dict[str, tuple[int, float]]] | None = None, policy: RecomputePolicy | None = None) -> None:
         self.graph, self.layers, self.costs = graph, layers, costs
+        self.policy = policy or costs.options.recompute  # which layers may be recomputed
         self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision) if reads is None else reads
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
@@ -242,10 +243,14 @@ class RangeTable:
         return chosen.seconds, chosen.memory
 
     def plan(self, start: int, end: int, budget: float | None) -> RangePlan:
-        """Layers [start, end): their fastest plans if they fit ``budget`` together; else the
-        faster of two ways to fit (:meth:`_sharded`, :meth:`_recomputed`), or the leaner where
-        neither fits. ``PlannerOptions.recompute`` may ask for every layer that may be
-        recomputed, or none."""
+        """Layers [start, end): their fastest plans if they fit ``budget`` together; else trimmed
+        to fit (:meth:`_sharded`); else with layers recomputed in the backward
+        (:meth:`_recomputed`), or the leaner of the two where neither fits. Recomputation comes
+        after sharding because the search's trimming estimate runs high where its estimate of
+        recomputation does not, so that the faster of the two is not decided on unequal
+        estimates (the search also runs without recomputation, and the exact plans settle
+        close calls: ``_trimmed_rival`` in the package). The table's ``policy`` (default
+        ``PlannerOptions.recompute``) may ask for every layer that may be recomputed, or none."""
         key = (start, end, budget)
         if key not in self.plans:
             self.plans[key] = self._plan(start, end, budget)
@@ -255,19 +260,17 @@ class RangeTable:
         seconds, memory = self._range(FAST, start, end)
         fastest = RangePlan(seconds + self.joins[end - 1] - self.joins[start], memory - self.counted_apart(start, end))
         fits = budget is None or fastest.memory <= budget
-        policy = self.costs.options.recompute
+        policy = self.policy
         if policy == RecomputePolicy.ALL:
             return self._recomputed(start, end, budget, every=True) or (
                 fastest if fits else self._sharded(start, end, budget))
         if fits:
             return fastest
-        ways = [self._sharded(start, end, budget)]
-        if policy == RecomputePolicy.AUTO:
-            ways += [way for way in (self._recomputed(start, end, budget),) if way]
-        fitting = [way for way in ways if way.memory <= budget]
-        if fitting:
-            return min(fitting, key=lambda way: way.seconds)
-        return min(ways, key=lambda way: way.memory)
+        sharded = self._sharded(start, end, budget)
+        recomputed = self._recomputed(start, end, budget) if policy == RecomputePolicy.AUTO else None
+        if sharded.memory <= budget or recomputed is None:
+            return sharded
+        return recomputed if recomputed.memory <= budget or recomputed.memory < sharded.memory else sharded
 
     def _sharded(self, start: int, end: int, budget: float) -> RangePlan:
         """The layers' fastest plans trimmed to fit ``budget`` together, else their

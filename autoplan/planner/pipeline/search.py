@@ -16,6 +16,7 @@ from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOpti
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
     link_between_stages, tied_layers)
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
+from autoplan.planner.recompute import RecomputePolicy
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
@@ -49,47 +50,55 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
         if mesh not in costs:
             costs[mesh] = layer_costs(options, mesh, microbatches, in_flight)
     reads = layer_inputs(graph, layers, options.optimizer.mixed_precision)
-    tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads) for mesh in meshes}
     link = link_between_stages(options, submesh)
     boundary = cut_bytes(graph, layers, options.optimizer.mixed_precision)
     budget = options.memory_budget
     tied = tied_layers(graph, layers)
-
-    def stage_cost(start: int, end: int, allowed: list[tuple[int, ...]]) -> StageCost:
-        send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
-        best, best_rank = None, None
-        for mesh in allowed:
-            seconds, memory = tables[mesh].cost(start, end, budget)
-            fits = budget is None or memory <= budget
-            rank = (not fits, seconds if fits else memory)  # the fastest that fits, else the leanest
-            if best_rank is None or rank < best_rank:
-                best, best_rank = StageCost(seconds / microbatches + send, memory, logical_mesh=mesh), rank
-        assert best is not None
-        return best
-
     nodes, per_node = cluster_shape(options)
     problem = InterOpProblem(len(layers), nodes, per_node, microbatches, budget, pinned_stages=stages,
                              submeshes=(submesh,))
-    found = []
-    for tied_mesh in ((tied_meshes or meshes) if tied and len(meshes) > 1 else [None]):
-        def cost_fn(start: int, end: int, candidate: SubMesh, tied_mesh: tuple[int, ...] | None = tied_mesh
-                    ) -> StageCost:
-            if candidate != submesh:
-                return StageCost(0.0, 0.0, feasible=False)
-            holds_tied = tied_mesh is not None and any(start <= i < end for i in tied)
-            return stage_cost(start, end, [tied_mesh] if holds_tied else meshes)
+    found: list[PipelineCandidate] = []
+    # with recomputation chosen under memory, the DP also runs without it: its estimates of
+    # trimmed ranges run high where those of recomputed ranges do not (see _trimmed_rival)
+    policies = [RecomputePolicy.NONE, RecomputePolicy.AUTO] if options.recompute == RecomputePolicy.AUTO \
+        else [options.recompute]
+    for policy in policies:
+        tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads, policy) for mesh in meshes}
 
-        try:
-            solution = solve_inter_op(problem, cost_fn)
-        except InterOpInfeasibleError:
-            continue
-        latencies = [s.cost.latency_s for s in solution.stages]
-        recomputed = frozenset().union(*(tables[s.cost.logical_mesh].plan(s.start, s.end, budget).recomputed
-                                         for s in solution.stages))
-        found.append(PipelineCandidate(microbatches, submesh, [s.cost.logical_mesh for s in solution.stages],
-                                [(s.start, s.end) for s in solution.stages],
-                                pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
-                                graph, layers, schedule, costs, boundaries, recomputed, tied_mesh=tied_mesh))
+        def stage_cost(start: int, end: int, allowed: list[tuple[int, ...]],
+                       tables: dict[tuple[int, ...], RangeTable] = tables) -> StageCost:
+            send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
+            best, best_rank = None, None
+            for mesh in allowed:
+                seconds, memory = tables[mesh].cost(start, end, budget)
+                fits = budget is None or memory <= budget
+                rank = (not fits, seconds if fits else memory)  # the fastest that fits, else the leanest
+                if best_rank is None or rank < best_rank:
+                    best, best_rank = StageCost(seconds / microbatches + send, memory, logical_mesh=mesh), rank
+            assert best is not None
+            return best
+
+        for tied_mesh in ((tied_meshes or meshes) if tied and len(meshes) > 1 else [None]):
+            def cost_fn(start: int, end: int, candidate: SubMesh, tied_mesh: tuple[int, ...] | None = tied_mesh,
+                        stage_cost=stage_cost) -> StageCost:
+                if candidate != submesh:
+                    return StageCost(0.0, 0.0, feasible=False)
+                holds_tied = tied_mesh is not None and any(start <= i < end for i in tied)
+                return stage_cost(start, end, [tied_mesh] if holds_tied else meshes)
+
+            try:
+                solution = solve_inter_op(problem, cost_fn)
+            except InterOpInfeasibleError:
+                continue
+            latencies = [s.cost.latency_s for s in solution.stages]
+            recomputed = frozenset().union(*(tables[s.cost.logical_mesh].plan(s.start, s.end, budget).recomputed
+                                             for s in solution.stages))
+            cuts, stage_meshes_ = [(s.start, s.end) for s in solution.stages], [s.cost.logical_mesh for s in solution.stages]
+            if any(c.cuts == cuts and c.meshes == stage_meshes_ and c.recomputed == recomputed for c in found):
+                continue  # the run without recomputation found it too
+            found.append(PipelineCandidate(microbatches, submesh, stage_meshes_, cuts,
+                                    pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
+                                    graph, layers, schedule, costs, boundaries, recomputed, tied_mesh=tied_mesh))
     return found
 
 
@@ -308,7 +317,9 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
                                tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
         if again:
             candidates[i] = again[0]
-    return sorted(candidates, key=lambda c: c.step_time_s)
+    unique = {(c.microbatches, c.submesh, tuple(c.meshes), tuple(c.cuts), c.recomputed, c.schedule, c.tied_mesh): c
+              for c in sorted(candidates, key=lambda c: c.step_time_s, reverse=True)}  # the fastest of equals kept
+    return sorted(unique.values(), key=lambda c: c.step_time_s)
 
 
 def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> dict[tuple[str, str], float]:
