@@ -48,7 +48,8 @@ logical mesh.
 Gradient accumulation. One stage on all the devices with ``B > 1`` microbatches (the
 microbatches run one after the other, one microbatch's activations alive) is searched only
 where no one-stage plan of the whole batch fits without recomputing layers: it computes as much
-and communicates at least as much, so it never beats the plain whole batch (recomputation it may) (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
+and communicates at least as much, so it never beats the plain whole batch (recomputation it
+may) (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
 
 Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
@@ -151,13 +152,16 @@ def _trimmed_rival(candidates: list[PipelineCandidate], close: list[PipelineCand
     if not close or not all(c.recomputed for c in close):
         return []
     plain = next((c for c in candidates if not c.recomputed), None)
-    if plain is None or any(plain is c for c in close) or plain.step_time_s > close[0].step_time_s * (1 + TRIMMED_MARGIN):
+    if plain is None or any(plain is c for c in close):
+        return []
+    if plain.step_time_s > close[0].step_time_s * (1 + TRIMMED_MARGIN):
         return []
     return [plain]
 
 
 def _first_planned(spec: ModelSpec, candidates: list[PipelineCandidate], graphs: BatchSizeGraphs, batch: int,
-                   options: PlannerOptions, popts: PipelineOptions, schedule: str) -> list[tuple[Plan, PipelineCandidate]]:
+                   options: PlannerOptions, popts: PipelineOptions, schedule: str
+                   ) -> list[tuple[Plan, PipelineCandidate]]:
     """The first of ``candidates`` whose exact plan exists, with it (none: empty)."""
     for found in candidates:
         candidate = on_traced_graph(found, graphs, batch, options, popts)

@@ -196,7 +196,8 @@ class RangeTable:
     (:meth:`counted_apart`); user inputs, which may be sharded, are left counted as they are."""
 
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: LayerCosts, boundaries: bool,
-                 reads: list[dict[str, tuple[int, float]]] | None = None, policy: RecomputePolicy | None = None) -> None:
+                 reads: list[dict[str, tuple[int, float]]] | None = None,
+                 policy: RecomputePolicy | None = None) -> None:
         self.graph, self.layers, self.costs = graph, layers, costs
         self.policy = policy or costs.options.recompute  # which layers may be recomputed
         self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision) if reads is None else reads

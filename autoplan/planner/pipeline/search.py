@@ -93,12 +93,13 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             latencies = [s.cost.latency_s for s in solution.stages]
             recomputed = frozenset().union(*(tables[s.cost.logical_mesh].plan(s.start, s.end, budget).recomputed
                                              for s in solution.stages))
-            cuts, stage_meshes_ = [(s.start, s.end) for s in solution.stages], [s.cost.logical_mesh for s in solution.stages]
-            if any(c.cuts == cuts and c.meshes == stage_meshes_ and c.recomputed == recomputed for c in found):
+            cuts = [(s.start, s.end) for s in solution.stages]
+            logical = [s.cost.logical_mesh for s in solution.stages]
+            if any(c.cuts == cuts and c.meshes == logical and c.recomputed == recomputed for c in found):
                 continue  # the run without recomputation found it too
-            found.append(PipelineCandidate(microbatches, submesh, stage_meshes_, cuts,
-                                    pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule),
-                                    graph, layers, schedule, costs, boundaries, recomputed, tied_mesh=tied_mesh))
+            step = pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule)
+            found.append(PipelineCandidate(microbatches, submesh, logical, cuts, step, graph, layers, schedule, costs,
+                                           boundaries, recomputed, tied_mesh=tied_mesh))
     return found
 
 
