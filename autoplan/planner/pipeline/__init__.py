@@ -31,9 +31,9 @@ costed recomputed (:func:`~autoplan.planner.mesh_plan.recompute_change`: one for
 redistributions again, only what it hands on kept; no second ILP), and layers are recomputed one
 by one, the one freeing the most bytes per second it adds first, until the range fits; this
 where trimming alone does not fit (see :meth:`RangeTable.plan` for why it comes second). Where
-recomputing every layer is not enough, the
-layers are trimmed as well, counting on only a share ``1/n`` of the bytes recomputing frees
-(``n`` the mesh's size: a trimmed plan keeps fewer activations). The stage's exact ILP then
+recomputing every layer is not enough, the layers are trimmed as well, counting on only a
+share ``1/n`` of the bytes recomputing frees (``n`` the mesh's size: a trimmed plan keeps fewer
+activations). The stage's exact ILP then
 costs exactly those layers recomputed, and the program checkpoints them. A layer that writes
 into a tensor (BatchNorm's running statistics) is never recomputed.
 
