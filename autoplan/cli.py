@@ -78,7 +78,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--layers", type=int, default=None, help="cut the model into this many layers")
     pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
-                      help="also cost this hand-written plan and show it beside the found one (repeatable)")
+                      help="also cost this hand-written plan and show it beside the found one (repeatable); "
+                           "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, ac=full|none")
     parser.add_argument("--report", action="store_true",
                         help="also write report.html (self-contained) and report.md with plots into --out; "
                              "with --run, the measured step times and losses too")

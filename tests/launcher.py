@@ -32,3 +32,24 @@ def on_every_rank(per_rank: list[dict], name: str) -> list[dict]:
     for r, res in enumerate(per_rank):
         assert "error" not in res, f"{name} failed on rank {r}: {res['error']}\n{res.get('traceback', '')}"
     return per_rank
+
+
+def write_check_cases(out_dir: Path, plans: dict, files: dict[str, str] | None = None) -> None:
+    """``out_dir/cases.json`` for ``check_worker.py``: ``plans`` maps a case name to ``(builder,
+    plan)``; a builder is looked up in ``files[builder]`` (a file under tests/; zoo.py if not
+    given). Each plan is written beside it."""
+    cases = []
+    for name, (builder, plan) in plans.items():
+        path = out_dir / f"{name}.json"
+        path.write_text(plan.to_json())
+        file = (files or {}).get(builder, "zoo.py")
+        cases.append({"name": name, "file": str(ROOT / "tests" / file), "builder": builder, "plan": str(path)})
+    (out_dir / "cases.json").write_text(json.dumps(cases))
+
+
+def assert_checks_passed(results: dict[int, dict], names) -> None:
+    """Every case of ``names`` passed ``--check`` on every rank."""
+    for rank, found in results.items():
+        for name in names:
+            assert "error" not in found[name], f"{name}, rank {rank}: {found[name].get('traceback')}"
+            assert found[name]["ok"], f"{name}, rank {rank}:\n{found[name]['text']}"

@@ -6,7 +6,6 @@ cannot meet makes the search recompute layers; the programs (1-D, 2x2, pipelined
 
 from __future__ import annotations
 
-import json
 import sys
 
 import pytest
@@ -20,7 +19,7 @@ from autoplan.plan_schema import Plan, RecomputedLayer
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.options import PlanOptions
 from autoplan.reports.summary import summary_text
-from launcher import ROOT, launch_worker
+from launcher import ROOT, assert_checks_passed, launch_worker, write_check_cases
 
 sys.path.insert(0, str(ROOT / "tests"))
 from zoo import ALL_CASES  # noqa: E402
@@ -107,22 +106,6 @@ def test_search_recomputes_where_sharding_alone_does_not_fit(chosen: tuple[Plan,
     assert "activation checkpointing: " in summary_text(plan)
 
 
-def _write_cases(tmp_path, plans: dict[str, tuple[str, Plan]]) -> None:
-    cases = []
-    for name, (model, plan) in plans.items():
-        path = tmp_path / f"{name}.json"
-        path.write_text(plan.to_json())
-        cases.append({"name": name, "file": str(ROOT / "tests" / "zoo.py"), "builder": model, "plan": str(path)})
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-
-
-def _assert_passed(results: dict, names) -> None:
-    for rank, found in results.items():
-        for name in names:
-            assert "error" not in found[name], f"{name}, rank {rank}: {found[name].get('traceback')}"
-            assert found[name]["ok"], f"{name}, rank {rank}:\n{found[name]['text']}"
-
-
 def test_recomputing_programs_pass_check_on_2_processes(chosen: tuple[Plan, float], tmp_path) -> None:
     plans = {
         "llama chosen": ("llama", chosen[0]),
@@ -131,8 +114,8 @@ def test_recomputing_programs_pass_check_on_2_processes(chosen: tuple[Plan, floa
         "llama 2 stages": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=2, recompute=True))),
     }
     assert all(plan.recompute for _, plan in plans.values())
-    _write_cases(tmp_path, plans)
-    _assert_passed(launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=600), plans)
+    write_check_cases(tmp_path, plans)
+    assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=600), plans)
 
 
 def test_recomputing_programs_pass_check_on_4_processes(tmp_path) -> None:
@@ -144,5 +127,5 @@ def test_recomputing_programs_pass_check_on_4_processes(tmp_path) -> None:
         "llama 2 stages x 2": ("llama", plan_model(_spec("llama"), PlanOptions(4, "cpu", stages=2, mesh=(2,),
                                                                                 recompute=True))),
     }
-    _write_cases(tmp_path, plans)
-    _assert_passed(launch_worker(ROOT / "tests" / "check_worker.py", 4, tmp_path, timeout=600), plans)
+    write_check_cases(tmp_path, plans)
+    assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", 4, tmp_path, timeout=600), plans)

@@ -44,11 +44,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
+from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
     to_dtensor_placements, unmask_partial)
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import NodePlan, Plan
 from autoplan.trace.graph import NodeKind, TracedGraph
+from autoplan.trace.saved_inputs import regathers_for
 
 # Ops with no DTensor rule that only check metadata: skipped.
 SKIPPED_OPS = {
@@ -121,6 +123,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", spec_text(before.placements), spec_text(after.placements)))
+                if a.name in self.program.placeholder_fqn and regathers_for(n):
+                    self.program.gathered.remember(after, before, specs)
             if pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos] \
                     and a.name not in self.program.deferred_gradients:
                 after = reduce_gradient_on_edge(before, after)
@@ -193,6 +197,8 @@ class ShardedProgram(torch.nn.Module):
         # after the backward instead of on their edges, and those buckets
         self.deferred_gradients: set[str] = set()
         self.gradient_buckets: BucketedReduction | None = None
+        # parameters redistributed for a consumer: re-gathered in the backward, not kept
+        self.gathered = GatheredParameters()
         self._interpreter = _PlanInterpreter(self)
 
     @staticmethod
@@ -258,7 +264,7 @@ class ShardedProgram(torch.nn.Module):
                 values[node.name] = self._constants[node.name]
             else:
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
-        with dispatch_settings():
+        with dispatch_settings(), self.gathered.hooks():
             out = self._interpreter.run_with(values)
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         # The plan materialises the loss replicated (its "-> output" collective); the model's

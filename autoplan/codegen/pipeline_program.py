@@ -74,6 +74,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_ten
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
+from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
 from autoplan.codegen.redistribution import redistribute, to_dtensor_placements
@@ -81,6 +82,7 @@ from autoplan.errors import AutoplanError
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import NodeKind, TracedGraph
+from autoplan.trace.saved_inputs import regathers_for
 
 __all__ = [
     "PipelineProgram",
@@ -126,6 +128,8 @@ class _StageModule(torch.nn.Module):
             else:
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
         self.redistributions: list[tuple[str, str, str]] = []
+        # parameters redistributed for a consumer: re-gathered in the backward, not kept
+        self.gathered = GatheredParameters()
 
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_nodes):
@@ -138,7 +142,7 @@ class _StageModule(torch.nn.Module):
         for node, attr in self._locals.items():
             env[node] = getattr(self, attr)
         env.update(self._constants)
-        with dispatch_settings():
+        with dispatch_settings(), self.gathered.hooks():
             for n in self.nodes:
                 env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
         outs = []
@@ -175,6 +179,8 @@ class _StageModule(torch.nn.Module):
                                     f"{len(tensor_inputs)}: the plan is not for this graph")
             for a, specs in zip(tensor_inputs, node_plan.inputs):
                 arrived[a] = redistribute(env[a], specs, self.mesh)
+                if a in self._locals and regathers_for(n):
+                    self.gathered.remember(arrived[a], env[a], specs)
         args = torch.fx.node.map_arg(n.args, lambda a: arrived[a] if a in arrived else env[a])
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived[a] if a in arrived else env[a])
         if node_plan is not None and n.target is not operator.getitem:

@@ -12,6 +12,15 @@ A training step is forward + backward + optimizer step. Per node and strategy:
 - memory per device: parameters, gradients and optimizer state of the local shard, and the
   activations the forward keeps for the backward.
 
+Parameters gathered at use (ZeRO-3 / FSDP). A parameter stored sharded over a mesh axis whose
+consumer reads it replicated there is gathered before each use in the forward; where the
+consumer keeps it for its backward (:func:`autoplan.trace.saved_inputs.keeps_value`), the
+program keeps the stored shard instead and gathers it again in the backward (FSDP2's
+``reshard_after_forward``), and the backward's resharding reduce-scatters its gradient. Memory
+counts the stored shard (parameter, gradient, optimizer state) only: one gathered parameter is
+alive at a time, transiently, and is not counted. The gathers run when the consumer needs them
+(no prefetch): nothing overlaps with compute, as in every other collective here.
+
 Activation checkpointing. A recomputed node (in a layer the plan recomputes,
 ``recompute_regions``) runs its forward once more in the backward, and so does every
 resharding on its inputs (the recomputed forward redistributes again). It keeps its output
@@ -41,6 +50,7 @@ from autoplan.cost_models import (BACKWARD_FACTOR, CollectiveStep, DeviceSpec, L
 from autoplan.sharding import P, R, ShardingSpec, local_shape
 from autoplan.strategies.candidates import Strategy
 from autoplan.trace.graph import NodeInfo
+from autoplan.trace.saved_inputs import ALIASING_OPS
 
 FLOATING_DTYPES = frozenset({"float32", "float16", "bfloat16", "float64", "float8_e4m3fn", "float8_e5m2"})
 
@@ -162,16 +172,6 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
     return NodeCost(memory=MemoryParts(activations=elements * itemsize * ctx.activations_in_flight))
 
 
-#: ATen ops whose output is a view of their input: they move no memory, only dispatch costs.
-#: (``reshape``/``flatten`` copy when the strides do not allow a view; export's training IR
-#: records an explicit ``clone``/``contiguous`` where a copy is needed.)
-ALIASING_OPS = frozenset((
-    "view", "_unsafe_view", "reshape", "flatten", "unflatten", "expand", "expand_as", "view_as", "transpose",
-    "permute", "t", "unsqueeze", "squeeze", "alias", "detach", "slice", "select", "split", "split_with_sizes",
-    "chunk", "unbind",
-))
-
-
 def moved_bytes(info: NodeInfo) -> float:
     """Bytes an op node reads and writes: the traced count, or none for a view."""
     parts = info.target.split(".")
@@ -253,25 +253,36 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
     return total
 
 
+def regather_runs(from_parameter: bool, recomputed: bool, kept: bool) -> int:
+    """How many times more than once per microbatch an edge's forward resharding runs: again
+    in the backward where the consumer is recomputed, or where a parameter resharded for its
+    consumer is kept for the backward (the program keeps the stored parameter and gathers it
+    again, as FSDP's ``reshard_after_forward`` does:
+    :mod:`autoplan.codegen.parameter_regather`)."""
+    return 1 if recomputed or (from_parameter and kept) else 0
+
+
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
-              whole_axes: frozenset[int] = frozenset(), recomputed: bool = False) -> float:
+              whole_axes: frozenset[int] = frozenset(), recomputed: bool = False, kept: bool = False) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
     microbatch (twice where the consumer is ``recomputed``); the backward every microbatch,
     except for the gradient of a parameter read as it is stored, which is reduced once per
     step (bucketed, no latency per parameter). A parameter read in another placement is
-    resharded every microbatch, and its gradient goes back through that resharding each time."""
+    resharded every microbatch, and its gradient goes back through that resharding each time;
+    where its consumer ``kept`` it for the backward, the backward gathers it again
+    (:func:`regather_runs`)."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes,
-           ctx.parameter_edges if from_parameter else -1, recomputed)
+           ctx.parameter_edges if from_parameter else -1, recomputed, kept)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)
         if from_parameter and src == dst:
             cached = steps_seconds(backward, ctx, bucketed=True)
         else:
-            runs = 2.0 if recomputed else 1.0
+            runs = 1.0 + regather_runs(from_parameter, recomputed, kept)
             cached = (runs * steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
         ctx.cache[key] = cached
     return cached

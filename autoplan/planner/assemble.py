@@ -7,9 +7,9 @@ import math
 
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, backward_reduction_steps, edge_steps,
-    model_flops_utilization, steps_seconds, value_itemsize)
+    model_flops_utilization, regather_runs, steps_seconds, value_itemsize)
 from autoplan.plan_schema import MemoryEstimate, NodePlan, PlannedCollective, Prediction, SolverStats, StagePlan
-from autoplan.planner.mesh_plan import IntraOpResult, with_parameter_edges
+from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
 from autoplan.sharding import spec_to_json
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import NodeClasses
@@ -36,6 +36,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     seconds they take."""
     bucket: dict[tuple, PlannedCollective] = {}
     seconds = 0.0
+    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     for name, strategy in result.chosen.items():
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
         if result.needs_grad.get(name):
@@ -59,11 +60,14 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             seconds += steps_seconds(forward, ctx) * ctx.microbatches
             for step in forward:
                 _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, where, moved, times=ctx.microbatches)
-            if ctx.region_of(name) is not None:  # the recomputed forward redistributes again in the backward
+            recomputed = ctx.region_of(name) is not None
+            kept = moved == "parameter" and forward and result.needs_grad[inp] and \
+                parameter_kept(fx_nodes, result.needs_grad, name, inp, ctx)
+            if regather_runs(moved == "parameter", recomputed, kept):  # the forward's resharding again
                 seconds += steps_seconds(forward, ctx) * ctx.microbatches
                 for step in forward:
-                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, f"{where} (recomputed)", moved,
-                         times=ctx.microbatches)
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes,
+                         f"{where} ({'recomputed' if recomputed else 're-gathered'})", moved, times=ctx.microbatches)
             if moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
                 seconds += steps_seconds(backward, ctx, bucketed=True)      # step, in buckets
                 for step in backward:

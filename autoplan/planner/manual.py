@@ -1,9 +1,13 @@
 """Hand-written plans, costed under the same model as the found one (``--manual``).
 
-``dp=2,tp=4,pp=2,microbatches=64[,schedule=1f1b]`` is a Megatron-LM style plan: ``pp`` stages
-of equal layer counts, each on a ``dp × tp`` mesh; over the ``dp`` axis every parameter is
-replicated and the batch sharded (data parallelism); over the ``tp`` axis every weight matrix
-is sharded and used in place, as a column or a row of a Megatron pair (:func:`manual_rule`).
+``dp=2,fsdp=4,tp=4,pp=2,microbatches=64[,schedule=1f1b]`` is a Megatron-LM / torchtitan style
+plan: ``pp`` stages of equal layer counts, each on a ``dp × fsdp × tp`` mesh (axes of degree 1
+left out); over the ``dp`` axis every parameter is replicated and the batch sharded (data
+parallelism); over the ``fsdp`` axis the batch is sharded too and every parameter stored
+sharded, gathered at use (FSDP / ZeRO-3; ``dp`` and ``fsdp`` together, HSDP, are refused: a plan
+shards a dim over one mesh axis at most, and the batch would need two); over the
+``tp`` axis every weight matrix is sharded and used in place, as a column or a row of a
+Megatron pair (:func:`manual_rule`).
 Within those rules the intra-op ILP picks the rest. The result is recorded as an alternative
 with its predicted figures, or why it is infeasible.
 """
@@ -17,7 +21,7 @@ from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Alternative, Plan
+from autoplan.plan_schema import PRECISIONS, Alternative, Plan
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.recompute import RecomputePolicy, recomputable
@@ -35,31 +39,53 @@ from autoplan.trace.graph import NodeInfo, TracedGraph
 from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 
-_KEYS = ("dp", "tp", "pp", "microbatches", "schedule", "ac")
+_KEYS = ("dp", "fsdp", "tp", "pp", "microbatches", "schedule", "ac", "precision")
 _CHECKPOINTING = ("full", "none")  # ac=: every layer recomputed in the backward, or none
 
 
 @dataclass(frozen=True, kw_only=True)
 class ManualPlan:
-    """A Megatron-LM style plan as ``--manual`` writes it: degrees of data, tensor and
-    pipeline parallelism, microbatches, the schedule and activation checkpointing (``ac``)."""
+    """A Megatron-LM style plan as ``--manual`` writes it: degrees of data (replicated and
+    sharded), tensor and pipeline parallelism, microbatches, the schedule and activation
+    checkpointing (``ac``)."""
 
     schedule: str = "1f1b"
     dp: int = 1
+    fsdp: int = 1
     tp: int = 1
     pp: int = 1
     microbatches: int = 1
     ac: str = "none"
+    precision: str | None = None  # fp32 or bf16; None: the run's own
+
+    def options(self, options: PlannerOptions) -> PlannerOptions:
+        """``options`` with this plan's precision, where it names one."""
+        if self.precision is None:
+            return options
+        return replace(options, optimizer=replace(options.optimizer, mixed_precision=self.precision != "fp32"))
 
     @property
     def label(self) -> str:
         checkpointing = f",ac={self.ac}" if self.ac != "none" else ""
-        return f"manual dp={self.dp},tp={self.tp},pp={self.pp},microbatches={self.microbatches}{checkpointing}"
+        sharded = f",fsdp={self.fsdp}" if self.fsdp > 1 else ""
+        precision = f",precision={self.precision}" if self.precision else ""
+        return (f"manual dp={self.dp}{sharded},tp={self.tp},pp={self.pp},microbatches={self.microbatches}"
+                f"{checkpointing}{precision}")
+
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        """The logical mesh of each stage: the degrees above 1 of ``(dp, fsdp, tp)``."""
+        return tuple(x for x in (self.dp, self.fsdp, self.tp) if x > 1) or (1,)
+
+    def axis(self, degree: str) -> int | None:
+        """The mesh axis of ``"dp"``, ``"fsdp"`` or ``"tp"`` (None where its degree is 1)."""
+        present = [name for name in ("dp", "fsdp", "tp") if getattr(self, name) > 1]
+        return present.index(degree) if degree in present else None
 
 
 def parse_manual(text: str) -> ManualPlan:
-    """``dp=2,tp=4,pp=2,microbatches=64,ac=full`` (any subset; the rest default to 1, 1f1b,
-    no checkpointing)."""
+    """``dp=2,fsdp=2,tp=4,pp=2,microbatches=64,ac=full,precision=bf16`` (any subset; the rest
+    default to 1, 1f1b, no checkpointing and the run's precision)."""
     values: dict[str, object] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         m = re.fullmatch(r"(\w+)\s*=\s*(\w+)", item)
@@ -68,6 +94,10 @@ def parse_manual(text: str) -> ManualPlan:
         key, value = m.group(1), m.group(2)
         if key == "schedule":
             values[key] = normalize_schedule(value)
+        elif key == "precision":
+            if value.lower() not in PRECISIONS:
+                raise AutoplanError(f"--manual precision={value}: use one of {', '.join(PRECISIONS)}")
+            values[key] = value.lower()
         elif key == "ac":
             if value.lower() not in _CHECKPOINTING:
                 raise AutoplanError(f"--manual ac={value}: use ac=full (every layer recomputed) or ac=none"
@@ -105,10 +135,15 @@ def _tensor_parallel_weights(graph: TracedGraph, tp: int) -> frozenset[str]:
 def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     """What the labels of a manual plan promise, as a rule on placements (None: no rule).
 
-    Data parallelism over the ``dp`` axis (axis 0 when ``dp > 1``): parameters are replicated
-    there, and user inputs and every value that carries the batch are ``S(0)``, so each device
-    computes ``1/dp`` of the batch and the gradients are all-reduced (without the rule the ILP
-    keeps a small model replicated and calls it data parallel).
+    Data parallelism over the ``dp`` axis: parameters are replicated there, and user inputs
+    and every value that carries the batch are ``S(0)``, so each device computes ``1/dp`` of
+    the batch and the gradients are all-reduced (without the rule the ILP keeps a small model
+    replicated and calls it data parallel).
+
+    Sharded data parallelism over the ``fsdp`` axis: the batch as over ``dp``, and every
+    parameter that ``fsdp`` divides along some dim is stored sharded there; its consumers,
+    which compute on a slice of the batch, gather it before use and reduce-scatter its
+    gradient (FSDP / ZeRO-3).
 
     Megatron tensor parallelism over the ``tp`` axis: every weight matrix that ``tp`` divides
     is stored sharded, and every op that reads one computes with its shard in place: its output
@@ -118,19 +153,26 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     are columns and which rows is the ILP's choice; a column feeding a row needs no collective
     between them, so pairs come out as Megatron's, with one all-reduce per pair in the forward
     (after the row) and one in the backward (the gradient of the column's input)."""
-    dp_axis = 0 if manual.dp > 1 else None
-    tp_axis = (1 if manual.dp > 1 else 0) if manual.tp > 1 else None
-    if dp_axis is None and tp_axis is None:
+    dp_axis, fsdp_axis, tp_axis = manual.axis("dp"), manual.axis("fsdp"), manual.axis("tp")
+    if dp_axis is None and fsdp_axis is None and tp_axis is None:
         return None
-    batched = _batched_values(graph) if dp_axis is not None else frozenset()
+    batch_axes = [axis for axis in (dp_axis, fsdp_axis) if axis is not None]
+    batched = _batched_values(graph) if batch_axes else frozenset()
     sharded_weights = _tensor_parallel_weights(graph, manual.tp) if tp_axis is not None else frozenset()
 
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
-        if dp_axis is not None:
-            if info.kind in ("parameter", "buffer", "constant") and not spec[dp_axis].is_replicate:
+        carries_batch = (info.kind == "input" and info.shape) or info.name in batched
+        for axis in batch_axes:
+            if carries_batch and not (spec[axis].is_shard and spec[axis].dim == 0):
                 return False
-            carries_batch = (info.kind == "input" and info.shape) or info.name in batched
-            if carries_batch and not (spec[dp_axis].is_shard and spec[dp_axis].dim == 0):
+        if dp_axis is not None and info.kind in ("parameter", "buffer", "constant") \
+                and not spec[dp_axis].is_replicate:
+            return False
+        if fsdp_axis is not None:
+            if info.kind in ("buffer", "constant") and not spec[fsdp_axis].is_replicate:
+                return False
+            divisible = info.kind == "parameter" and any(d % manual.fsdp == 0 for d in info.shape or ())
+            if divisible and not spec[fsdp_axis].is_shard:
                 return False
         if tp_axis is not None:
             if info.kind == "parameter" and info.fqn in sharded_weights and not spec[tp_axis].is_shard:
@@ -153,12 +195,15 @@ def manual_layer_count(spec: ModelSpec) -> int:
 
 def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Plan:
     """The manual plan as a runnable :class:`Plan` (raises a one-line error if it cannot be)."""
-    size = manual.dp * manual.tp
+    size = manual.dp * manual.fsdp * manual.tp
+    if manual.dp > 1 and manual.fsdp > 1:
+        raise AutoplanError("--manual dp= with fsdp= (HSDP) shards the batch over two mesh axes, which a plan "
+                            "cannot express yet: use dp= or fsdp= alone")
     if size * manual.pp != options.devices:
-        raise AutoplanError(f"dp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
-    mesh = tuple(x for x in (manual.dp, manual.tp) if x > 1) or (1,)
+        raise AutoplanError(f"dp·fsdp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
+    mesh = manual.mesh
     graph = trace_microbatch(spec, manual.microbatches)
-    opts = replace(options, mesh=mesh, allow_storage=manual_rule(graph, manual))
+    opts = replace(manual.options(options), mesh=mesh, allow_storage=manual_rule(graph, manual))
     layers = make_layers(graph, find_classes(graph), None)
     if manual.pp > len(layers):
         raise AutoplanError(f"{manual.pp} stages but the model has {len(layers)} layers")
@@ -178,8 +223,8 @@ def cost_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     try:
         plan = plan_manual(spec, replace(options, canonical=False), manual)
     except (AutoplanError, MemoryInfeasibleError) as e:
-        return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], None, f"infeasible: {e}")
-    return Alternative(manual.label, [manual.pp, manual.dp, manual.tp], plan.predicted)
+        return Alternative(manual.label, [manual.pp, manual.dp * manual.fsdp, manual.tp], None, f"infeasible: {e}")
+    return Alternative(manual.label, [manual.pp, manual.dp * manual.fsdp, manual.tp], plan.predicted)
 
 
 def manual_pipeline_options(manual: ManualPlan) -> PipelineOptions:

@@ -8,8 +8,10 @@ To keep the ILP small, nodes share decision variables in three ways before it is
 2. *followers*: a node with a single tensor input (element-wise, view, ``getitem``) whose
    strategies can take each of its producer's outputs without resharding follows the
    producer — the producer's choice fixes its strategy;
-3. *storage*: a parameter or input read by one consumer is stored in the spec that consumer
-   asks for.
+3. *storage*: an input (or a frozen parameter or buffer) read by one consumer is stored in the
+   spec that consumer asks for. A trained parameter keeps its own decision: stored as its
+   consumer reads it, or sharded over an axis where the consumer reads it whole and gathered
+   at use (ZeRO-3 / FSDP), which only a memory budget makes worth its gathers.
 
 Each ILP *group* is then a root class plus the classes that follow it, with a map from the
 group's choice to each member class's strategy. The ILP (see :mod:`autoplan.solvers.intra_op`)
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import operator
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,6 +37,7 @@ from autoplan.strategies.candidates import (Strategy, enumerate_strategies, repl
 from autoplan.strategies.index_maps import index_map_for, op_name
 from autoplan.trace.graph import NodeInfo, NodeKind, TracedGraph
 from autoplan.trace.repeated import NodeClasses, split_classes
+from autoplan.trace.saved_inputs import keeps_value, regathers_for
 
 # ops whose output the backward does not need saved: views, and copies of the same values
 VIEW_OPS = ALIASING_OPS | {"getitem", "contiguous"}
@@ -115,8 +118,10 @@ class _GraphView:
             info = graph.nodes.get(name)
             if info is None or info.kind == "output":
                 needs_grad[name] = False
-            elif info.kind in ("parameter", "activation"):
+            elif info.kind == "parameter":
                 needs_grad[name] = is_floating(info.dtype)
+            elif info.kind == "activation":
+                needs_grad[name] = is_floating(info.dtype) and info.carries_grad
             elif info.kind in ("buffer", "input", "constant"):
                 needs_grad[name] = False
             else:
@@ -219,6 +224,10 @@ def writes_first_input(node: fx.Node) -> bool:
     return alias is not None and alias.is_write
 
 
+def _trained_parameter(view: _GraphView, name: str) -> bool:
+    return view.graph.nodes[name].kind == "parameter" and view.needs_grad[name]
+
+
 def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies]) -> Grouping:
     n = classes.num_classes
     group_of = list(range(n))
@@ -278,9 +287,11 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
                     if s.input_specs[0] is not None and s.output_spec == s.input_specs[0]}
         attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec))
 
-    # storage read by a single consumer class takes the spec that consumer asks for
+    # storage read by a single consumer class takes the spec that consumer asks for; a trained
+    # parameter keeps its own choice: stored sharded where its consumer reads it whole, it is
+    # gathered at use (ZeRO-3 / FSDP), a choice the memory budget may need
     for cls in range(n):
-        if strat[cls].kind != "storage":
+        if strat[cls].kind != "storage" or _trained_parameter(view, classes.representative(cls)):
             continue
         consumers = {(classes.class_of[u], view.inputs[u].index(m)) for m in classes.members[cls]
                      for u in view.users[m]}
@@ -320,7 +331,9 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
         reads = tuple((s.input_specs[pos], s.partial_axes(pos), s.whole_grad_axes)
                       for s in (strat[v].strategies[j] for j in grouping.choice_map[v]))
         recomputed = ctx.region_of(classes.representative(v)) is not None
-        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter, recomputed)
+        kept = from_parameter and grad and parameter_kept(view.fx_nodes, view.needs_grad, classes.representative(v),
+                                                          src_info.name, ctx)
+        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter, recomputed, kept)
         if any(any(row) for row in matrix):
             edges.append(Edge(gu, gv, [[count * c for c in row] for row in matrix]))
     names = [classes.representative(root) for root in grouping.roots]
@@ -332,19 +345,29 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
 def _edge_matrix(src_specs: tuple[ShardingSpec, ...],
                  reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
                  shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool,
-                 recomputed: bool = False) -> list[list[float]]:
+                 recomputed: bool = False, kept: bool = False) -> list[list[float]]:
     """Seconds of one edge for every producer spec × consumer read (its spec, partial and
     whole gradient axes), memoised whole in ``ctx.cache``: the edges between ops of one kind
     repeat within a layer and across the layers planned on one mesh."""
     key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
-           ctx.parameter_edges if from_parameter else -1, recomputed)
+           ctx.parameter_edges if from_parameter else -1, recomputed, kept)
     matrix = ctx.cache.get(key)
     if matrix is None:
         matrix = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
-                                                     whole, recomputed)
+                                                     whole, recomputed, kept)
                    for dst, partial, whole in reads] for src in src_specs]
         ctx.cache[key] = matrix
     return matrix
+
+
+def parameter_kept(fx_nodes: Mapping[str, fx.Node], needs_grad: Mapping[str, bool], consumer: str, param: str,
+                   ctx: CostContext) -> bool:
+    """Whether ``consumer`` keeps its input ``param`` for the backward (then a gathered
+    parameter is gathered again there: :func:`regathers_for`), memoised in ``ctx.cache`` by op
+    and input geometry."""
+    node = fx_nodes[consumer]
+    return regathers_for(node) and keeps_value(node, fx_nodes[param], needs_grad,
+                                               ctx.cache.setdefault("saved inputs", {}))
 
 
 def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: _GraphView | None = None) -> CostContext:
@@ -432,6 +455,9 @@ def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext
             if dst is None or not produced or produced[0] == dst:
                 continue
             source_info = graph.nodes[source]
+            if source_info.kind == "parameter" and result.needs_grad[source] and \
+                    parameter_kept(fx_nodes, result.needs_grad, name, source, ctx):
+                continue  # gathered again in the backward already
             forward, _ = edge_steps(produced[0], dst, source_info.shape or (), value_itemsize(source_info, mixed),
                                     False, ctx)
             added += steps_seconds(forward, ctx) * ctx.microbatches

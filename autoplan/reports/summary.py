@@ -59,6 +59,17 @@ def _recompute_lines(plan: Plan) -> list[str]:
                 f"({layers_label([r.layer for r in plan.recompute])})"]
 
 
+def _gathered_lines(plan: Plan) -> list[str]:
+    """The parameters stored sharded and gathered at use (FSDP / ZeRO-3)."""
+    gathers = [c for c in plan.collectives if c.tensor == "parameter" and c.kind == "all_gather"]
+    if not gathers:
+        return []
+    again = sum(c.count for c in gathers if c.phase == "backward")
+    return ["", f"parameters gathered at use (FSDP / ZeRO-3): "
+                f"{sum(c.count for c in gathers if c.phase == 'forward')} gathers per step in the forward, "
+                f"{again} again in the backward"]
+
+
 def _prediction_line(p: Prediction) -> str:
     return (f"{format_seconds(p.step_time_s)} per step (compute {format_seconds(p.compute_s)}, "
             f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device, "
@@ -121,7 +132,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
                      f"{s.num_variables} variables, {s.num_constraints} constraints, {format_seconds(s.solve_time_s)}")
     if plan.timings_s:
         lines.append("planning time: " + planning_time_text(plan.timings_s))
-    lines += _pipeline_lines(plan) + _recompute_lines(plan)
+    lines += _pipeline_lines(plan) + _recompute_lines(plan) + _gathered_lines(plan)
     lines += ["", "parameters:"]
     lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.params.items()],
                                        ["parameter", "placement"])]

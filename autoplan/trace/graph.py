@@ -49,6 +49,9 @@ class NodeInfo:
     module_type: str
     params: tuple[str, ...]
     fqn: str | None = None
+    # an "activation" (a value from an earlier pipeline stage): whether the model's graph
+    # computes it from trained parameters, so that its gradient goes back to that stage
+    carries_grad: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", NodeKind(self.kind))  # a bad kind fails here, named

@@ -45,10 +45,25 @@ def loss_name(graph: TracedGraph) -> str | None:
     return first.name if isinstance(first, fx.Node) else None
 
 
+def _computed_from_parameters(graph: TracedGraph) -> set[str]:
+    """Op nodes whose value depends on a floating parameter (their gradient is computed)."""
+    found: set[str] = set()
+    for node in graph.graph_module.graph.nodes:
+        info = graph.nodes.get(node.name)
+        if info is None:
+            continue
+        if info.kind == "parameter" and "float" in info.dtype:
+            found.add(node.name)
+        elif info.kind in ("op", "activation") and any(i.name in found for i in node.all_input_nodes):
+            found.add(node.name)
+    return found
+
+
 def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
     """The run ``node_names`` (op nodes, graph order) as a :class:`TracedGraph`."""
     reads, produced = boundary_values(graph, node_names)
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    trained = _computed_from_parameters(graph)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     infos: dict[str, NodeInfo] = {}
@@ -59,7 +74,8 @@ def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
         env[old] = node
         info = graph.nodes[name]
         if info.kind == "op":
-            info = replace(info, kind="activation", target="placeholder", flops=0.0, params=())
+            info = replace(info, kind="activation", target="placeholder", flops=0.0, params=(),
+                           carries_grad=name in trained)
         infos[node.name] = info
     for name in node_names:
         old = fx_nodes[name]

@@ -1,0 +1,108 @@
+"""Parameters gathered for their use in the forward are gathered again in the backward, not kept.
+
+A plan may store a parameter sharded over a mesh axis and have its consumer read it replicated
+there: ZeRO-3 / FSDP on a data-parallel axis (or a weight stored sharded for a replicated op).
+The program gathers it before the consumer runs. Kept as autograd would keep it (the consumer's
+saved input), every gathered parameter would stay alive from its forward to its backward, and
+the sharded storage would save nothing at the peak. :class:`GatheredParameters` does what
+FSDP2's ``reshard_after_forward`` does: while the forward runs under :meth:`hooks`
+(``torch.autograd.graph.saved_tensors_hooks``), a saved tensor whose storage is a gathered
+parameter's is packed as the recipe to gather it again (the stored parameter and the
+placements); the backward unpacks it by running the same gather. The plan lists that gather as
+a backward collective of the edge (``(re-gathered)``), the cost model counts it, and
+``--check`` counts it among the executed collectives.
+
+Inside a recomputed layer, activation checkpointing's own hooks (innermost) take the saved
+tensors instead: the recomputed forward gathers again, as the plan lists it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autoplan.codegen.redistribution import redistribute
+
+
+@dataclass(frozen=True)
+class _Regather:
+    """A saved view of a gathered parameter, as the recipe that rebuilds it: a DTensor view
+    (``placements``, global ``shape`` and ``stride``), or a view of its local tensor (an op run
+    on local tensors, :mod:`autoplan.codegen.op_calls`; ``placements`` None)."""
+
+    param: DTensor
+    specs: list[str]
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...] | None
+    shape: torch.Size
+    stride: tuple[int, ...]
+    local_size: torch.Size
+    local_stride: tuple[int, ...]
+    local_offset: int
+
+
+def _local(t: DTensor) -> torch.Tensor:
+    with torch.no_grad():
+        return t.to_local()
+
+
+class GatheredParameters:
+    """The gathered parameters of one forward, by storage, and the hooks that re-gather them.
+    ``regathered`` counts the gathers the last backward ran."""
+
+    def __init__(self) -> None:
+        self._gathered: dict[StorageWeakRef, tuple[DTensor, list[str]]] = {}
+        self.regathered = 0
+
+    def remember(self, gathered: Any, param: Any, specs: Sequence[str]) -> None:
+        """``gathered`` is ``param`` redistributed to ``specs`` for a consumer."""
+        if isinstance(gathered, DTensor) and isinstance(param, DTensor) and gathered is not param:
+            key = StorageWeakRef(_local(gathered).untyped_storage())
+            if key != StorageWeakRef(_local(param).untyped_storage()):  # not a view of the stored one
+                self._gathered[key] = (param, list(specs))
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        if not self._gathered:
+            return t
+        local = _local(t) if isinstance(t, DTensor) else t
+        try:
+            entry = self._gathered.get(StorageWeakRef(local.untyped_storage()))
+        except (RuntimeError, NotImplementedError):  # a tensor without storage: not a gathered one
+            return t
+        if entry is None:
+            return t
+        param, specs = entry
+        placements = tuple(t.placements) if isinstance(t, DTensor) else None
+        return _Regather(param, specs, param.device_mesh, placements, t.shape, tuple(t.stride()),
+                         local.size(), tuple(local.stride()), local.storage_offset())
+
+    def _unpack(self, packed: Any) -> Any:
+        if not isinstance(packed, _Regather):
+            return packed
+        with torch.no_grad():
+            full = _local(redistribute(packed.param, packed.specs, packed.mesh))
+        self.regathered += 1
+        local = full.as_strided(packed.local_size, packed.local_stride, packed.local_offset)
+        if packed.placements is None:
+            return local
+        return DTensor.from_local(local, packed.mesh, packed.placements, run_check=False,
+                                  shape=packed.shape, stride=packed.stride)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """Run a forward under this: gathered parameters its ops save are re-gathered in the
+        backward instead of kept."""
+        self.regathered = 0
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._gathered.clear()

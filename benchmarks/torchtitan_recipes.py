@@ -1,0 +1,135 @@
+"""torchtitan's published Llama 3.1 recipes, costed by ``--manual`` beside the plan autoplan finds.
+
+    .venv/bin/python benchmarks/torchtitan_recipes.py [--case 8b|70b|405b ...]
+
+Every model is Hugging Face's ``LlamaForCausalLM`` with Llama 3.1's shape, built on the meta
+device, trained in bf16 (bf16 compute, fp32 master weights, optimizer state and gradient
+reductions) with AdamW on the ``h100`` preset, sequence length 8,192. The recipes are those of
+torchtitan's H100 benchmark (``benchmarks/llama3_h100_202412_torchtitan.md`` in its repository,
+December 2024):
+
+- ``8b``: 8 GPUs, FSDP 8, local batch 2 (global 16), selective activation checkpointing;
+  measured 5,762 tokens/s per GPU (FSDP, no torch.compile, no Float8);
+- ``70b``: 256 GPUs, FSDP 32 × TP 8, local batch 16 (global 512), full checkpointing;
+  measured 829 tokens/s per GPU (with torch.compile and Float8);
+- ``405b``: 512 GPUs, FSDP 8 × TP 8 × PP 8, interleaved 1F1B, local batch 32 (global 256, one
+  sequence per microbatch), full checkpointing; measured 128 tokens/s per GPU (with
+  torch.compile, Float8 and async TP).
+
+What differs from the recipes, and why: selective (per-op) checkpointing is not costed yet,
+so the 8B recipe is costed with full checkpointing (``ac=full``): one forward more than
+torchtitan runs. The 70B and 405B measurements use Float8 and torch.compile, which the cost
+model does not know (bf16 peak only): their ratios are not like for like.
+
+Each row prints the step time, tokens/s per GPU and MFU predicted for the recipe (``--manual``)
+and for the plan found, the planning time, and for each recipe torchtitan's measurement and
+the ratio predicted / measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from autoplan.load import make_model_spec  # noqa: E402
+from autoplan.plan_schema import Plan, Prediction  # noqa: E402
+from autoplan.planner.front_door import plan_model  # noqa: E402
+from autoplan.planner.options import PlanOptions  # noqa: E402
+from autoplan.solvers import format_seconds  # noqa: E402
+
+SEQ = 8192
+VOCAB = 128256
+
+
+@dataclass(frozen=True)
+class Recipe:
+    key: str
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    devices: int
+    global_batch: int
+    manual: str
+    measured_tps: float  # tokens/s per GPU, torchtitan's table
+    measured_with: str
+
+
+def _recipes() -> Iterator[Recipe]:
+    yield Recipe("8b", "Llama 3.1 8B", 4096, 32, 32, 14336, 8, 16, "fsdp=8,ac=full", 5762, "FSDP, bf16")
+    yield Recipe("70b", "Llama 3.1 70B", 8192, 80, 64, 28672, 256, 512, "fsdp=32,tp=8,ac=full", 829,
+                 "2D + compile + Float8")
+    yield Recipe("405b", "Llama 3.1 405B", 16384, 126, 128, 53248, 512, 256,
+                 "fsdp=8,tp=8,pp=8,microbatches=32,schedule=interleaved1f1b,ac=full", 128,
+                 "3D + compile + Float8 + async TP")
+
+
+def _build(recipe: Recipe):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=recipe.hidden, num_hidden_layers=recipe.layers,
+                         num_attention_heads=recipe.heads, num_key_value_heads=8,
+                         intermediate_size=recipe.intermediate, vocab_size=VOCAB, max_position_embeddings=SEQ)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, VOCAB, (recipe.global_batch, SEQ))
+    return model, {"input_ids": ids, "labels": ids}
+
+
+def _tokens_per_gpu(recipe: Recipe, p: Prediction) -> float:
+    return recipe.global_batch * SEQ / p.step_time_s / recipe.devices
+
+
+def _row(label: str, recipe: Recipe, p: Prediction | None, reason: str = "") -> str:
+    if p is None:
+        return f"  {label:46s} {reason}"
+    return (f"  {label:46s} {format_seconds(p.step_time_s):>9s} {_tokens_per_gpu(recipe, p):9.0f} tok/s/GPU "
+            f"MFU {p.mfu:5.1%}")
+
+
+def _found_label(plan: Plan) -> str:
+    stages = f"{len(plan.stages)} stages x " if len(plan.stages) > 1 else ""
+    return f"found: {stages}mesh {'x'.join(map(str, plan.mesh))}, {plan.microbatches} mb"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--case", action="append", choices=[r.key for r in _recipes()],
+                        help="run only this recipe (repeatable; default: all)")
+    args = parser.parse_args()
+    for recipe in _recipes():
+        if args.case and recipe.key not in args.case:
+            continue
+        model, inputs = _build(recipe)
+        spec = make_model_spec(model, inputs, name=recipe.name)
+        start = time.perf_counter()
+        plan = plan_model(spec, PlanOptions(recipe.devices, "h100", precision="bf16", plan_only=True,
+                                            manual=(recipe.manual,)))
+        planning = time.perf_counter() - start
+        manual = next(a for a in plan.alternatives if a.name.startswith("manual"))
+        print(f"{recipe.name} on {recipe.devices} H100s, global batch {recipe.global_batch} x {SEQ} "
+              f"(planning {planning:.1f} s)", flush=True)
+        print(_row(f"recipe: {recipe.manual}", recipe, manual.predicted, manual.reason))
+        print(_row(_found_label(plan), recipe, plan.predicted))
+        if manual.predicted is not None:
+            predicted = _tokens_per_gpu(recipe, manual.predicted)
+            print(f"  torchtitan measured {recipe.measured_tps:,.0f} tok/s/GPU ({recipe.measured_with}); "
+                  f"recipe predicted / measured = {predicted / recipe.measured_tps:.2f}")
+            verdict = "never slower" if plan.predicted.step_time_s <= manual.predicted.step_time_s * (1 + 1e-9) \
+                else "SLOWER than the recipe"
+            print(f"  found / recipe step time = {plan.predicted.step_time_s / manual.predicted.step_time_s:.2f} "
+                  f"({verdict})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Parameters stored sharded over a data-parallel axis and gathered at use (FSDP / ZeRO-3).
+
+Which inputs an op keeps for its backward decides where the program gathers a parameter again
+in the backward; the search chooses sharded storage where a memory budget makes replication
+infeasible on a data-parallel node; ``--manual fsdp=`` writes FSDP and FSDP × TP plans (HSDP
+is refused in one line); their programs (1-D, 2x2, checkpointed, pipelined) pass ``--check`` on 2 and 4 gloo processes
+with every gather, re-gather and reduce-scatter counted."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from autoplan.errors import AutoplanError
+from autoplan.load import make_model_spec
+from autoplan.plan_schema import Plan
+from autoplan.planner.front_door import plan_model, with_decisions
+from autoplan.planner.manual import cost_manual, parse_manual, plan_manual
+from autoplan.planner.options import PlanOptions
+from autoplan.reports.summary import summary_text
+from autoplan.trace.saved_inputs import keeps_value, saved_inputs
+from launcher import ROOT, assert_checks_passed, launch_worker, write_check_cases
+
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "examples"))
+import fsdp_cases  # noqa: E402
+from zoo import ALL_CASES  # noqa: E402
+
+
+def _spec(name: str):
+    if name == "nanogpt":
+        return make_model_spec(*fsdp_cases.nanogpt(), name=name)
+    case = ALL_CASES[name]()
+    return make_model_spec(case.model, case.example_inputs, case.loss_fn, name=name)
+
+
+class _Ops(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.embedding = nn.Embedding(8, 4)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.embedding(ids)
+
+
+def test_an_op_keeps_a_weight_only_where_its_backward_needs_it() -> None:
+    gm = torch.export.export(_Ops(), (torch.randn(2, 4), torch.tensor([1, 2]))).graph_module
+    linear = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    embedding = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.embedding.default)
+    x, weight, bias = linear.args
+    # the weight is needed for the input's gradient: kept only where the input needs one
+    assert saved_inputs(linear, [x, weight, bias], [True, True, True]) == {0, 1}
+    assert saved_inputs(linear, [x, weight, bias], [False, True, True]) == {0}
+    table, ids = embedding.args
+    assert not keeps_value(embedding, table, {table.name: True, ids.name: False})
+
+
+def _megatron_free_node(budget_gb: float) -> Plan:
+    import gpt
+
+    model, inputs = gpt.build(hidden=2048, layers=4, heads=16, seq=1024, vocab=32000, batch=64, device="meta")
+    spec = make_model_spec(model, inputs, gpt.loss_fn, name="gpt")
+    return plan_model(spec, PlanOptions(8, "h100", pipeline=False, mesh=(8,), recompute="none", plan_only=True,
+                                        memory_per_device=budget_gb * 1e9))
+
+
+def _gathered(plan: Plan) -> set[str]:
+    return {c.where.split(" -> ")[0] for c in plan.collectives if c.tensor == "parameter" and c.kind == "all_gather"}
+
+
+def test_a_budget_replication_cannot_meet_shards_parameters_before_tensor_parallelism() -> None:
+    """A data-parallel node (64 sequences of 1,024 tokens on 8 devices): without a budget the
+    weights are replicated; under one that replicated weights and their Adam state exceed, the
+    plan stores the large weights sharded and gathers them at use, the batch stays sharded and
+    no activation is all-reduced (no tensor parallelism)."""
+    free = _megatron_free_node(80)
+    assert not any(name.startswith("h.") for name in _gathered(free))
+    tight = free.predicted.memory_bytes.peak - 0.5 * free.predicted.memory_bytes.optimizer
+    fsdp = _megatron_free_node(tight / 1e9)
+    assert fsdp.predicted.memory_bytes.peak <= tight
+    gathered = _gathered(fsdp)
+    assert any(name.startswith("h.") and name.endswith(".weight") for name in gathered), gathered
+    assert any(c.where.endswith("(re-gathered)") and c.phase == "backward" for c in fsdp.collectives)
+    activations = [c for c in fsdp.collectives if c.tensor == "activation" and c.kind == "all_reduce"
+                   and c.bytes > 1e6]  # the loss's own scalar all-reduce aside
+    assert not activations, activations
+    assert fsdp.predicted.memory_bytes.optimizer < free.predicted.memory_bytes.optimizer
+
+
+def _manual(name: str, text: str, devices: int) -> Plan:
+    options = PlanOptions(devices, "cpu")
+    return with_decisions(plan_manual(_spec(name), options.planner_options(), parse_manual(text)), options)
+
+
+def _sharded_and_gathered(plan: Plan) -> bool:
+    return any(c.where.endswith("(re-gathered)") or c.where.endswith("(recomputed)")
+               for c in plan.collectives if c.tensor == "parameter") and \
+        any(c.kind == "reduce_scatter" and c.tensor == "gradient" for c in plan.collectives)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
+    cases = {
+        2: {"llama fsdp": ("llama", "fsdp=2"), "gpt2 fsdp checkpointed": ("gpt2", "fsdp=2,ac=full"),
+            "nanogpt fsdp 2 microbatches": ("nanogpt", "fsdp=2,microbatches=2")},
+        4: {"gpt2 fsdp x tp": ("gpt2", "fsdp=2,tp=2"), "nanogpt fsdp 4": ("nanogpt", "fsdp=4"),
+            "llama 2 stages x fsdp checkpointed": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full")},
+    }[world]
+    plans = {label: (model, _manual(model, text, world)) for label, (model, text) in cases.items()}
+    for label, (_, plan) in plans.items():
+        assert _sharded_and_gathered(plan), label
+    assert "gathered at use" in summary_text(next(iter(plans.values()))[1])
+    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
+    assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600), plans)
+
+
+def test_hsdp_is_refused_in_one_line() -> None:
+    with pytest.raises(AutoplanError, match=r"^--manual dp= with fsdp= \(HSDP\)[^\n]*$"):
+        _manual("nanogpt", "dp=2,fsdp=2", 4)
+
+
+def test_manual_precision_is_costed_and_checked() -> None:
+    options = PlanOptions(2, "h100").planner_options()
+    spec = _spec("nanogpt")
+    fp32, bf16 = (cost_manual(spec, options, parse_manual(f"fsdp=2,precision={p}")) for p in ("fp32", "bf16"))
+    assert bf16.name.endswith("precision=bf16")
+    assert bf16.predicted.compute_s < fp32.predicted.compute_s
+    with pytest.raises(AutoplanError, match="precision=fp16: use one of fp32, bf16"):
+        parse_manual("fsdp=2,precision=fp16")

@@ -1,0 +1,66 @@
+"""The search never loses to a plan it can express: hand-written plans drawn at random
+(``--manual`` data, sharded data, tensor and pipeline degrees, microbatches, checkpointing)
+for small models on two clusters and two device counts, each costed under the same model as
+the plan found, are never predicted faster than it."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from autoplan.load import make_model_spec
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.manual import ManualPlan, cost_manual
+from autoplan.planner.options import PlanOptions
+from launcher import ROOT
+
+sys.path.insert(0, str(ROOT / "tests"))
+import fsdp_cases  # noqa: E402
+from zoo import ALL_CASES  # noqa: E402
+
+DRAWS = 4
+LAYERS = 2  # both models have two blocks: at most two stages
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _draw(rng: random.Random, devices: int) -> ManualPlan:
+    pp = rng.choice([d for d in _divisors(devices) if d <= LAYERS])
+    tp = rng.choice(_divisors(devices // pp))
+    data = devices // pp // tp
+    fsdp = data if rng.random() < 0.5 else 1
+    microbatches = rng.choice([1, 2]) if pp == 1 else rng.choice([pp, 2 * pp])
+    return ManualPlan(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, microbatches=microbatches,
+                      ac=rng.choice(["none", "full"]))
+
+
+def _spec(name: str):
+    if name == "nanogpt":
+        return make_model_spec(*fsdp_cases.nanogpt(), name=name)
+    case = ALL_CASES[name]()
+    return make_model_spec(case.model, case.example_inputs, case.loss_fn, name=name)
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "llama"])
+def test_no_drawn_manual_plan_is_predicted_faster_than_the_found_one(name: str) -> None:
+    spec = _spec(name)
+    rng = random.Random(name)
+    costed = 0
+    for cluster in ("cpu", "h100"):
+        for devices in (2, 4):
+            options = PlanOptions(devices, cluster)
+            found = plan_model(spec, options).predicted.step_time_s
+            for _ in range(DRAWS):
+                manual = _draw(rng, devices)
+                alternative = cost_manual(spec, options.planner_options(), manual)
+                if alternative.predicted is None:
+                    continue
+                costed += 1
+                assert found <= alternative.predicted.step_time_s * (1 + 1e-6), \
+                    f"{cluster}, {devices} devices: {manual.label} predicted {alternative.predicted.step_time_s} s, " \
+                    f"the found plan {found} s"
+    assert costed >= 12  # most draws are feasible plans
