@@ -21,8 +21,8 @@ so the 8B recipe is costed with full checkpointing (``ac=full``): one forward mo
 torchtitan runs. The 70B and 405B measurements use Float8 and torch.compile, which the cost
 model does not know (bf16 peak only): their ratios are not like for like.
 
-Each row prints the step time, tokens/s per GPU and MFU predicted for the recipe (``--manual``)
-and for the plan found, the planning time, and for each recipe torchtitan's measurement and
+Each row prints the step time, tokens/s per GPU, MFU, the step's parts and the peak memory
+predicted for the recipe (``--manual``) and for the plan found, the planning time, and for each recipe torchtitan's measurement and
 the ratio predicted / measured.
 """
 
@@ -44,7 +44,7 @@ from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan, Prediction  # noqa: E402
 from autoplan.planner.front_door import plan_model  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
-from autoplan.solvers import format_seconds  # noqa: E402
+from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
 
 SEQ = 8192
 VOCAB = 128256
@@ -93,8 +93,9 @@ def _tokens_per_gpu(recipe: Recipe, p: Prediction) -> float:
 def _row(label: str, recipe: Recipe, p: Prediction | None, reason: str = "") -> str:
     if p is None:
         return f"  {label:46s} {reason}"
-    return (f"  {label:46s} {format_seconds(p.step_time_s):>9s} {_tokens_per_gpu(recipe, p):9.0f} tok/s/GPU "
-            f"MFU {p.mfu:5.1%}")
+    return (f"  {label:46s} {format_seconds(p.step_time_s):>9s} {_tokens_per_gpu(recipe, p):7.0f} tok/s/GPU "
+            f"MFU {p.mfu:5.1%}  (compute {format_seconds(p.compute_s)}, communication {format_seconds(p.comm_s)}, "
+            f"bubble {format_seconds(p.bubble_s)}; {format_bytes(p.memory_bytes.peak)} per device)")
 
 
 def _found_label(plan: Plan) -> str:

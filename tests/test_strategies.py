@@ -70,6 +70,14 @@ def test_view_merging_dims_keeps_the_leading_shard() -> None:
     assert all(inp != (S(1),) for inp, _ in pairs)  # the inner merged dim cannot carry the shard
 
 
+def test_expand_keeps_the_dims_it_does_not_broadcast() -> None:
+    """Grouped-query attention's ``repeat_kv``: ``[B, kv, 1, S, D] -> [B, kv, 4, S, D]``."""
+    node = op_node(lambda x: x.expand(4, 2, 4, 8, 16), torch.randn(4, 2, 1, 8, 16), target="expand")
+    pairs = {(s.input_specs[0], s.output_spec) for s in _strategies(node, (2, 2))}
+    assert ((S(0), S(1)), (S(0), S(1))) in pairs  # batch and key-value heads stay sharded
+    assert all(S(2) not in inp and S(2) not in out for inp, out in pairs)  # the broadcast dim stays whole
+
+
 def test_attention_shards_batch_and_heads_only() -> None:
     q = torch.randn(2, 4, 8, 16)
     node = op_node(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, q.clone(), q.clone(),

@@ -15,7 +15,7 @@ from torch import fx
 from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, normalize_dim, op_name, output_shapes,
     replicated_map, rule_table, tensor_inputs, tensor_shape)
 
-VIEWS = frozenset("view _unsafe_view reshape flatten unflatten expand expand_as view_as squeeze unsqueeze".split())
+VIEWS = frozenset("view _unsafe_view reshape flatten unflatten expand_as view_as squeeze unsqueeze".split())
 PERMUTES = frozenset("transpose permute t swapaxes numpy_T".split())
 SLICES = frozenset("slice select narrow".split())
 CONCATENATIONS = frozenset("cat concat stack".split())
@@ -80,6 +80,30 @@ def view(node: fx.Node, maker: LetterMaker) -> IndexMap:
             fixed.add(lead)
         fixed.update(in_letters[d] for d in gi[1:])
         fixed.update(out_letters[d] for d in gj[1:])
+    return IndexMap({src.name: tuple(in_letters)}, (tuple(out_letters),), fixed=frozenset(fixed), linear=True)
+
+
+def expand(node: fx.Node, maker: LetterMaker) -> IndexMap:
+    """``expand``: dims align from the right; a dim the output keeps at the input's size keeps
+    its letter, one it broadcasts (from size 1, or new in front) gets a fresh letter that stays
+    whole, as does the size-1 input dim it comes from. (A view's pairing of runs does not apply:
+    ``[B, 8, 1, S, D] -> [B, 8, 4, S, D]`` has no run of equal product for the 1 -> 4.)"""
+    src = tensor_inputs(node)[0]
+    in_shape = tensor_shape(src)
+    out_shape = output_shapes(node)[0]
+    offset = len(out_shape) - len(in_shape)
+    in_letters: list[str] = [maker.fresh() for _ in in_shape]
+    out_letters: list[str] = []
+    fixed: set[str] = set()
+    for j, size in enumerate(out_shape):
+        i = j - offset
+        if i >= 0 and in_shape[i] == size:
+            out_letters.append(in_letters[i])
+            continue
+        out_letters.append(maker.fresh())
+        fixed.add(out_letters[-1])
+        if i >= 0:
+            fixed.add(in_letters[i])
     return IndexMap({src.name: tuple(in_letters)}, (tuple(out_letters),), fixed=frozenset(fixed), linear=True)
 
 
@@ -212,7 +236,8 @@ def repeat_interleave(node: fx.Node, maker: LetterMaker) -> IndexMap:
     return IndexMap({src.name: letters}, (letters,))
 
 
-RULES: MappingProxyType[str, Rule] = rule_table([(VIEWS, view), (PERMUTES, permute), (SLICES, slice_like),
+RULES: MappingProxyType[str, Rule] = rule_table([
+    (VIEWS, view), (frozenset({"expand"}), expand), (PERMUTES, permute), (SLICES, slice_like),
     (CONCATENATIONS, concatenate), (frozenset({"split", "split_with_sizes", "chunk"}), split),
     (frozenset({"unbind"}), unbind), (frozenset({"pad", "constant_pad_nd"}), pad),
     (frozenset({"repeat"}), repeat), (frozenset({"repeat_interleave"}), repeat_interleave)])
