@@ -1,12 +1,13 @@
 """torchtitan's published Llama 3.1 recipes, costed by ``--manual`` beside the plan autoplan finds.
 
-    .venv/bin/python benchmarks/torchtitan_recipes.py [--case 8b|70b|405b ...]
+    .venv/bin/python benchmarks/torchtitan_recipes.py [--case 8b|70b|405b ...] [--cluster NAME|FILE]
 
 Every model is Hugging Face's ``LlamaForCausalLM`` with Llama 3.1's shape, built on the meta
 device, trained in bf16 (bf16 compute, fp32 master weights, optimizer state and gradient
-reductions) with AdamW on the ``h100`` preset, sequence length 8,192. The recipes are those of
-torchtitan's H100 benchmark (``benchmarks/llama3_h100_202412_torchtitan.md`` in its repository,
-December 2024):
+reductions) with AdamW, sequence length 8,192, on the ``h100`` preset (datasheet peaks) or a
+cluster file (``benchmarks/results/h100-measured-matmul.toml``: the matmul throughput measured
+on an H100). The recipes are those of torchtitan's H100 benchmark
+(``benchmarks/llama3_h100_202412_torchtitan.md`` in its repository, December 2024):
 
 - ``8b``: 8 GPUs, FSDP 8, local batch 2 (global 16), selective activation checkpointing;
   measured 5,762 tokens/s per GPU (FSDP, no torch.compile, no Float8);
@@ -22,8 +23,8 @@ torchtitan runs. The 70B and 405B measurements use Float8 and torch.compile, whi
 model does not know (bf16 peak only): their ratios are not like for like.
 
 Each row prints the step time, tokens/s per GPU, MFU, the step's parts and the peak memory
-predicted for the recipe (``--manual``) and for the plan found, the planning time, and for each recipe torchtitan's measurement and
-the ratio predicted / measured.
+predicted for the recipe (``--manual``) and for the plan found, the planning time, and for
+each recipe torchtitan's measurement and the ratio predicted / measured.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[r.key for r in _recipes()],
                         help="run only this recipe (repeatable; default: all)")
+    parser.add_argument("--cluster", default="h100", help="a preset name or a cluster TOML file")
     args = parser.parse_args()
     for recipe in _recipes():
         if args.case and recipe.key not in args.case:
@@ -114,12 +116,12 @@ def main() -> None:
         model, inputs = _build(recipe)
         spec = make_model_spec(model, inputs, name=recipe.name)
         start = time.perf_counter()
-        plan = plan_model(spec, PlanOptions(recipe.devices, "h100", precision="bf16", plan_only=True,
+        plan = plan_model(spec, PlanOptions(recipe.devices, args.cluster, precision="bf16", plan_only=True,
                                             manual=(recipe.manual,)))
         planning = time.perf_counter() - start
         manual = next(a for a in plan.alternatives if a.name.startswith("manual"))
-        print(f"{recipe.name} on {recipe.devices} H100s, global batch {recipe.global_batch} x {SEQ} "
-              f"(planning {planning:.1f} s)", flush=True)
+        print(f"{recipe.name} on {recipe.devices} H100s ({args.cluster}), global batch {recipe.global_batch} "
+              f"x {SEQ} (planning {planning:.1f} s)", flush=True)
         print(_row(f"recipe: {recipe.manual}", recipe, manual.predicted, manual.reason))
         print(_row(_found_label(plan), recipe, plan.predicted))
         if manual.predicted is not None:
