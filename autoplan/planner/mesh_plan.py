@@ -8,10 +8,11 @@ To keep the ILP small, nodes share decision variables in three ways before it is
 2. *followers*: a node with a single tensor input (element-wise, view, ``getitem``) whose
    strategies can take each of its producer's outputs without resharding follows the
    producer — the producer's choice fixes its strategy;
-3. *storage*: an input (or a frozen parameter or buffer) read by one consumer is stored in the
-   spec that consumer asks for. A trained parameter keeps its own decision: stored as its
-   consumer reads it, or sharded over an axis where the consumer reads it whole and gathered
-   at use (ZeRO-3 / FSDP), which only a memory budget makes worth its gathers.
+3. *storage*: a parameter or input read by one consumer is stored in the spec that consumer
+   asks for. Where the fastest such plan does not fit the memory budget, a trained parameter
+   keeps its own decision instead: stored as its consumer reads it, or sharded over an axis
+   where the consumer reads it whole and gathered at use (ZeRO-3 / FSDP), which only memory
+   makes worth its gathers (:func:`_solve`).
 
 Each ILP *group* is then a root class plus the classes that follow it, with a map from the
 group's choice to each member class's strategy. The ILP (see :mod:`autoplan.solvers.intra_op`)
@@ -228,7 +229,7 @@ def _trained_parameter(view: _GraphView, name: str) -> bool:
     return view.graph.nodes[name].kind == "parameter" and view.needs_grad[name]
 
 
-def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies]) -> Grouping:
+def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], gathered_storage: bool) -> Grouping:
     n = classes.num_classes
     group_of = list(range(n))
     choice_map = [list(range(len(strat[c].strategies))) for c in range(n)]
@@ -287,11 +288,11 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies])
                     if s.input_specs[0] is not None and s.output_spec == s.input_specs[0]}
         attach(cls, producer, lambda i: in_place.get(strat[producer].strategies[i].output_spec))
 
-    # storage read by a single consumer class takes the spec that consumer asks for; a trained
-    # parameter keeps its own choice: stored sharded where its consumer reads it whole, it is
-    # gathered at use (ZeRO-3 / FSDP), a choice the memory budget may need
+    # storage read by a single consumer class takes the spec that consumer asks for; with
+    # ``gathered_storage`` a trained parameter keeps its own choice: stored sharded where its
+    # consumer reads it whole, it is gathered at use (ZeRO-3 / FSDP)
     for cls in range(n):
-        if strat[cls].kind != "storage" or _trained_parameter(view, classes.representative(cls)):
+        if strat[cls].kind != "storage" or (gathered_storage and _trained_parameter(view, classes.representative(cls))):
             continue
         consumers = {(classes.class_of[u], view.inputs[u].index(m)) for m in classes.members[cls]
                      for u in view.users[m]}
@@ -379,6 +380,26 @@ def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: _GraphView 
     return ctx if edges == ctx.parameter_edges else replace(ctx, parameter_edges=edges)
 
 
+def _solve(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
+           memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool
+           ) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
+    """The ILP, solved. Storing a trained parameter sharded and gathering it at use costs
+    gathers and saves memory only (its optimizer step shrinks by less than the gathers cost),
+    so it is searched only where it may help: the fastest plan with every trained parameter
+    stored as its consumer reads it is found first, and where that plan does not fit the
+    budget the problem is solved again with gathered storage among the choices (:func:`_group`)."""
+    grouping = _group(view, classes, strat, gathered_storage=False)
+    problem = _build_problem(view, classes, strat, grouping, ctx, None)
+    fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
+    if memory_budget is None or fastest.memory <= memory_budget:
+        if canonical:
+            fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=True)
+        return grouping, problem, fastest
+    grouping = _group(view, classes, strat, gathered_storage=True)
+    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
+    return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
+
+
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
                   memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
                   pick: Callable[[int, list[str]], int] | None = None,
@@ -411,11 +432,11 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
         if node.target is operator.getitem:
             producer = strat[classes.class_of[node.args[0].name]]
         strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage))
-    grouping = _group(view, classes, strat)
-    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
     if pick is None:
-        solution = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
+        grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical)
     else:
+        grouping = _group(view, classes, strat, gathered_storage=True)
+        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
         choices = [pick(g, problem.choice_names[g]) for g in range(len(problem.costs))]
         objective, memory = evaluate(problem, choices)
         solution = IntraOpSolution(choices, objective, memory, "picked", None, "pick", 0.0, 0, 0)
