@@ -384,10 +384,12 @@ def _solve(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies],
            memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool
            ) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
     """The ILP, solved. Storing a trained parameter sharded and gathering it at use costs
-    gathers and saves memory only (its optimizer step shrinks by less than the gathers cost),
-    so it is searched only where it may help: the fastest plan with every trained parameter
-    stored as its consumer reads it is found first, and where that plan does not fit the
-    budget the problem is solved again with gathered storage among the choices (:func:`_group`)."""
+    gathers and saves memory (its optimizer step shrinks too, on GPU clusters by less than
+    the gathers cost), so it is searched where memory needs it: the fastest plan with every
+    trained parameter stored as its consumer reads it is found first, and where that plan
+    does not fit the budget the problem is solved again with gathered storage among the
+    choices (:func:`_group`). A plan that fits without it may rarely be beaten by one that
+    gathers for the optimizer's sake alone; that plan is not searched."""
     grouping = _group(view, classes, strat, gathered_storage=False)
     problem = _build_problem(view, classes, strat, grouping, ctx, None)
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
