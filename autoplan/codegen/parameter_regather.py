@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -40,7 +39,6 @@ class _Regather:
 
     param: DTensor
     specs: list[str]
-    mesh: DeviceMesh
     placements: tuple[Placement, ...] | None
     shape: torch.Size
     stride: tuple[int, ...]
@@ -55,12 +53,10 @@ def _local(t: DTensor) -> torch.Tensor:
 
 
 class GatheredParameters:
-    """The gathered parameters of one forward, by storage, and the hooks that re-gather them.
-    ``regathered`` counts the gathers the last backward ran."""
+    """The gathered parameters of one forward, by storage, and the hooks that re-gather them."""
 
     def __init__(self) -> None:
         self._gathered: dict[StorageWeakRef, tuple[DTensor, list[str]]] = {}
-        self.regathered = 0
 
     def remember(self, gathered: Any, param: Any, specs: Sequence[str]) -> None:
         """``gathered`` is ``param`` redistributed to ``specs`` for a consumer."""
@@ -81,26 +77,25 @@ class GatheredParameters:
             return t
         param, specs = entry
         placements = tuple(t.placements) if isinstance(t, DTensor) else None
-        return _Regather(param, specs, param.device_mesh, placements, t.shape, tuple(t.stride()),
+        return _Regather(param, specs, placements, t.shape, tuple(t.stride()),
                          local.size(), tuple(local.stride()), local.storage_offset())
 
     def _unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Regather):
             return packed
+        mesh = packed.param.device_mesh
         with torch.no_grad():
-            full = _local(redistribute(packed.param, packed.specs, packed.mesh))
-        self.regathered += 1
+            full = _local(redistribute(packed.param, packed.specs, mesh))
         local = full.as_strided(packed.local_size, packed.local_stride, packed.local_offset)
         if packed.placements is None:
             return local
-        return DTensor.from_local(local, packed.mesh, packed.placements, run_check=False,
+        return DTensor.from_local(local, mesh, packed.placements, run_check=False,
                                   shape=packed.shape, stride=packed.stride)
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         """Run a forward under this: gathered parameters its ops save are re-gathered in the
         backward instead of kept."""
-        self.regathered = 0
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield

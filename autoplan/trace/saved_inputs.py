@@ -29,8 +29,8 @@ def _is_of(saved: torch.Tensor, tensor: torch.Tensor) -> bool:
 
 def saved_inputs(node: fx.Node, tensor_inputs: Sequence[fx.Node], needs_grad: Sequence[bool]) -> frozenset[int]:
     """Positions (in ``tensor_inputs``) of the inputs ``node`` keeps for its backward when input
-    ``i`` needs a gradient iff ``needs_grad[i]``. An op the meta device cannot run keeps every
-    input that needs no gradient's partner (the cautious answer: all of them)."""
+    ``i`` needs a gradient iff ``needs_grad[i]``. An op the meta device cannot run is taken to
+    keep all of them (the cautious answer)."""
     if node.op != "call_function" or not any(needs_grad):
         return frozenset()
     metas = {a: _meta_like(a.meta.get("val"), g) for a, g in zip(tensor_inputs, needs_grad)}
