@@ -52,7 +52,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 for Adam/AdamW, 1e-2 SGD)")
     train.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: 0.01 AdamW, else 0)")
     train.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
-                       help="fp32, or bf16 (bf16 parameters and compute, fp32 optimizer and reductions: costed only)")
+                       help="fp32, or bf16 (bf16 compute under torch.autocast; fp32 master weights, gradient "
+                            "reductions and optimizer state)")
     train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
     train.add_argument("--recompute", nargs="?", const="all", default="auto", choices=("auto", "all", "none"),
                        help="activation checkpointing: auto (default: layers recomputed in the backward where "
@@ -79,7 +80,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
                       help="also cost this hand-written plan and show it beside the found one (repeatable); "
-                           "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, ac=full|none")
+                           "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, ac=full|none, "
+                           "precision=fp32|bf16, zero=1|2 (optimizer state, and gradients, sharded over dp)")
     parser.add_argument("--report", action="store_true",
                         help="also write report.html (self-contained) and report.md with plots into --out; "
                              "with --run, the measured step times and losses too")

@@ -57,8 +57,9 @@ class OptimizerPlan:
 
 @dataclass
 class PrecisionPlan:
-    """The dtypes of a step: parameters as the forward and backward read them, the compute,
-    and the gradient reduction (master weights and optimizer state stay fp32)."""
+    """The dtypes of a step: parameters as the forward and backward compute with them, the
+    compute, and the gradient reduction (master weights and optimizer state stay fp32). The
+    program carries out bf16 under ``torch.autocast`` (:mod:`autoplan.codegen.precision`)."""
 
     name: str = "fp32"
     param_dtype: str = "float32"

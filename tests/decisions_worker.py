@@ -47,7 +47,9 @@ def _built(spec, plan) -> dict:
         pm = build_parallel_module(spec, plan)
     except AutoplanError as e:
         return {"refused": str(e)}
-    out = {"optimizer": _optimizer(pm)}
+    out = {"optimizer": _optimizer(pm), "sharded_state": len(pm.sharded_state)}
+    if not plan.scheduled:
+        out["output_dtype"] = str(pm(*spec.example_inputs).outputs[0].dtype)
     program = pm.program
     checkpointed = getattr(getattr(program, "_interpreter", None), "checkpointed", None)
     if checkpointed is not None:

@@ -33,6 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from autoplan.codegen import build_program, planned_collectives
+from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.load import make_model_spec
 
@@ -256,8 +257,10 @@ def run_case(name: str, world: int) -> dict:
         grad_diffs[fqn] = d
         if not ok:
             bad.append(fqn)
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            bad.append(f"{fqn} (gradient placed {p.grad.placements}, parameter {p.placements})")
+        storage = plan.storage.get(fqn)
+        wanted = to_dtensor_placements(storage.grad) if storage is not None else p.placements  # ZeRO-2: sharded
+        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(wanted):
+            bad.append(f"{fqn} (gradient placed {p.grad.placements}, planned {tuple(wanted)})")
     # buffers (BatchNorm's running statistics, updated in place by the forward)
     buffer_diffs = {}
     for fqn, ref_buf in ref_buffers.items():

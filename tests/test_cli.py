@@ -92,7 +92,6 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     (["{mlp}", "--devices", "8", "--time-limit", "-1"], "the time limit must be a positive number of seconds"),
     (["{mlp}", "--devices", "8", "--stages", "2", "--no-pipeline"], "pins a pipeline but pipelines are turned off"),
     (["{mlp}", "--devices", "8", "--mesh", "2x4", "--stages", "2"], "each of the 2 stages of 8 devices has 4"),
-    (["{mlp}", "--devices", "8", "--mixed-precision"], "bf16 compute is costed, but the emitted program"),
     (["{mlp}", "--devices", "8", "--out", "{file}"], "is a file, not a folder"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:

@@ -68,7 +68,7 @@ def test_default_optimizer_is_adamw() -> None:
 
 
 @pytest.mark.parametrize("options, needle", [
-    ({"precision": "bf16"}, "bf16 compute is costed, but the emitted program trains in fp32 only"),
+    ({"precision": "fp16"}, "unknown precision 'fp16': use one of fp32, bf16"),
     ({"devices": 0}, "devices must be a whole number of at least 1, got 0"),
     ({"recompute": "some"}, "recompute must be auto, all or none, got 'some'"),
     ({"stages": 3}, "3 stages do not divide 8 devices"),
@@ -105,8 +105,9 @@ def test_plan_of_another_format_is_one_line(tmp_path: Path) -> None:
 def test_program_carries_out_each_decision(tmp_path: Path) -> None:
     """Plans that differ in one decision each build programs that differ accordingly (2 gloo
     processes): the optimizer and its hyper-parameters, the schedule and microbatches, the
-    recomputed layers (run checkpointed); what the program cannot do yet is refused in one
-    line. The AdamW plan's parameters after two steps equal a single-device AdamW run's."""
+    recomputed layers (run checkpointed), the precision (the forward under bf16 autocast), an
+    optimizer state stored unlike its parameter (a ZeRO-1 master shard). The AdamW plan's
+    parameters after two steps equal a single-device AdamW run's."""
     ranks = launch_worker(ROOT / "tests" / "decisions_worker.py", 2, tmp_path)
     for rank, res in ranks.items():
         assert "error" not in res, res.get("traceback")
@@ -119,9 +120,10 @@ def test_program_carries_out_each_decision(tmp_path: Path) -> None:
         assert res["sgd"]["optimizer"]["momentum"] == 0.0
         assert res["sgd_momentum"]["optimizer"]["momentum"] == 0.9
         assert res["adamw_wd"]["optimizer"]["weight_decay"] == 0.1 and res["adamw_wd"]["optimizer"]["lr"] == 3e-4
-        assert res["bf16"]["refused"].startswith("the plan asks for bf16 precision")
+        assert res["bf16"]["output_dtype"] == "torch.bfloat16"  # the forward ran under bf16 autocast
+        assert res["adamw"]["output_dtype"] == "torch.float32"
         assert res["recompute"]["checkpointed"] == ["layer0", "layer1"]
-        assert "optimizer state unlike the parameter (ZeRO)" in res["zero"]["refused"]
+        assert res["zero"]["sharded_state"] == 1 and res["adamw"]["sharded_state"] == 0  # ZeRO-1 master shard
         assert (res["pipe_gpipe_2"]["schedule"], res["pipe_gpipe_2"]["microbatches"]) == ("ScheduleGPipe", 2)
         assert (res["pipe_1f1b_4"]["schedule"], res["pipe_1f1b_4"]["microbatches"]) == ("Schedule1F1B", 4)
         assert res["pipe_gpipe_2"]["optimizer"]["type"] == "AdamW"

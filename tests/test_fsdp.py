@@ -69,26 +69,46 @@ def _megatron_free_node(budget_gb: float) -> Plan:
 
 
 def _gathered(plan: Plan) -> set[str]:
-    return {c.where.split(" -> ")[0] for c in plan.collectives if c.tensor == "parameter" and c.kind == "all_gather"}
+    """Parameters gathered at use (ZeRO-3 / FSDP): all-gathered in the forward."""
+    return {c.where.split(" -> ")[0] for c in plan.collectives
+            if c.tensor == "parameter" and c.kind == "all_gather" and c.phase == "forward"}
 
 
-def test_a_budget_replication_cannot_meet_shards_parameters_before_tensor_parallelism() -> None:
+def _sharded_state(plan: Plan) -> set[str]:
+    """Parameters whose optimizer state is sharded under the parameter (ZeRO-1/2)."""
+    return {name for name, s in plan.storage.items() if s.optimizer_state != s.param}
+
+
+def _tensor_parallel(plan: Plan) -> list:
+    return [c for c in plan.collectives if c.tensor == "activation" and c.kind == "all_reduce"
+            and c.bytes > 1e6]  # the loss's own scalar all-reduce aside
+
+
+def test_a_budget_replication_cannot_meet_shards_state_then_parameters_before_tensor_parallelism() -> None:
     """A data-parallel node (64 sequences of 1,024 tokens on 8 devices): without a budget the
-    weights are replicated; under one that replicated weights and their Adam state exceed, the
-    plan stores the large weights sharded and gathers them at use, the batch stays sharded and
-    no activation is all-reduced (no tensor parallelism)."""
+    weights are replicated. Under one that replicated Adam state exceeds, the plan shards the
+    optimizer state (and gradients) of the large weights (ZeRO-1/2: one all-gather per step);
+    under one that the replicated weights themselves exceed, it stores weights sharded and
+    gathers them at use (ZeRO-3, gathered again in the backward). The batch stays sharded
+    throughout and no activation is all-reduced (no tensor parallelism)."""
     free = _megatron_free_node(80)
-    assert not any(name.startswith("h.") for name in _gathered(free))
+    assert not any(name.startswith("h.") for name in _gathered(free) | _sharded_state(free))
     tight = free.predicted.memory_bytes.peak - 0.5 * free.predicted.memory_bytes.optimizer
-    fsdp = _megatron_free_node(tight / 1e9)
-    assert fsdp.predicted.memory_bytes.peak <= tight
-    gathered = _gathered(fsdp)
-    assert any(name.startswith("h.") and name.endswith(".weight") for name in gathered), gathered
+    zero = _megatron_free_node(tight / 1e9)
+    assert zero.predicted.memory_bytes.peak <= tight
+    assert any(name.startswith("h.") and name.endswith(".weight") for name in _sharded_state(zero))
+    assert not any(name.startswith("h.") for name in _gathered(zero))
+    assert any(c.phase == "optimizer" and c.kind == "all_gather" for c in zero.collectives)
+    assert zero.predicted.memory_bytes.optimizer < free.predicted.memory_bytes.optimizer
+    assert not _tensor_parallel(zero)
+
+    tighter = zero.predicted.memory_bytes.peak - 0.5 * zero.predicted.memory_bytes.params
+    fsdp = _megatron_free_node(tighter / 1e9)
+    assert fsdp.predicted.memory_bytes.peak <= tighter
+    assert any(name.startswith("h.") and name.endswith(".weight") for name in _gathered(fsdp)), _gathered(fsdp)
     assert any(c.where.endswith("(re-gathered)") and c.phase == "backward" for c in fsdp.collectives)
-    activations = [c for c in fsdp.collectives if c.tensor == "activation" and c.kind == "all_reduce"
-                   and c.bytes > 1e6]  # the loss's own scalar all-reduce aside
-    assert not activations, activations
-    assert fsdp.predicted.memory_bytes.optimizer < free.predicted.memory_bytes.optimizer
+    assert fsdp.predicted.memory_bytes.params < zero.predicted.memory_bytes.params
+    assert not _tensor_parallel(fsdp)
 
 
 def _manual(name: str, text: str, devices: int) -> Plan:

@@ -69,13 +69,19 @@ def test_wide_batch_small_mlp_is_data_parallel(small_mlp_graph) -> None:
     assert plan.predicted.comm_s == pytest.approx(bandwidth + collective_time("all_reduce", 0.0, 8, link) + others)
 
 
-def _least_memory_with_replicated_weights(graph) -> Plan:
+def _least_memory_with_replicated_weights(graph, sharded_state: bool) -> Plan:
     """The plan with replicated weights that needs the least memory (equally fast plans may
-    hold more activations: tighten the budget until none fits)."""
+    hold more activations: tighten the budget until none fits); with or without the weights'
+    optimizer state and gradients sharded (ZeRO-1/2)."""
+    def replicated_weights(info, spec) -> bool:
+        return info.kind != "parameter" or all(p.is_replicate for p in spec)
+
+    if not sharded_state:  # the rule names no sharded state: plain storage only
+        replicated_weights.sharded_state = lambda strategy: False
+
     def replicated(budget: float | None) -> Plan:
         options = make_options(8, "h100", mesh=(8,), memory_per_device=budget)
-        return plan_traced(graph, dataclasses.replace(
-            options, allow_storage=lambda info, spec: info.kind != "parameter" or all(p.is_replicate for p in spec)))
+        return plan_traced(graph, dataclasses.replace(options, allow_storage=replicated_weights))
 
     plan = replicated(None)
     while True:
@@ -85,16 +91,29 @@ def _least_memory_with_replicated_weights(graph) -> Plan:
             return plan
 
 
-def test_memory_budget_forces_sharded_weights(small_mlp_graph) -> None:
+def test_memory_budget_forces_sharded_state_then_sharded_weights(small_mlp_graph) -> None:
+    """Below the least memory of replicated weights with plain (DDP) storage the plan shards
+    the weights' optimizer state or the weights; below the least with the state sharded too
+    (ZeRO-1/2) it shards the weights themselves."""
     free = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,)))
-    least = _least_memory_with_replicated_weights(small_mlp_graph)
-    assert all(p == ["R"] for p in least.params.values())
-    replicated_state = least.predicted.memory_bytes.params * 4  # params + grads + 2 Adam moments
-    budget = least.predicted.memory_bytes.peak - replicated_state / 2
+    plain = _least_memory_with_replicated_weights(small_mlp_graph, sharded_state=False)
+    assert all(p == ["R"] for p in plain.params.values())
+    assert all(s.optimizer_state == s.param for s in plain.storage.values())
+    replicated_state = plain.predicted.memory_bytes.params * 4  # params + grads + 2 Adam moments
+    budget = plain.predicted.memory_bytes.peak - replicated_state / 2
     tight = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,), memory_per_device=budget))
     assert tight.predicted.memory_bytes.peak <= budget
-    assert any(p != ["R"] for p in tight.params.values())
+    assert any(p != ["R"] for p in tight.params.values()) or \
+        any(s.optimizer_state != s.param for s in tight.storage.values())
     assert tight.predicted.step_time_s >= free.predicted.step_time_s
+
+    zero = _least_memory_with_replicated_weights(small_mlp_graph, sharded_state=True)
+    assert all(p == ["R"] for p in zero.params.values())
+    assert zero.predicted.memory_bytes.peak < plain.predicted.memory_bytes.peak
+    below = zero.predicted.memory_bytes.peak * 0.99
+    sharded = plan_traced(small_mlp_graph, make_options(8, "h100", mesh=(8,), memory_per_device=below))
+    assert sharded.predicted.memory_bytes.peak <= below
+    assert any(p != ["R"] for p in sharded.params.values())
 
 
 def test_memory_below_the_least_gives_one_line_error(small_mlp_graph) -> None:

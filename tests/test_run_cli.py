@@ -21,13 +21,17 @@ def _torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProce
                            str(nproc), str(script), *args], capture_output=True, text=True, timeout=300)
 
 
-def test_run_check_passes_for_the_mlp_on_two_processes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision, tolerances", [
+    ("fp32", "rtol=0.0001, atol=1e-05 (fp32)"),
+    ("bf16", "rtol=0.03, atol=0.003 (bf16 under torch.autocast, the reference too)"),
+])
+def test_run_check_passes_for_the_mlp_on_two_processes(precision: str, tolerances: str, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "autoplan.cli", str(ROOT / "examples" / "mlp.py"), "--devices", "2",
-                             "--run", "--check", "--steps", "2", "--out", str(tmp_path)],
+                             "--precision", precision, "--run", "--check", "--steps", "2", "--out", str(tmp_path)],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "check: PASSED" in result.stdout
-    assert "largest difference" in result.stdout and "rtol=0.0001" in result.stdout
+    assert "largest difference" in result.stdout and tolerances in result.stdout
     assert (tmp_path / "train.py").is_file()
 
 

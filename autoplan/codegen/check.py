@@ -1,6 +1,7 @@
 """``--check``: prove the parallel program computes what the model computes on one device.
 
-Compares, with the tolerances printed: the forward outputs, the loss, every parameter's
+Compares, with the tolerances printed (:func:`~autoplan.codegen.precision.check_tolerances`;
+a bf16 plan's reference runs under the plan's precision too): the forward outputs, the loss, every parameter's
 gradient after the first step, and every parameter and the loss after K steps of the plan's
 optimizer (the reference steps the same optimizer, built from the plan); then sets the collectives
 the program executed (counted by :class:`~autoplan.codegen.collective_counter.CollectiveCounter`,
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.dtensor_program import planned_collectives
 from autoplan.codegen.optimizer import build_optimizer
+from autoplan.codegen.precision import check_tolerances, compute_precision
 from autoplan.codegen.runtime import ParallelModule, PipelinedModule
 from autoplan.load import ModelSpec
 
@@ -50,6 +53,7 @@ class CheckReport:
     executed: dict[str, dict[str, int]] = field(default_factory=dict)  # phase -> kind -> count
     planned: dict[str, dict[str, int]] = field(default_factory=dict)
     pipelined: bool = False  # phases are "step, rank r": a pipeline's collectives, per rank
+    precision: str = "fp32"  # the plan's, under which program and reference ran
 
     @property
     def worst(self) -> Comparison:
@@ -66,15 +70,17 @@ class CheckReport:
     @property
     def phases(self) -> list[str]:
         if not self.pipelined:
-            return ["forward", "backward"]
-        return sorted(set(self.planned) | set(self.executed), key=lambda p: int(p.rsplit(" ", 1)[-1]))
+            return ["forward", "backward", *(["optimizer"] if "optimizer" in self.planned else [])]
+        return sorted(set(self.planned) | set(self.executed),
+                      key=lambda p: (int(p.rsplit(" ", 1)[-1]), p.startswith("optimizer")))
 
     @property
     def ok(self) -> bool:
         return self.values_ok and self.collectives_ok
 
     def text(self) -> str:
-        lines = [f"check: tolerances rtol={self.rtol:g}, atol={self.atol:g} (fp32)"]
+        policy = "" if self.precision == "fp32" else " under torch.autocast, the reference too"
+        lines = [f"check: tolerances rtol={self.rtol:g}, atol={self.atol:g} ({self.precision}{policy})"]
         worst = self.worst
         lines.append(f"check: {len(self.comparisons)} tensors compared; largest difference {worst.max_abs_diff:.3g} "
                      f"in {worst.name} (allowed {worst.allowed:.3g})")
@@ -112,6 +118,10 @@ def _as_backend_runs(counts: dict[str, int]) -> dict[str, int]:
 
 
 def _compare(name: str, got: torch.Tensor, want: torch.Tensor, rtol: float, atol: float) -> Comparison:
+    """``got`` against ``want``: equal shapes and dtypes (a dtype apart is a precision the
+    program did not run as the reference did), values within ``atol + rtol·max|want|``."""
+    if got.dtype != want.dtype:
+        return Comparison(f"{name} (dtype {got.dtype} vs {want.dtype})", float("inf"), 0.0)
     got, want = got.detach().float().cpu(), want.detach().float().cpu()
     if got.shape != want.shape:
         return Comparison(f"{name} (shape {tuple(got.shape)} vs {tuple(want.shape)})", float("inf"), 0.0)
@@ -137,19 +147,65 @@ def _gather(comparisons: list[Comparison]) -> list[Comparison]:
     return [merged[name] for name in sorted(merged)]
 
 
+def _tolerances(pm: ParallelModule | PipelinedModule, rtol: float | None, atol: float | None
+                ) -> tuple[float, float]:
+    """The given tolerances, or those of the plan's precision."""
+    default_rtol, default_atol = check_tolerances(pm.plan.precision)
+    return (default_rtol if rtol is None else rtol), (default_atol if atol is None else atol)
+
+
+def _reference_precision(reference: torch.nn.Module, pm: ParallelModule | PipelinedModule
+                         ) -> AbstractContextManager:
+    """The plan's precision on the reference's device."""
+    device = next(iter(reference.parameters()), torch.empty(0)).device
+    return compute_precision(pm.plan.precision, device.type)
+
+
+_CASTS = ("aten.to.dtype", "aten.to.dtype_layout", "aten._to_copy.default")
+
+
+def _outputs_traced_as_no_op_casts(pm: ParallelModule) -> set[int]:
+    """Indices of the program's outputs (the loss aside) that the graph computes as a dtype
+    cast its trace saw as a no-op: a loss's ``logits.float()`` of fp32 logits is the same
+    tensor when traced in fp32, so the graph returns the cast for the model's output; under
+    bf16 autocast the model returns the bf16 logits and the graph their fp32 cast."""
+    graph_module = getattr(pm.program, "graph_module", None)
+    if graph_module is None:
+        return set()
+    outputs = torch.fx.node.map_aggregate(graph_module.graph.output_node().args[0], lambda n: n)
+    flat = list(outputs) if isinstance(outputs, (tuple, list)) else [outputs]
+    found = set()
+    for i, node in enumerate(flat[1:]):
+        if isinstance(node, torch.fx.Node) and str(node.target) in _CASTS and node.args \
+                and isinstance(node.args[0], torch.fx.Node):
+            before, after = node.args[0].meta.get("val"), node.meta.get("val")
+            if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.dtype == after.dtype:
+                found.add(i)
+    return found
+
+
+def _reference_loss(spec: ModelSpec, reference: torch.nn.Module, pm: ParallelModule | PipelinedModule
+                    ) -> torch.Tensor:
+    """The single-device loss of the example inputs, in the plan's precision."""
+    with _reference_precision(reference, pm):
+        return spec.loss_fn(spec.call(reference, spec.example_inputs), *spec.example_inputs)
+
+
 def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, steps: int = 3,
-                                         rtol: float = 1e-4, atol: float = 1e-5) -> CheckReport:
+                                         rtol: float | None = None, atol: float | None = None) -> CheckReport:
     """The pipelined counterpart: the global loss of the first step, every gradient (each rank
     checks the stages it holds, the results are gathered), and every parameter and the loss
     after ``steps`` optimizer steps. The collectives of the first step are counted on every rank and set beside what
     the plan says that rank runs (:func:`expected_pipeline_collectives`)."""
+    rtol, atol = _tolerances(pm, rtol, atol)
     reference = copy.deepcopy(spec.module)
     inputs = spec.example_inputs
-    ref_loss = spec.loss_fn(spec.call(reference, inputs), *inputs)
+    ref_loss = _reference_loss(spec, reference, pm)
     ref_loss.backward()
     with CollectiveCounter() as step_count:
         loss = pm.forward_backward(*inputs)
     counted = (expected_pipeline_collectives(pm), dict(step_count.counts))
+    optimizer_counted: tuple[dict[str, int], dict[str, int]] = ({}, {})
     comparisons = [_compare("loss", loss, ref_loss, rtol, atol)]
     ref_grads = {name: p.grad for name, p in reference.named_parameters(remove_duplicate=False)}
     zero_gradient = _zero_gradients(reference, atol)
@@ -165,39 +221,48 @@ def check_pipeline_against_single_device(spec: ModelSpec, pm: PipelinedModule, s
     ref_opt = build_optimizer(pm.plan.optimizer, reference.parameters())
     for step in range(steps):
         ref_opt.step()
-        pm.optimizer_step()
+        with CollectiveCounter() as optimizer_count:
+            pm.optimizer_step()
+        if step == 0:
+            optimizer_counted = (expected_pipeline_collectives(pm, "optimizer"), dict(optimizer_count.counts))
         ref_opt.zero_grad()
-        ref_loss = spec.loss_fn(spec.call(reference, inputs), *inputs)
+        ref_loss = _reference_loss(spec, reference, pm)
         loss = pm.forward_backward(*inputs)
         if step < steps - 1:
             ref_loss.backward()
     label = f"after {steps} {pm.plan.optimizer.name} steps"
     comparisons.append(_compare(f"loss {label}", loss, ref_loss.detach(), rtol * 10, atol * 10))
     comparisons += _compare_parameters(reference, pm, label, rtol * 10, atol * 10, zero_gradient, steps)
-    report = CheckReport(rtol, atol, _gather(comparisons), pipelined=True)
+    report = CheckReport(rtol, atol, _gather(comparisons), pipelined=True, precision=pm.plan.precision.name)
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, counted)
-    for rank, (planned, executed) in enumerate(everyone):
+    dist.all_gather_object(everyone, (*counted, *optimizer_counted))
+    for rank, (planned, executed, planned_optimizer, executed_optimizer) in enumerate(everyone):
         report.planned[f"step, rank {rank}"] = planned
         report.executed[f"step, rank {rank}"] = executed
+        if planned_optimizer or executed_optimizer:
+            report.planned[f"optimizer, rank {rank}"] = planned_optimizer
+            report.executed[f"optimizer, rank {rank}"] = executed_optimizer
     return report
 
 
-def expected_pipeline_collectives(pm: PipelinedModule) -> dict[str, int]:
-    """The collectives this rank runs in one pipelined step, by the plan: those of the stages
-    it holds (each as often as planned: per microbatch inside a stage, once per step for a
-    gradient reduction), the reductions of tied weights it holds a copy of, and the loss's
-    broadcast; the bucketed gradient all-reduces counted per bucket, as the program ran them
-    in the step just taken. Stage-to-stage sends are point-to-point: not collectives, not
-    counted."""
+def expected_pipeline_collectives(pm: PipelinedModule, phase: str = "step") -> dict[str, int]:
+    """The collectives this rank runs in one pipelined step (``phase`` "step": forward and
+    backward; "optimizer": the optimizer step), by the plan: those of the stages it holds
+    (each as often as planned: per microbatch inside a stage, once per step for a gradient
+    reduction), the reductions of tied weights it holds a copy of, and the loss's broadcast;
+    the bucketed gradient all-reduces counted per bucket, as the program ran them in the step
+    just taken. Stage-to-stage sends are point-to-point: not collectives, not counted."""
     mine = set(pm.program.stage_indices)
     counts: Counter[str] = Counter()
     for c in pm.plan.collectives:
+        if (c.phase == "optimizer") != (phase == "optimizer"):
+            continue
         bucket_member = c.bucketed and c.kind == "all_reduce"  # counted per bucket below
         if c.kind != "send_recv" and not bucket_member and (not c.stages or mine & set(c.stages)):
             counts[c.kind] += c.count
-    counts["all_reduce"] += pm.program.gradient_buckets_launched
-    return _as_backend_runs(dict(counts))
+    if phase != "optimizer":
+        counts["all_reduce"] += pm.program.gradient_buckets_launched
+    return {kind: n for kind, n in _as_backend_runs(dict(counts)).items() if n}
 
 
 def _zero_gradients(reference: torch.nn.Module, atol: float) -> set[str]:
@@ -228,18 +293,20 @@ def _compare_parameters(reference: torch.nn.Module, pm: ParallelModule | Pipelin
 
 
 def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedModule, steps: int = 3,
-                                rtol: float = 1e-4, atol: float = 1e-5) -> CheckReport:
+                                rtol: float | None = None, atol: float | None = None) -> CheckReport:
     """Run the first step of ``pm`` and of a copy of the model on one device, compare, then
     ``steps`` steps of the plan's optimizer on each and compare every parameter and the final
     loss. ``pm`` must be freshly built."""
     if isinstance(pm, PipelinedModule):
         return check_pipeline_against_single_device(spec, pm, steps, rtol, atol)
-    report = CheckReport(rtol, atol)
+    rtol, atol = _tolerances(pm, rtol, atol)
+    report = CheckReport(rtol, atol, precision=pm.plan.precision.name)
     reference = copy.deepcopy(spec.module)
     inputs = spec.example_inputs
 
-    ref_out = spec.call(reference, inputs)
-    ref_loss = spec.loss_fn(ref_out, *inputs)
+    with _reference_precision(reference, pm):
+        ref_out = spec.call(reference, inputs)
+        ref_loss = spec.loss_fn(ref_out, *inputs)
     ref_loss.backward()
 
     with CollectiveCounter() as forward_count:
@@ -252,8 +319,14 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     report.comparisons.append(_compare("loss", _full(out.loss), ref_loss, rtol, atol))
     # the program's outputs leave out the loss when the model returns it (``output.loss``)
     ref_outputs = [t for t in _output_tensors(ref_out) if t is not ref_loss]
+    recast = _outputs_traced_as_no_op_casts(pm)
     for i, (got, want) in enumerate(zip(out.outputs, ref_outputs)):
-        report.comparisons.append(_compare(f"output[{i}]", _full(got), want, rtol, atol))
+        got = _full(got)
+        if i in recast and got.dtype != want.dtype:
+            report.comparisons.append(_compare(f"output[{i}] (traced as a no-op cast: compared as {want.dtype})",
+                                               got.to(want.dtype), want, rtol, atol))
+        else:
+            report.comparisons.append(_compare(f"output[{i}]", got, want, rtol, atol))
     params = pm.named_plan_parameters()
     for name, param in reference.named_parameters():
         if name not in params or param.grad is None:
@@ -267,15 +340,20 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     zero_gradient = _zero_gradients(reference, atol)
     ref_opt = build_optimizer(pm.plan.optimizer, reference.parameters())
     ref_opt.step()
-    pm.optimizer_step()
+    with CollectiveCounter() as optimizer_count:
+        pm.optimizer_step()
+    planned_optimizer = expected_collectives(pm, "optimizer")
+    if planned_optimizer or optimizer_count.counts:
+        report.executed["optimizer"] = dict(optimizer_count.counts)
+        report.planned["optimizer"] = planned_optimizer
     for _ in range(steps - 1):
         ref_opt.zero_grad()
-        spec.loss_fn(spec.call(reference, inputs), *inputs).backward()
+        _reference_loss(spec, reference, pm).backward()
         pm.forward_backward(*inputs)
         ref_opt.step()
         pm.optimizer_step()
     with torch.no_grad():
-        final_ref = spec.loss_fn(spec.call(reference, inputs), *inputs)
+        final_ref = _reference_loss(spec, reference, pm)
         final = pm(*inputs).loss
     label = f"after {steps} {pm.plan.optimizer.name} steps"
     report.comparisons.append(_compare(f"loss {label}", _full(final), final_ref, rtol * 10, atol * 10))

@@ -47,6 +47,7 @@ from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
     to_dtensor_placements, unmask_partial)
+from autoplan.codegen.sharded_state import gradient_placements
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import NodePlan, Plan
 from autoplan.trace.graph import NodeKind, TracedGraph
@@ -119,7 +120,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         arrived = {}
         for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
             before = self.env[a]
-            after = redistribute(before, specs, mesh)
+            after = redistribute(before, specs, mesh, self.program.gradient_targets.get(a.name))
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", spec_text(before.placements), spec_text(after.placements)))
@@ -127,7 +128,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
                     self.program.gathered.remember(after, before, specs)
             if pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos] \
                     and a.name not in self.program.deferred_gradients:
-                after = reduce_gradient_on_edge(before, after)
+                after = reduce_gradient_on_edge(before, after, self.program.gradient_targets.get(a.name))
             arrived[a] = after
         args = torch.fx.node.map_arg(n.args, lambda a: arrived.get(a, self.env[a]))
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived.get(a, self.env[a]))
@@ -199,6 +200,11 @@ class ShardedProgram(torch.nn.Module):
         self.gradient_buckets: BucketedReduction | None = None
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
         self.gathered = GatheredParameters()
+        # parameters (placeholder names) whose edges reduce the gradient into the placements
+        # the plan stores it in rather than the parameter's (ZeRO-2)
+        by_fqn = gradient_placements(plan.storage, self.named_plan_parameters())
+        self.gradient_targets = {name: by_fqn[id(self.tensor(fqn))] for name, fqn in self.placeholder_fqn.items()
+                                 if id(self.tensor(fqn)) in by_fqn}
         self._interpreter = _PlanInterpreter(self)
 
     @staticmethod

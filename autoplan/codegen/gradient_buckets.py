@@ -63,6 +63,9 @@ def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int,
     for name, uses in edges.items():
         fqn = program.placeholder_fqn[name]
         stored = plan.params.get(fqn, ["R"] * len(mesh_shape))
+        storage = plan.storage.get(fqn)
+        if storage is not None and storage.grad != storage.param:  # ZeRO-2: reduce-scattered, not bucketed
+            continue
         tensor = program.tensor(fqn)
         if not (isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad):
             continue

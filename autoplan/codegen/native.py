@@ -236,6 +236,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     """The native program for ``plan`` (DDP or ``parallelize_module``), or ``None`` when the plan
     is not one of the recognised patterns (see the module docstring). ``spec.module`` is not
     modified: the program wraps a copy (on the mesh's device)."""
+    if any(s.grad != s.param or s.optimizer_state != s.param for s in plan.storage.values()):
+        return None  # ZeRO-1/2 runs on the interpreter's sharded optimizer state
     found = recognise(spec, graph, plan)
     if found.kind == "none":
         return None

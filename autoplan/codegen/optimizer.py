@@ -27,10 +27,8 @@ def build_optimizer(spec: OptimizerPlan, params: Iterable[torch.nn.Parameter]) -
 
 def refuse_unsupported(plan: Plan) -> None:
     """One line for the first decision of ``plan`` this program cannot carry out."""
-    if plan.precision.name != "fp32":
-        raise AutoplanError(f"the plan asks for {plan.precision.name} precision and the program trains in fp32 "
-                            f"only: plan with --precision fp32")
     for name, storage in plan.storage.items():
-        if storage.grad != storage.param or storage.optimizer_state != storage.param:
-            raise AutoplanError(f"the plan stores {name}'s gradient or optimizer state unlike the parameter "
-                                f"(ZeRO), which the program does not do yet: plan again")
+        for kind, placements in (("gradient", storage.grad), ("optimizer state", storage.optimizer_state)):
+            if any(p.startswith("P") for p in placements):
+                raise AutoplanError(f"the plan stores {name}'s {kind} as partial sums ({placements}): "
+                                    f"a stored tensor must be R or S(d); plan again")

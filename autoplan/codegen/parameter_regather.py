@@ -12,6 +12,10 @@ placements); the backward unpacks it by running the same gather. The plan lists 
 a backward collective of the edge (``(re-gathered)``), the cost model counts it, and
 ``--check`` counts it among the executed collectives.
 
+Under a bf16 plan (``torch.autocast``, :mod:`autoplan.codegen.precision`) the consumer saves
+autocast's bf16 cast of the gathered parameter, not the parameter: a saved tensor made by a cast
+(``ToCopyBackward0``) of a gathered parameter is packed as the same recipe plus the cast.
+
 Inside a recomputed layer, activation checkpointing's own hooks (innermost) take the saved
 tensors instead: the recomputed forward gathers again, as the plan lists it.
 """
@@ -31,6 +35,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autoplan.codegen.redistribution import redistribute
 
 
+# autograd nodes of views: the tensor they made shares its input's storage
+_VIEW_BACKWARDS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ViewBackward0",
+                             "UnsafeViewBackward0", "ExpandBackward0", "AliasBackward0", "UnsqueezeBackward0",
+                             "SqueezeBackward0", "SqueezeBackward1"})
+
+
 @dataclass(frozen=True)
 class _Regather:
     """A saved view of a gathered parameter, as the recipe that rebuilds it: a DTensor view
@@ -45,6 +55,7 @@ class _Regather:
     local_size: torch.Size
     local_stride: tuple[int, ...]
     local_offset: int
+    dtype: torch.dtype | None  # a cast of the gathered parameter (autocast's): its dtype
 
 
 def _local(t: DTensor) -> torch.Tensor:
@@ -57,6 +68,7 @@ class GatheredParameters:
 
     def __init__(self) -> None:
         self._gathered: dict[StorageWeakRef, tuple[DTensor, list[str]]] = {}
+        self._by_grad_fn: dict[Any, tuple[DTensor, list[str]]] = {}  # autograd node of a gathered one
 
     def remember(self, gathered: Any, param: Any, specs: Sequence[str]) -> None:
         """``gathered`` is ``param`` redistributed to ``specs`` for a consumer."""
@@ -64,6 +76,20 @@ class GatheredParameters:
             key = StorageWeakRef(_local(gathered).untyped_storage())
             if key != StorageWeakRef(_local(param).untyped_storage()):  # not a view of the stored one
                 self._gathered[key] = (param, list(specs))
+                if gathered.grad_fn is not None:
+                    self._by_grad_fn[gathered.grad_fn] = (param, list(specs))
+
+    def _cast_of_gathered(self, t: torch.Tensor) -> tuple[DTensor, list[str]] | None:
+        """The gathered parameter ``t`` is a dtype cast of (or a view of such a cast: autocast's
+        ``linear`` saves the transposed cast), if it is one. The cast keeps the gathered
+        parameter's layout, so ``t``'s place in the cast's storage is its place in the gathered
+        one's."""
+        node = t.grad_fn
+        while node is not None and type(node).__name__ in _VIEW_BACKWARDS and node.next_functions:
+            node = node.next_functions[0][0]
+        if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
+            return None
+        return self._by_grad_fn.get(node.next_functions[0][0])
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._gathered:
@@ -73,12 +99,16 @@ class GatheredParameters:
             entry = self._gathered.get(StorageWeakRef(local.untyped_storage()))
         except (RuntimeError, NotImplementedError):  # a tensor without storage: not a gathered one
             return t
+        dtype = None
         if entry is None:
-            return t
+            entry = self._cast_of_gathered(t)
+            if entry is None:
+                return t
+            dtype = t.dtype
         param, specs = entry
         placements = tuple(t.placements) if isinstance(t, DTensor) else None
         return _Regather(param, specs, placements, t.shape, tuple(t.stride()),
-                         local.size(), tuple(local.stride()), local.storage_offset())
+                         local.size(), tuple(local.stride()), local.storage_offset(), dtype)
 
     def _unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Regather):
@@ -86,6 +116,8 @@ class GatheredParameters:
         mesh = packed.param.device_mesh
         with torch.no_grad():
             full = _local(redistribute(packed.param, packed.specs, mesh))
+            if packed.dtype is not None:
+                full = full.to(packed.dtype)
         local = full.as_strided(packed.local_size, packed.local_stride, packed.local_offset)
         if packed.placements is None:
             return local
@@ -101,3 +133,4 @@ class GatheredParameters:
                 yield
         finally:
             self._gathered.clear()
+            self._by_grad_fn.clear()

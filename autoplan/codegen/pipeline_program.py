@@ -62,7 +62,9 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -70,6 +72,7 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
@@ -77,7 +80,9 @@ from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
-from autoplan.codegen.redistribution import redistribute, to_dtensor_placements
+from autoplan.codegen.precision import compute_precision
+from autoplan.codegen.redistribution import reduce_gradient_on_edge, redistribute, to_dtensor_placements
+from autoplan.codegen.sharded_state import gradient_placements
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
@@ -100,10 +105,14 @@ class _StageModule(torch.nn.Module):
     def __init__(self, index: int, layout: StageLayout, mesh: DeviceMesh, node_plans: dict[str, NodePlan],
                  params: dict[str, torch.Tensor], placeholder_fqn: dict[str, str],
                  constants: dict[str, torch.Tensor], graph_module: torch.fx.GraphModule,
-                 recomputed: Sequence[RecomputedLayer] = ()) -> None:
+                 recomputed: Sequence[RecomputedLayer] = (),
+                 precision: Callable[[], AbstractContextManager] = nullcontext,
+                 gradient_targets: dict[int, tuple[Placement, ...]] | None = None) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
+        self.precision = precision  # the plan's precision, entered by each forward
+        self.gradient_targets = gradient_targets or {}  # id(parameter) -> its gradient's placements (ZeRO-2)
         self.node_plans = node_plans
         self.graph_module = graph_module
         self.nodes = layout.nodes[index]
@@ -142,7 +151,7 @@ class _StageModule(torch.nn.Module):
         for node, attr in self._locals.items():
             env[node] = getattr(self, attr)
         env.update(self._constants)
-        with dispatch_settings(), self.gathered.hooks():
+        with self.precision(), dispatch_settings(), self.gathered.hooks():
             for n in self.nodes:
                 env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
         outs = []
@@ -153,6 +162,8 @@ class _StageModule(torch.nn.Module):
                     value = value.redistribute(self.mesh, replicate)
                 value = value.to_local()
             if isinstance(value, torch.Tensor):
+                # sent as traced: a value the precision computed in bf16 goes out in its model dtype
+                value = value.to(node.meta["val"].dtype)
                 # torch's zero-bubble schedules detach the outputs in place: no views
                 value = value.contiguous()
                 if value._is_view():
@@ -177,10 +188,14 @@ class _StageModule(torch.nn.Module):
             if len(node_plan.inputs) != len(tensor_inputs):
                 raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph has "
                                     f"{len(tensor_inputs)}: the plan is not for this graph")
-            for a, specs in zip(tensor_inputs, node_plan.inputs):
-                arrived[a] = redistribute(env[a], specs, self.mesh)
-                if a in self._locals and regathers_for(n):
-                    self.gathered.remember(arrived[a], env[a], specs)
+            for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
+                target = self.gradient_targets.get(id(env[a])) if a in self._locals else None
+                arrived[a] = redistribute(env[a], specs, self.mesh, target)
+                if a in self._locals:  # a parameter's partial gradient is reduced after the schedule
+                    if regathers_for(n):
+                        self.gathered.remember(arrived[a], env[a], specs)
+                elif pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos]:
+                    arrived[a] = reduce_gradient_on_edge(env[a], arrived[a])  # on the edge, as planned
         args = torch.fx.node.map_arg(n.args, lambda a: arrived[a] if a in arrived else env[a])
         kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: arrived[a] if a in arrived else env[a])
         if node_plan is not None and n.target is not operator.getitem:
@@ -279,11 +294,14 @@ class PipelineProgram(torch.nn.Module):
                 self._local[fqn] = dt
             else:
                 self._local[fqn] = torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad)
+        self.gradient_targets = gradient_placements(plan.storage, self._local)
         constants = ShardedProgram._lifted_constants(graph)
         node_plans = {np_.name: np_ for np_ in plan.nodes}
         self.stage_modules = torch.nn.ModuleList(
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
-                         graph.graph_module, plan.recompute) for s in local_stages)
+                         graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
+                         self.gradient_targets)
+            for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):
         # every rank creates every group, in the same order
@@ -399,6 +417,9 @@ class PipelineProgram(torch.nn.Module):
             g = p.grad
             if not isinstance(g, DTensor) or g.placements == p.placements:
                 continue
+            if id(p) in self.gradient_targets:  # ZeRO-2: reduced into the gradient's own placements
+                p.grad = g.redistribute(p.device_mesh, self.gradient_targets[id(p)])
+                continue
             axes = tuple(i for i, (q, r) in enumerate(zip(g.placements, p.placements)) if q != r)
             if all(isinstance(g.placements[i], Partial) and g.placements[i].reduce_op == "sum"
                    and p.placements[i].is_replicate() for i in axes):
@@ -421,9 +442,14 @@ class PipelineProgram(torch.nn.Module):
         for fqn, group in self._shared:
             p = self._local[fqn]
             g = p.grad
-            local = g.to_local().clone() if g is not None else torch.zeros_like(p.to_local())
+            placements = tuple(self.gradient_targets.get(id(p), p.placements))  # a ZeRO-2 gradient: sharded
+            if g is None:
+                with torch.no_grad():
+                    local = torch.zeros_like(p.detach().redistribute(p.device_mesh, placements).to_local())
+            else:
+                local = g.to_local().clone()
             dist.all_reduce(local, group=group)
-            p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,
+            p.grad = DTensor.from_local(local, p.device_mesh, placements, run_check=False,
                                         shape=p.shape, stride=p.stride())
 
 

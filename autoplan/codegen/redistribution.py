@@ -48,11 +48,13 @@ def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
     return to_dtensor_placements(placements)
 
 
-def redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh) -> Any:
+def redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh,
+                 grad_target: tuple[DPlacement, ...] | None = None) -> Any:
     """Bring one op input to the placements the plan chose for it; in the backward, bring its
-    gradient to the producer's placement (:class:`_PlannedRedistribute`)."""
+    gradient to the producer's placement, or to ``grad_target`` (a parameter whose gradient
+    the plan stores sharded, ZeRO-2) (:class:`_PlannedRedistribute`)."""
     if isinstance(value, DTensor) and value.requires_grad and specs is not None and _changes(value, specs):
-        return _PlannedRedistribute.apply(value, specs, mesh)
+        return _PlannedRedistribute.apply(value, specs, mesh, grad_target)
     return _redistribute_value(value, specs, mesh)
 
 
@@ -76,24 +78,27 @@ class _PlannedRedistribute(torch.autograd.Function):
     backward, reducing it wherever a later step first needs it, often in another collective.)"""
 
     @staticmethod
-    def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh) -> DTensor:  # type: ignore[override]
-        ctx.target = tuple(Replicate() if p.is_partial() else p for p in value.placements)
+    def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh,  # type: ignore[override]
+                grad_target: tuple[DPlacement, ...] | None) -> DTensor:
+        ctx.target = grad_target or tuple(Replicate() if p.is_partial() else p for p in value.placements)
         ctx.mesh = mesh
         return _redistribute_value(value, specs, mesh)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:  # type: ignore[override]
         if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.target:
             # Redistribute gives the gradient's GLOBAL stride to the contiguous LOCAL result of
             # its collective: gradients of transposed values must be made contiguous first
             grad = _contiguous(grad) if not grad.is_contiguous() else grad
             grad = grad.redistribute(ctx.mesh, ctx.target)
-        return grad, None, None
+        return grad, None, None, None
 
 
-def reduce_gradient_on_edge(before: Any, after: Any) -> Any:
+def reduce_gradient_on_edge(before: Any, after: Any, target: tuple[DPlacement, ...] | None = None) -> Any:
     """An edge the forward does not reshard, whose consumer leaves partial gradients: reduce
-    them at once, into the producer's placement (partial → replicated), as the plan costs it.
+    them at once, into the producer's placement (partial → replicated), as the plan costs it,
+    or into ``target`` (a parameter whose gradient the plan stores sharded, ZeRO-2: a
+    reduce-scatter).
 
     DTensor alone would let a partial gradient flow on through the producer's backward
     (views, adds and other ops linear in the gradient keep it partial) and reduce it wherever a
@@ -103,7 +108,8 @@ def reduce_gradient_on_edge(before: Any, after: Any) -> Any:
     :class:`_PlannedRedistribute`.)"""
     if not (after is before and isinstance(after, DTensor) and after.requires_grad):
         return after
-    target = tuple(Replicate() if p.is_partial() else p for p in before.placements)
+    if target is None:
+        target = tuple(Replicate() if p.is_partial() else p for p in before.placements)
     mesh = after.device_mesh
     after = after.view_as(after)
 

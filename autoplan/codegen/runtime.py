@@ -16,16 +16,20 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.dtensor_program import ShardedProgram, build_program
 from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.codegen.optimizer import build_optimizer, refuse_unsupported
+from autoplan.codegen.precision import compute_precision
+from autoplan.codegen.sharded_state import ShardedOptimizerState, gradient_placements
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import Plan
@@ -73,6 +77,7 @@ class PlannedTraining(torch.nn.Module):
 
     plan: Plan
     optimizer: torch.optim.Optimizer
+    sharded_state: ShardedOptimizerState  # the master shards of ZeRO-1/2 parameters
 
     def __init__(self, spec: ModelSpec | None = None) -> None:
         super().__init__()
@@ -89,9 +94,18 @@ class PlannedTraining(torch.nn.Module):
         raise NotImplementedError
 
     def optimizer_step(self) -> None:
-        """The plan's optimizer step, then the gradients are cleared."""
+        """The plan's optimizer step (on the master shards of ZeRO parameters, which then
+        rebuild their parameters), then the gradients are cleared."""
+        self.sharded_state.before_step()
         self.optimizer.step()
+        self.sharded_state.after_step()
         self.optimizer.zero_grad()
+
+    def _build_optimizer(self, program: torch.nn.Module) -> None:
+        """The plan's optimizer over ``program``'s parameters, ZeRO ones by their master shards."""
+        self.sharded_state = ShardedOptimizerState(self.plan.storage, program.named_plan_parameters())
+        params = self.sharded_state.parameters(list(program.parameters()))
+        self.optimizer = build_optimizer(self.plan.optimizer, params)
 
     def train_step(self, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
         """One training step as planned: forward, backward and the optimizer step; returns
@@ -112,12 +126,13 @@ class ParallelModule(PlannedTraining):
         buckets = None
         if isinstance(program, ShardedProgram):
             buckets = program.gradient_buckets = GradientBuckets(program)
+        targets = gradient_placements(plan.storage, program.named_plan_parameters())
         for param in {id(p): p for p in program.parameters()}.values():
             if not param.requires_grad:  # a frozen parameter (Whisper's positions) has no gradient
                 continue
             if buckets is None or not buckets.owns(param):
-                param.register_post_accumulate_grad_hook(_reduce_gradient)
-        self.optimizer = build_optimizer(plan.optimizer, program.parameters())
+                param.register_post_accumulate_grad_hook(partial(_reduce_gradient, targets.get(id(param))))
+        self._build_optimizer(program)
 
     @property
     def mesh(self) -> DeviceMesh:
@@ -128,7 +143,8 @@ class ParallelModule(PlannedTraining):
         if self.device_type != "cpu":
             inputs = tuple(x.to(self.device_type) if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
                            else x for x in inputs)
-        loss, *outputs = self.program(*inputs)
+        with compute_precision(self.plan.precision, self.device_type):
+            loss, *outputs = self.program(*inputs)
         return ParallelOutput(loss, tuple(outputs))
 
     def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
@@ -150,7 +166,7 @@ class PipelinedModule(PlannedTraining):
         super().__init__(spec)
         self.program = program
         self.plan = plan
-        self.optimizer = build_optimizer(plan.optimizer, program.parameters())
+        self._build_optimizer(program)
 
     def forward(self, *inputs: Any, **keyword_inputs: Any) -> ParallelOutput:
         raise AutoplanError("a pipelined plan runs forward and backward together: call pm.train_step(*batch)")
@@ -162,14 +178,17 @@ class PipelinedModule(PlannedTraining):
         return self.program.named_plan_parameters()
 
 
-def _reduce_gradient(param: torch.Tensor) -> None:
+def _reduce_gradient(target: tuple[Placement, ...] | None, param: torch.Tensor) -> None:
     """The planned gradient reduction, in the backward as DDP does it: a gradient left as
     partial sums (a parameter replicated over a batch-sharded mesh axis) is reduced into the
-    parameter's own placement as soon as it is accumulated, so that the optimizer and the
+    parameter's own placement, or into the ``target`` placements the plan stores the gradient
+    in (ZeRO-2: a reduce-scatter), as soon as it is accumulated, so that the optimizer and the
     user see finished gradients."""
     grad = param.grad
-    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
-        param.grad = grad.redistribute(param.device_mesh, param.placements)
+    if isinstance(grad, DTensor) and isinstance(param, DTensor):
+        placements = target if target is not None else param.placements
+        if grad.placements != placements:
+            param.grad = grad.redistribute(param.device_mesh, placements)
 
 
 def decision_digest(plan: Plan) -> str:

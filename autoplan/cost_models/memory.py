@@ -37,13 +37,20 @@ class OptimizerSpec:
         """(param, grad, optimizer-state) bytes per parameter element.
 
         Plain: moments kept in the param dtype, e.g. fp32 Adam -> (4, 4, 8).
-        Mixed precision: 2-byte param and grad, fp32 master copy plus fp32 moments,
-        e.g. Adam -> (2, 2, 12) = 16 bytes per parameter.
+        Mixed precision (bf16 compute under ``torch.autocast``): the parameters are the fp32
+        master weights, their gradients fp32, the moments fp32, e.g. Adam -> (4, 4, 8) = 16
+        bytes per parameter; the bf16 copies the forward computes with are
+        :attr:`compute_copy_bytes`.
         """
-        if self.mixed_precision:
-            return (float(_HALF_BYTES), float(_HALF_BYTES), float(_FP32_BYTES * (1 + self.num_moments)))
-        size = float(param_itemsize)
+        size = float(_FP32_BYTES if self.mixed_precision else param_itemsize)
         return (size, size, size * self.num_moments)
+
+    @property
+    def compute_copy_bytes(self) -> float:
+        """Bytes per parameter element of the copy the forward computes with: under mixed
+        precision autocast's bf16 cast of a weight, which the consumer keeps for its backward;
+        none in full precision, where the consumer keeps the parameter itself."""
+        return float(_HALF_BYTES) if self.mixed_precision else 0.0
 
     def bytes_per_param(self, param_itemsize: int) -> float:
         """Total bytes (param + grad + state) per parameter element."""

@@ -21,6 +21,16 @@ counts the stored shard (parameter, gradient, optimizer state) only: one gathere
 alive at a time, transiently, and is not counted. The gathers run when the consumer needs them
 (no prefetch): nothing overlaps with compute, as in every other collective here.
 
+Optimizer state sharded under a whole parameter (ZeRO-1/2). A trained parameter's storage
+strategy may keep its placement ``p`` and store its optimizer state in ``s``, ``p`` with one
+replicated mesh axis sharded (:attr:`Strategy.state_spec`), and, with one microbatch, its
+reduced gradient in ``s`` too (:attr:`Strategy.grad_spec`). Memory: parameter ``|p|·b_param``,
+gradient ``|g|·b_grad``, state ``|s|·b_state`` (``|x|`` the local elements); the optimizer step
+runs over ``|s|``; once per step the updated shards are all-gathered ``s → p``
+(:func:`sharded_state_steps`, the optimizer phase). The gradient's edges reduce into ``g``
+instead of ``p``: a reduce-scatter where the parameter's reduction is an all-reduce, the same
+bytes on a ring.
+
 Activation checkpointing. A recomputed node (in a layer the plan recomputes,
 ``recompute_regions``) runs its forward once more in the backward, and so does every
 resharding on its inputs (the recomputed forward redistributes again). It keeps its output
@@ -125,10 +135,12 @@ HALF_PRECISION = "bfloat16"
 
 def value_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
     """Bytes per element of a value a step computes, keeps or moves. Under mixed precision a
-    float32 activation (or user input) is bfloat16: the parameters are cast for the forward
-    and backward (FSDP2's ``MixedPrecisionPolicy``) and the values computed from them follow.
-    A parameter keeps its own size: its master copy is float32 and its gradients are reduced
-    in float32."""
+    float32 activation (or user input) is costed as bfloat16: the program's forward runs
+    under ``torch.autocast``, where matrix products compute in bf16 and the values computed
+    from them follow (a value mixing a bf16 result with an fp32 one, such as a residual sum,
+    stays fp32 in the program: the cost model's approximation). A parameter keeps its own
+    size: it is the float32 master, gathered in float32 and cast at its consumer, and its
+    gradients are reduced in float32."""
     if mixed_precision and info.kind != "parameter" and info.dtype.replace("torch.", "") == "float32":
         return 2
     return info.itemsize
@@ -158,18 +170,37 @@ def _local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh
     return float(math.prod(local_shape(shape, spec, mesh_shape))) * itemsize
 
 
-def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable: bool) -> NodeCost:
-    """A parameter, buffer or user input stored in ``spec``."""
+def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable: bool,
+                 grad_spec: ShardingSpec | None = None, state_spec: ShardingSpec | None = None) -> NodeCost:
+    """A parameter, buffer or user input stored in ``spec``. A trained parameter's gradient
+    is kept in ``grad_spec`` and its optimizer state in ``state_spec`` (``None``: as the
+    parameter). Under a sharded state (ZeRO-1/2) the optimizer steps this rank's shard, and
+    the updated shards are all-gathered into the parameter's placement once per step."""
     shape = info.shape or ()
     elements = float(math.prod(local_shape(shape, spec, ctx.mesh_shape)))
     if info.kind == "parameter" and trainable:
         param_b, grad_b, opt_b = ctx.optimizer.state_bytes_per_param(info.itemsize)
-        step = optimizer_step_time(elements, ctx.device, ctx.optimizer, info.itemsize)
-        return NodeCost(optimizer_s=step, memory=MemoryParts(elements * param_b, elements * grad_b, elements * opt_b))
+        param_b += ctx.optimizer.compute_copy_bytes
+        grad_elements = float(math.prod(local_shape(shape, grad_spec or spec, ctx.mesh_shape)))
+        state_elements = float(math.prod(local_shape(shape, state_spec or spec, ctx.mesh_shape)))
+        step = optimizer_step_time(state_elements, ctx.device, ctx.optimizer, info.itemsize)
+        gather = steps_seconds(sharded_state_steps(spec, state_spec, shape, info.itemsize, ctx), ctx)
+        return NodeCost(comm_s=gather, optimizer_s=step,
+                        memory=MemoryParts(elements * param_b, grad_elements * grad_b, state_elements * opt_b))
     if info.kind in ("parameter", "buffer", "constant"):
         return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
     itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
     return NodeCost(memory=MemoryParts(activations=elements * itemsize * ctx.activations_in_flight))
+
+
+def sharded_state_steps(spec: ShardingSpec, state_spec: ShardingSpec | None, shape: tuple[int, ...], itemsize: int,
+                        ctx: CostContext) -> list[CollectiveStep]:
+    """The optimizer phase's collectives of a parameter stored in ``spec`` whose optimizer
+    state is ``state_spec``: the updated shards gathered into the parameter (none when the
+    state is stored as the parameter)."""
+    if state_spec is None or state_spec == spec:
+        return []
+    return reshard_steps(state_spec, spec, shape, itemsize, ctx.mesh_shape)
 
 
 def moved_bytes(info: NodeInfo) -> float:
@@ -213,20 +244,22 @@ def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
 
 
 def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
-               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), whole_axes: frozenset[int] = frozenset()
-               ) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
+               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), whole_axes: frozenset[int] = frozenset(),
+               grad_src: ShardingSpec | None = None) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
     """Forward and backward collectives of an edge whose producer emits ``src`` and whose
     consumer reads ``dst``. The consumer's backward leaves the gradient as partial sums on
     ``partial_axes`` (:attr:`Strategy.partial_grads`); carrying it back into the producer's
     placement reduces it there: an all-reduce into a replicated placement, a reduce-scatter
     into a sharded one (as DTensor's backward does). On ``whole_axes`` the consumer's backward
-    gives the gradient replicated (:attr:`Strategy.whole_grad_axes`)."""
+    gives the gradient replicated (:attr:`Strategy.whole_grad_axes`). A parameter whose
+    gradient is stored in ``grad_src`` (ZeRO-2) has it reduced into that placement instead:
+    a reduce-scatter where the parameter's would be an all-reduce."""
     forward = reshard_steps(src, dst, shape, itemsize, ctx.mesh_shape) if src != dst else []
     backward: list[CollectiveStep] = []
     if carries_grad:
         g_dst = tuple(P if axis in partial_axes else R if axis in whole_axes else p
                       for axis, p in enumerate(_as_gradient_spec(dst)))
-        g_src = _as_gradient_spec(src)
+        g_src = grad_src if grad_src is not None else _as_gradient_spec(src)
         if g_dst != g_src:
             backward = reshard_steps(g_dst, g_src, shape, itemsize, ctx.mesh_shape)
     return forward, backward
@@ -264,21 +297,23 @@ def regather_runs(from_parameter: bool, recomputed: bool, kept: bool) -> int:
 
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
-              whole_axes: frozenset[int] = frozenset(), recomputed: bool = False, kept: bool = False) -> float:
+              whole_axes: frozenset[int] = frozenset(), recomputed: bool = False, kept: bool = False,
+              grad_src: ShardingSpec | None = None) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
     microbatch (twice where the consumer is ``recomputed``); the backward every microbatch,
     except for the gradient of a parameter read as it is stored, which is reduced once per
     step (bucketed, no latency per parameter). A parameter read in another placement is
     resharded every microbatch, and its gradient goes back through that resharding each time;
     where its consumer ``kept`` it for the backward, the backward gathers it again
-    (:func:`regather_runs`)."""
+    (:func:`regather_runs`). ``grad_src``: see :func:`edge_steps`."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes,
-           ctx.parameter_edges if from_parameter else -1, recomputed, kept)
+           ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src)
     cached = ctx.cache.get(key)
     if cached is None:
-        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes)
+        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
+                                       grad_src)
         if from_parameter and src == dst:
             cached = steps_seconds(backward, ctx, bucketed=True)
         else:

@@ -17,7 +17,7 @@ from autoplan.cost_models.step_costs import CostContext
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import Alternative, Plan
-from autoplan.planner.assemble import node_plans, placements, predict, single_stage, solver_stats
+from autoplan.planner.assemble import node_plans, placements, predict, sharded_storage, single_stage, solver_stats
 from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
@@ -108,6 +108,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         microbatches=1,
         schedule="none",
         params=placements(graph, result, ("parameter", "buffer")),
+        storage=sharded_storage(graph, result),
         inputs=placements(graph, result, ("input",)),
         nodes=node_plans(graph, result),
         collectives=collectives,

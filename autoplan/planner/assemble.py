@@ -7,8 +7,9 @@ import math
 
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, backward_reduction_steps, edge_steps,
-    model_flops_utilization, regather_runs, steps_seconds, value_itemsize)
-from autoplan.plan_schema import MemoryEstimate, NodePlan, PlannedCollective, Prediction, SolverStats, StagePlan
+    model_flops_utilization, regather_runs, sharded_state_steps, steps_seconds, value_itemsize)
+from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
+    StagePlan)
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
 from autoplan.sharding import spec_to_json
 from autoplan.trace.graph import TracedGraph
@@ -39,6 +40,13 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     for name, strategy in result.chosen.items():
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
+        info_v = graph.nodes[name]
+        zero = strategy.state_spec is not None
+        for step in sharded_state_steps(strategy.output_spec, strategy.state_spec, info_v.shape or (),
+                                        info_v.itemsize, ctx) if zero else []:  # ZeRO-1/2: the shards gathered
+            seconds += steps_seconds([step], ctx)
+            _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes, f"{where_v} (optimizer state)",
+                 "parameter")
         if result.needs_grad.get(name):
             for step in backward_reduction_steps(graph.nodes[name], strategy):
                 seconds += steps_seconds([step], ctx) * ctx.microbatches
@@ -54,7 +62,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), itemsize,
                                            result.needs_grad[inp], ctx, strategy.partial_axes(pos),
-                                           strategy.whole_grad_axes)
+                                           strategy.whole_grad_axes, src_strategy.grad_spec)
             where = f"{_shown(graph, classes.representative(classes.class_of[inp]))} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
             seconds += steps_seconds(forward, ctx) * ctx.microbatches
@@ -119,6 +127,22 @@ def placements(graph: TracedGraph, result: IntraOpResult, kinds: tuple[str, ...]
             out[info.fqn or name] = spec_to_json(strategy.output_spec)
     for alias, used in graph.tied.items():  # a tied weight is one parameter: report the used name's spec
         if alias in out and used in out:
+            out[alias] = out[used]
+    return out
+
+
+def sharded_storage(graph: TracedGraph, result: IntraOpResult) -> dict[str, ParamStorage]:
+    """The parameters (by FQN, tied names too) whose chosen storage shards the gradient or the
+    optimizer state unlike the parameter (ZeRO-1/2)."""
+    out: dict[str, ParamStorage] = {}
+    for name, strategy in result.chosen.items():
+        info = graph.nodes[name]
+        if info.kind == "parameter" and strategy.state_spec is not None:
+            param = spec_to_json(strategy.output_spec)
+            grad = spec_to_json(strategy.grad_spec) if strategy.grad_spec is not None else param
+            out[info.fqn or name] = ParamStorage(param, grad, spec_to_json(strategy.state_spec))
+    for alias, used in graph.tied.items():
+        if used in out:
             out[alias] = out[used]
     return out
 

@@ -67,7 +67,8 @@ def with_decisions(plan: Plan, options: PlanOptions) -> Plan:
     """Write into ``plan`` what the program must carry out beyond placements."""
     plan.optimizer = options.optimizer_plan()
     plan.precision = PrecisionPlan.named(options.precision)
-    plan.storage = {name: ParamStorage(list(spec), list(spec), list(spec)) for name, spec in plan.params.items()}
+    plan.storage = {name: plan.storage.get(name) or ParamStorage(list(spec), list(spec), list(spec))
+                    for name, spec in plan.params.items()}
     plan.options = options.to_dict()
     return plan
 

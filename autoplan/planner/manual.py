@@ -7,7 +7,8 @@ parallelism); over the ``fsdp`` axis the batch is sharded too and every paramete
 sharded, gathered at use (FSDP / ZeRO-3; ``dp`` and ``fsdp`` together, HSDP, are refused: a plan
 shards a dim over one mesh axis at most, and the batch would need two); over the
 ``tp`` axis every weight matrix is sharded and used in place, as a column or a row of a
-Megatron pair (:func:`manual_rule`).
+Megatron pair (:func:`manual_rule`). ``zero=1`` shards each trained parameter's optimizer state
+over the ``dp`` axis, ``zero=2`` its reduced gradient too (ZeRO-1/2).
 Within those rules the intra-op ILP picks the rest. The result is recorded as an alternative
 with its predicted figures, or why it is infeasible.
 """
@@ -34,12 +35,13 @@ from autoplan.planner.pipeline import (
     trace_microbatch,
 )
 from autoplan.sharding import ShardingSpec
+from autoplan.strategies.candidates import Strategy
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.trace.graph import NodeInfo, TracedGraph
 from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 
-_KEYS = ("dp", "fsdp", "tp", "pp", "microbatches", "schedule", "ac", "precision")
+_KEYS = ("dp", "fsdp", "tp", "pp", "microbatches", "schedule", "ac", "precision", "zero")
 _CHECKPOINTING = ("full", "none")  # ac=: every layer recomputed in the backward, or none
 
 
@@ -57,6 +59,7 @@ class ManualPlan:
     microbatches: int = 1
     ac: str = "none"
     precision: str | None = None  # fp32 or bf16; None: the run's own
+    zero: int = 0  # over the dp axis: 1 shards the optimizer state, 2 the reduced gradients too
 
     def options(self, options: PlannerOptions) -> PlannerOptions:
         """``options`` with this plan's precision, where it names one."""
@@ -69,8 +72,9 @@ class ManualPlan:
         checkpointing = f",ac={self.ac}" if self.ac != "none" else ""
         sharded = f",fsdp={self.fsdp}" if self.fsdp > 1 else ""
         precision = f",precision={self.precision}" if self.precision else ""
+        zero = f",zero={self.zero}" if self.zero else ""
         return (f"manual dp={self.dp}{sharded},tp={self.tp},pp={self.pp},microbatches={self.microbatches}"
-                f"{checkpointing}{precision}")
+                f"{zero}{checkpointing}{precision}")
 
     @property
     def mesh(self) -> tuple[int, ...]:
@@ -103,11 +107,26 @@ def parse_manual(text: str) -> ManualPlan:
                 raise AutoplanError(f"--manual ac={value}: use ac=full (every layer recomputed) or ac=none"
                                     + (" (selective checkpointing is not costed yet)" if value == "selective" else ""))
             values[key] = value.lower()
+        elif key == "zero":
+            if value not in ("1", "2"):
+                raise AutoplanError(f"--manual zero={value}: use zero=1 (optimizer state sharded over dp) or zero=2 "
+                                    f"(gradients too); zero=3 is fsdp=")
+            values[key] = int(value)
         elif not value.isdigit() or int(value) < 1:
             raise AutoplanError(f"--manual {key}={value}: must be a positive integer")
         else:
             values[key] = int(value)
-    return ManualPlan(**values)  # type: ignore[arg-type]
+    manual = ManualPlan(**values)  # type: ignore[arg-type]
+    if manual.zero and manual.dp < 2:
+        raise AutoplanError(f"--manual zero={manual.zero} shards over the dp axis: give dp=2 or more")
+    if manual.pp > 1 and manual.microbatches < manual.pp and manual.schedule != "gpipe":
+        raise AutoplanError(f"--manual pp={manual.pp} with microbatches={manual.microbatches}: torch's "
+                            f"{manual.schedule} schedule needs at least one microbatch per stage; give "
+                            f"microbatches={manual.pp} or more, or schedule=gpipe")
+    if manual.zero == 2 and manual.microbatches > 1:
+        raise AutoplanError("--manual zero=2 reduce-scatters each step's gradient once, which accumulating "
+                            "microbatches would repeat: use zero=1 with microbatches")
+    return manual
 
 
 def _batched_values(graph: TracedGraph) -> frozenset[str]:
@@ -132,7 +151,7 @@ def _tensor_parallel_weights(graph: TracedGraph, tp: int) -> frozenset[str]:
                      and any(d % tp == 0 for d in info.shape))
 
 
-def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
+def manual_rule(graph: TracedGraph, manual: ManualPlan) -> ManualStorageRule | None:
     """What the labels of a manual plan promise, as a rule on placements (None: no rule).
 
     Data parallelism over the ``dp`` axis: parameters are replicated there, and user inputs
@@ -184,7 +203,28 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
                     return False
         return True
 
-    return allow
+    return ManualStorageRule(allow, manual.zero, dp_axis)
+
+
+@dataclass(frozen=True)
+class ManualStorageRule:
+    """A manual plan's rule on placements (:func:`manual_rule`), and with ``zero`` the sharded
+    optimizer state (and, for 2, gradients) it requires over the ``dp`` axis of every trained
+    parameter that axis divides (:meth:`sharded_state`)."""
+
+    allow: StorageRule
+    zero: int = 0
+    dp_axis: int | None = None
+
+    def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
+        return self.allow(info, spec)
+
+    def sharded_state(self, strategy: Strategy) -> bool:
+        """Whether a parameter's ZeRO strategy is the one the plan names."""
+        state = strategy.state_spec
+        if not self.zero or self.dp_axis is None or state is None or not state[self.dp_axis].is_shard:
+            return False
+        return (strategy.grad_spec is not None) == (self.zero == 2)
 
 
 def manual_layer_count(spec: ModelSpec) -> int:

@@ -12,7 +12,8 @@ To keep the ILP small, nodes share decision variables in three ways before it is
    asks for. Where the fastest such plan does not fit the memory budget, a trained parameter
    keeps its own decision instead: stored as its consumer reads it, or sharded over an axis
    where the consumer reads it whole and gathered at use (ZeRO-3 / FSDP), which only memory
-   makes worth its gathers (:func:`_solve`).
+   makes worth its gathers, each with or without its optimizer state (and gradient) sharded
+   where the parameter is replicated (ZeRO-1/2) (:func:`_solve`).
 
 Each ILP *group* is then a root class plus the classes that follow it, with a map from the
 group's choice to each member class's strategy. The ILP (see :mod:`autoplan.solvers.intra_op`)
@@ -33,8 +34,8 @@ from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost
     edge_steps, steps_seconds, storage_cost, value_itemsize)
 from autoplan.sharding import R, ShardingSpec
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
-from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy, storage_strategies,
-    strategy_name)
+from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy,
+    sharded_state_strategies, storage_strategies, strategy_name)
 from autoplan.strategies.index_maps import index_map_for, op_name
 from autoplan.trace.graph import NodeInfo, NodeKind, TracedGraph
 from autoplan.trace.repeated import NodeClasses, split_classes
@@ -138,6 +139,9 @@ def _output_class_strategies(mesh_ndim: int, num_inputs: int) -> ClassStrategies
     return ClassStrategies("output", [Strategy(strategy_name(specs, ()), specs, (), 1)], [NodeCost()])
 
 
+# may a value be stored (or an op produce it) in a spec; a rule with a ``sharded_state(strategy)``
+# method (a manual plan's) also names the ZeRO strategy its parameters must take (none: plain
+# storage), where without one the ZeRO strategies are choices
 StorageRule = Callable[[NodeInfo, ShardingSpec], bool]
 
 
@@ -162,7 +166,16 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
             strategies = [s for s in strategies if allow_storage(info, s.output_spec)] or strategies[:1]
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
-        costs = [storage_cost(info, s.output_spec, ctx, trainable=view.needs_grad[name]) for s in strategies]
+        if _trained_parameter(view, name):  # ZeRO-1/2 (gradients: one microbatch)
+            variants = [v for s in strategies for v in sharded_state_strategies(
+                s, info.shape or (), mesh_shape, gradients=ctx.microbatches == 1)]
+            required = getattr(allow_storage, "sharded_state", None)
+            if required is None:  # a free choice
+                strategies = strategies + variants
+            else:  # a rule that names a sharded state (--manual zero=) requires it where it exists
+                strategies = [v for v in variants if required(v)] or strategies
+        costs = [storage_cost(info, s.output_spec, ctx, view.needs_grad[name], s.grad_spec, s.state_spec)
+                 for s in strategies]
         return ClassStrategies("storage", strategies, costs)
     input_names = view.inputs[name]
     input_infos = [view.graph.nodes[i] for i in input_names]
@@ -232,7 +245,11 @@ def _trained_parameter(view: _GraphView, name: str) -> bool:
 def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], gathered_storage: bool) -> Grouping:
     n = classes.num_classes
     group_of = list(range(n))
-    choice_map = [list(range(len(strat[c].strategies))) for c in range(n)]
+    # sharded optimizer state (ZeRO-1/2) is a choice only beside gathered storage (or the only one)
+    choice_map = []
+    for c in range(n):
+        plain = [j for j, s in enumerate(strat[c].strategies) if s.state_spec is None]
+        choice_map.append(list(range(len(strat[c].strategies))) if gathered_storage or not plain else plain)
     followers: dict[int, list[int]] = {}  # root -> the classes that follow it
 
     def attach(cls: int, target: int, pick: Callable[[int], int | None]) -> bool:
@@ -300,7 +317,7 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies],
         if len(consumers) != 1 or not per_member:
             continue
         consumer, pos = consumers.pop()
-        index = {s.output_spec: i for i, s in enumerate(strat[cls].strategies)}
+        index = {s.output_spec: i for i, s in enumerate(strat[cls].strategies) if s.state_spec is None}
         attach(cls, consumer, lambda i: index.get(strat[consumer].strategies[i].input_specs[pos]))
 
     roots = sorted({group_of[c] for c in range(n)})
@@ -328,7 +345,8 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
         grad = view.needs_grad[classes.representative(u)]
         gu, gv = grouping.group_of[u], grouping.group_of[v]
         from_parameter = src_info.kind == "parameter"
-        src_specs = tuple(strat[u].strategies[j].output_spec for j in grouping.choice_map[u])
+        sources = (strat[u].strategies[j] for j in grouping.choice_map[u])
+        src_specs = tuple((s.output_spec, s.grad_spec) for s in sources)
         reads = tuple((s.input_specs[pos], s.partial_axes(pos), s.whole_grad_axes)
                       for s in (strat[v].strategies[j] for j in grouping.choice_map[v]))
         recomputed = ctx.region_of(classes.representative(v)) is not None
@@ -343,20 +361,21 @@ def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStra
     return IntraOpProblem(costs, memory, edges, memory_budget, names, choice_names)
 
 
-def _edge_matrix(src_specs: tuple[ShardingSpec, ...],
+def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...],
                  reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
                  shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool,
                  recomputed: bool = False, kept: bool = False) -> list[list[float]]:
-    """Seconds of one edge for every producer spec × consumer read (its spec, partial and
-    whole gradient axes), memoised whole in ``ctx.cache``: the edges between ops of one kind
-    repeat within a layer and across the layers planned on one mesh."""
+    """Seconds of one edge for every producer (its spec, and its gradient's where stored
+    unlike it) × consumer read (its spec, partial and whole gradient axes), memoised whole in
+    ``ctx.cache``: the edges between ops of one kind repeat within a layer and across the
+    layers planned on one mesh."""
     key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
            ctx.parameter_edges if from_parameter else -1, recomputed, kept)
     matrix = ctx.cache.get(key)
     if matrix is None:
         matrix = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
-                                                     whole, recomputed, kept)
-                   for dst, partial, whole in reads] for src in src_specs]
+                                                     whole, recomputed, kept, grad_src)
+                   for dst, partial, whole in reads] for src, grad_src in src_specs]
         ctx.cache[key] = matrix
     return matrix
 
@@ -388,8 +407,10 @@ def _solve(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies],
     the gathers cost), so it is searched where memory needs it: the fastest plan with every
     trained parameter stored as its consumer reads it is found first, and where that plan
     does not fit the budget the problem is solved again with gathered storage among the
-    choices (:func:`_group`). A plan that fits without it may rarely be beaten by one that
-    gathers for the optimizer's sake alone; that plan is not searched."""
+    choices (:func:`_group`), and with it the parameters' sharded optimizer state (ZeRO-1/2:
+    one all-gather per step, a reduce-scatter for an all-reduce). A plan that fits without
+    them may be beaten by one that shards for the optimizer's sake alone (a ZeRO-2 step can
+    cost less than a replicated one); that plan is not searched."""
     grouping = _group(view, classes, strat, gathered_storage=False)
     problem = _build_problem(view, classes, strat, grouping, ctx, None)
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)

@@ -27,12 +27,6 @@ if TYPE_CHECKING:
 
 PrecisionName = Literal["fp32", "bf16"]
 
-# What the emitted program cannot carry out yet: planning for it needs plan_only=True.
-UNSUPPORTED_BY_PROGRAM = {
-    "precision": "bf16 compute is costed, but the emitted program trains in fp32 only",
-}
-
-
 @dataclass(frozen=True)
 class PlannerOptions:
     """How to plan: the cluster, the meshes to try, the memory budget and the solver."""
@@ -67,11 +61,11 @@ class PlanOptions:
     :class:`ClusterSpec`; ``mesh``: pin the logical mesh (of a pipeline stage's devices when
     ``stages`` is given); ``memory_per_device`` (bytes or ``"40GB"``) and ``devices_per_node``
     override the cluster's. ``optimizer`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with
-    ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision`` is
-    costed, and a precision other than fp32 refused unless ``plan_only`` while the program
-    cannot run it. ``recompute``: activation checkpointing, ``"auto"`` (the planner recomputes
-    layers in the backward where memory needs it), ``"all"`` (every layer that may be; also
-    ``True``) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
+    ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision``
+    (``fp32``, ``bf16``: bf16 compute under ``torch.autocast`` with fp32 master weights,
+    gradients and optimizer state) is costed and run. ``recompute``: activation checkpointing,
+    ``"auto"`` (the planner recomputes layers in the backward where memory needs it),
+    ``"all"`` (every layer that may be; also ``True``) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
@@ -153,11 +147,6 @@ class PlanOptions:
         object.__setattr__(self, "cluster_spec", base.with_overrides(devices_per_node=self.devices_per_node,
                                                                      memory_per_device=memory))
         object.__setattr__(self, "manual", tuple(self.manual))
-        if not self.plan_only:
-            asked = [UNSUPPORTED_BY_PROGRAM["precision"]] if self.precision != "fp32" else []
-            if asked:
-                raise AutoplanError(f"{'; '.join(asked)}: plan with plan_only=True (--plan-only) to cost it "
-                                    f"without a program")
 
     def optimizer_plan(self) -> OptimizerPlan:
         """The optimizer with its hyper-parameters: torch's defaults where none was given."""

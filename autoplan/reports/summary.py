@@ -60,14 +60,22 @@ def _recompute_lines(plan: Plan) -> list[str]:
 
 
 def _gathered_lines(plan: Plan) -> list[str]:
-    """The parameters stored sharded and gathered at use (FSDP / ZeRO-3)."""
-    gathers = [c for c in plan.collectives if c.tensor == "parameter" and c.kind == "all_gather"]
-    if not gathers:
-        return []
-    again = sum(c.count for c in gathers if c.phase == "backward")
-    return ["", f"parameters gathered at use (FSDP / ZeRO-3): "
-                f"{sum(c.count for c in gathers if c.phase == 'forward')} gathers per step in the forward, "
-                f"{again} again in the backward"]
+    """The parameters stored sharded and gathered at use (FSDP / ZeRO-3), and those whose
+    optimizer state (and gradient) alone is sharded (ZeRO-1/2)."""
+    gathers = [c for c in plan.collectives if c.tensor == "parameter" and c.kind == "all_gather"
+               and c.phase != "optimizer"]
+    lines = []
+    if gathers:
+        again = sum(c.count for c in gathers if c.phase == "backward")
+        lines += ["", f"parameters gathered at use (FSDP / ZeRO-3): "
+                      f"{sum(c.count for c in gathers if c.phase == 'forward')} gathers per step in the forward, "
+                      f"{again} again in the backward"]
+    sharded = [s for s in plan.storage.values() if s.optimizer_state != s.param]
+    if sharded:
+        zero2 = sum(1 for s in sharded if s.grad != s.param)
+        lines += ["", f"optimizer state sharded under whole parameters: {len(sharded) - zero2} parameters (ZeRO-1), "
+                      f"{zero2} with their gradients too (ZeRO-2); the optimizer step all-gathers them"]
+    return lines
 
 
 def _prediction_line(p: Prediction) -> str:

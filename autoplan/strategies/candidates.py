@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import fx
 
@@ -37,6 +37,9 @@ class Strategy:
     sharded work). ``backward_reductions`` are the mesh axes on which the op's own backward
     all-reduces a scalar (the target count of a mean loss whose batch is sharded);
     ``whole_grad_axes`` those on which every input's gradient comes back replicated.
+    A stored parameter's strategy may shard what the optimizer holds unlike the parameter:
+    ``state_spec`` for its optimizer state (ZeRO-1), ``grad_spec`` for its reduced gradient
+    too (ZeRO-2); ``None`` keeps them as the parameter.
     """
 
     name: str
@@ -46,6 +49,8 @@ class Strategy:
     partial_grads: tuple[tuple[int, int], ...] = ()
     backward_reductions: tuple[int, ...] = ()
     whole_grad_axes: frozenset[int] = frozenset()
+    grad_spec: ShardingSpec | None = None
+    state_spec: ShardingSpec | None = None
 
     @property
     def output_spec(self) -> ShardingSpec:
@@ -165,6 +170,27 @@ def tensor_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Sh
 def storage_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Strategy]:
     """Strategies of a placeholder: one per spec it may be stored in."""
     return [Strategy(spec_name(spec), (), (spec,), 1) for spec in tensor_specs(shape, mesh_shape)]
+
+
+def sharded_state_strategies(stored: Strategy, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
+                             gradients: bool) -> list[Strategy]:
+    """ZeRO-1 (and, with ``gradients``, ZeRO-2) variants of a trained parameter ``stored`` as
+    ``stored.output_spec``: on each mesh axis where the parameter is replicated, its optimizer
+    state (and reduced gradient) sharded on the first dim that axis may shard."""
+    spec = stored.output_spec
+    valid = set(tensor_specs(shape, mesh_shape))
+    out = []
+    for axis, placement in enumerate(spec):
+        if placement != R or mesh_shape[axis] < 2:
+            continue
+        sharded = next((s for s in (spec[:axis] + (S(d),) + spec[axis + 1:] for d in range(len(shape)))
+                        if s in valid), None)
+        if sharded is None:
+            continue
+        out.append(replace(stored, name=f"{stored.name} zero1@{axis}", state_spec=sharded))
+        if gradients:
+            out.append(replace(stored, name=f"{stored.name} zero2@{axis}", grad_spec=sharded, state_spec=sharded))
+    return out
 
 
 def tensor_input_nodes(node: fx.Node) -> list[fx.Node]:

@@ -10,9 +10,9 @@ from autoplan.cost_models import ALL_REDUCE, BROADCAST, LinkSpec, collective_tim
 from autoplan.cost_models.step_costs import is_floating, model_flops_utilization
 from autoplan.errors import MemoryInfeasibleError
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import MemoryEstimate, Plan, PlannedCollective, Prediction, StagePlan
+from autoplan.plan_schema import MemoryEstimate, ParamStorage, Plan, PlannedCollective, Prediction, StagePlan
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.assemble import node_plans, placements, predict, solver_stats
+from autoplan.planner.assemble import node_plans, placements, predict, sharded_storage, solver_stats
 from autoplan.planner.mesh_plan import emit_warnings
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.exact import stage_results
@@ -35,6 +35,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     link = link_between_stages(options, candidate.submesh)
     crossing = cut_bytes(graph, layers, options.optimizer.mixed_precision)
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
+    storage: dict[str, ParamStorage] = {}
     latencies, memories, computes, comms, kinds = [], [], [], [], []
     for index, ((start, end), (sub, result, ctx)) in enumerate(zip(candidate.cuts, results)):
         prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
@@ -59,6 +60,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         nodes += node_plans(sub, result)
         stage_params = placements(sub, result, ("parameter", "buffer"))
         params.update(stage_params)
+        storage.update(sharded_storage(sub, result))
         for name, spec_ in placements(sub, result, ("input",)).items():
             inputs.setdefault(name, spec_)
         size, rank = candidate.submesh.size, index % candidate.ranks
@@ -86,7 +88,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     return Plan(
         graph_hash=graph.graph_hash, devices=options.devices, cluster=options.cluster.to_dict(),
         mesh=list(candidate.meshes[0]), stages=stage_plans, microbatches=candidate.microbatches,
-        schedule=schedule if len(stage_plans) > 1 or candidate.microbatches > 1 else "none", params=params, inputs=inputs, nodes=nodes,
+        schedule=schedule if len(stage_plans) > 1 or candidate.microbatches > 1 else "none", params=params,
+        storage=storage, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name, batch_coupling=coupling,
         recompute=recomputed_layers(layers[i] for i in sorted(candidate.recomputed)))

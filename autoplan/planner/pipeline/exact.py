@@ -78,6 +78,10 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
             return spec == stored[info.fqn]
         return options.allow_storage is None or options.allow_storage(info, spec)
 
+    sharded_state = getattr(options.allow_storage, "sharded_state", None)
+    if sharded_state is not None:  # the ZeRO strategies the options' rule names
+        allow_storage.sharded_state = sharded_state  # type: ignore[attr-defined]
+
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)

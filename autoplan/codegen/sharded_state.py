@@ -1,0 +1,88 @@
+"""ZeRO-1 and ZeRO-2: a parameter's optimizer state (and gradient) stored sharded under a
+parameter the forward reads whole, carried out with DTensor placements.
+
+The plan's :class:`~autoplan.plan_schema.ParamStorage` gives, per parameter, three placements:
+the parameter, its gradient after the reduction and its optimizer state. Where the optimizer
+state's differs from the parameter's (ZeRO-1), the optimizer steps a *master shard*: a DTensor
+in the state's placements holding this rank's part of the parameter (taken from the parameter
+by a local slice, no communication). Before the step the reduced gradient is brought into the
+state's placements (a local slice of a replicated gradient; nothing for a gradient reduced
+straight into them), the optimizer updates the shard and its moments, and the parameter is
+rebuilt from the updated shards with DTensor's all-gather: the planned optimizer-phase
+collective. Where the gradient's placements differ too (ZeRO-2), the backward reduces the
+gradient's partial sums straight into them, a reduce-scatter instead of an all-reduce, so no
+rank holds a whole reduced gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
+
+from autoplan.codegen.redistribution import to_dtensor_placements
+from autoplan.plan_schema import ParamStorage
+
+
+def sharded_storage(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
+                    ) -> dict[str, ParamStorage]:
+    """The parameters of ``params`` (by FQN) whose plan storage shards the gradient or the
+    optimizer state unlike the parameter; one FQN per parameter object."""
+    out: dict[str, ParamStorage] = {}
+    seen: set[int] = set()
+    for fqn, param in params.items():
+        storage = plan_storage.get(fqn)
+        if storage is None or id(param) in seen or not isinstance(param, DTensor) or not param.requires_grad:
+            continue
+        if storage.grad != storage.param or storage.optimizer_state != storage.param:
+            out[fqn] = storage
+            seen.add(id(param))
+    return out
+
+
+def gradient_placements(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
+                        ) -> dict[int, tuple[Placement, ...]]:
+    """``id(parameter)`` → the placements the backward reduces its gradient into, for the
+    parameters whose gradient is stored unlike the parameter (ZeRO-2)."""
+    return {id(params[fqn]): tuple(to_dtensor_placements(storage.grad))
+            for fqn, storage in sharded_storage(plan_storage, params).items() if storage.grad != storage.param}
+
+
+class ShardedOptimizerState:
+    """The master shards of the ZeRO parameters of ``params`` and the step around them; see
+    the module docstring. :meth:`parameters` replaces those parameters by their shards in the
+    list the optimizer is built over."""
+
+    def __init__(self, plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]) -> None:
+        self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (parameter, master shard)
+        for fqn, storage in sharded_storage(plan_storage, params).items():
+            param = params[fqn]
+            placements = to_dtensor_placements(storage.optimizer_state)
+            with torch.no_grad():  # its own memory: the step must not write into the parameter
+                shard = param.detach().redistribute(param.device_mesh, placements).clone()
+            self._pairs.append((param, torch.nn.Parameter(shard)))
+        self._masters = {id(p): m for p, m in self._pairs}
+
+    def __len__(self) -> int:
+        return len(self._pairs)
+
+    def parameters(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """``params`` with each ZeRO parameter replaced by its master shard."""
+        return [self._masters.get(id(p), p) for p in params]
+
+    def before_step(self) -> None:
+        """Hand each reduced gradient to its master shard, in the state's placements."""
+        for param, master in self._pairs:
+            grad = param.grad
+            param.grad = None
+            if grad is not None:
+                master.grad = grad.redistribute(master.device_mesh, master.placements)
+
+    def after_step(self) -> None:
+        """Rebuild each parameter from the updated shards (the planned all-gathers)."""
+        with torch.no_grad():
+            for param, master in self._pairs:
+                whole = master.detach().redistribute(param.device_mesh, param.placements)
+                param.to_local().copy_(whole.to_local())

@@ -1,0 +1,63 @@
+"""bf16 plans run what they cost: the forward under ``torch.autocast`` (bf16 matrix products),
+fp32 master weights, gradients and optimizer state; ``--check`` runs the single-device
+reference under the same policy and compares at bf16 tolerances, dtypes included. Data, tensor
+and fully-sharded data parallelism, checkpointed and pipelined, on 2 and 4 gloo processes, with
+every gather and re-gather of a parameter counted (autocast's weight casts are re-gathered,
+not kept)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from autoplan.codegen.check import _compare
+from autoplan.codegen.precision import check_tolerances, compute_precision
+from autoplan.plan_schema import Plan, PrecisionPlan
+from autoplan.planner.front_door import with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
+from autoplan.planner.options import PlanOptions
+from launcher import ROOT, assert_checks_passed, launch_worker, write_check_cases
+
+sys.path.insert(0, str(ROOT / "tests"))
+from test_fsdp import _spec  # noqa: E402
+
+
+def _bf16(name: str, text: str, devices: int) -> Plan:
+    options = PlanOptions(devices, "cpu", precision="bf16")
+    return with_decisions(plan_manual(_spec(name), options.planner_options(), parse_manual(text)), options)
+
+
+def test_precision_policy_and_tolerances() -> None:
+    fp32, bf16 = PrecisionPlan.named("fp32"), PrecisionPlan.named("bf16")
+    with compute_precision(fp32, "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+    with compute_precision(bf16, "cpu"):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.bfloat16
+    assert check_tolerances(bf16)[0] > check_tolerances(fp32)[0]
+    # a program that computed in another dtype than the reference fails the check, whatever the values
+    same = torch.ones(3)
+    assert not _compare("output[0]", same, same.bfloat16(), 1.0, 1.0).ok
+    assert _compare("output[0]", same, same.clone(), 0.0, 0.0).ok
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_bf16_programs_pass_check(world: int, tmp_path) -> None:
+    cases = {
+        2: {"nanogpt fsdp bf16": ("nanogpt", "fsdp=2"), "llama tp bf16": ("llama", "tp=2"),
+            "gpt2 data parallel checkpointed bf16": ("gpt2", "dp=2,ac=full")},
+        4: {"gpt2 fsdp x tp bf16": ("gpt2", "fsdp=2,tp=2"),
+            "llama 2 stages x fsdp checkpointed bf16": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full")},
+    }[world]
+    plans = {label: (model, _bf16(model, text, world)) for label, (model, text) in cases.items()}
+    for label, (_, plan) in plans.items():
+        assert plan.precision.name == "bf16", label
+    regathered = [label for label, (_, plan) in plans.items()
+                  if any(c.where.endswith("(re-gathered)") for c in plan.collectives)]
+    assert regathered  # the weight casts autocast saves are re-gathered in the backward, and counted
+    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600)
+    assert_checks_passed(results, plans)
+    for label in plans:
+        assert "(bf16 under torch.autocast, the reference too)" in results[0][label]["text"]

@@ -1,0 +1,93 @@
+"""ZeRO-1 and ZeRO-2: a trained parameter's optimizer state (and reduced gradient) stored
+sharded under a parameter the forward reads whole.
+
+The strategies and their costs (the state's memory divided, one all-gather per step after the
+optimizer, a reduce-scatter where ZeRO-2 stores the gradient sharded); ``--manual zero=`` and
+its refusals; and programs that pass ``--check`` on 2 and 4 gloo processes (1-D and 2x2 meshes,
+accumulated microbatches, a pipeline, checkpointing, bf16), with the optimizer step's
+all-gathers counted beside the plan's."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from autoplan.cost_models import LinkSpec, OptimizerSpec, load_cluster
+from autoplan.cost_models.step_costs import CostContext, edge_steps, storage_cost
+from autoplan.errors import AutoplanError
+from autoplan.plan_schema import Plan
+from autoplan.planner.front_door import with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
+from autoplan.planner.options import PlanOptions
+from autoplan.sharding import P, R, S
+from autoplan.strategies.candidates import sharded_state_strategies, storage_strategies
+from autoplan.trace.graph import NodeInfo
+from launcher import ROOT, assert_checks_passed, launch_worker, write_check_cases
+
+sys.path.insert(0, str(ROOT / "tests"))
+from test_fsdp import _spec  # noqa: E402
+
+
+def test_sharded_state_strategies_and_their_costs() -> None:
+    weight = NodeInfo("w", "parameter", "", (64, 32), "float32", 4, 0.0, 0.0, "", "", (), fqn="w")
+    replicated = next(s for s in storage_strategies(weight.shape, (4,)) if s.output_spec == (R,))
+    variants = sharded_state_strategies(replicated, weight.shape, (4,), gradients=True)
+    zero1, zero2 = variants
+    assert (zero1.state_spec, zero1.grad_spec) == ((S(0),), None)
+    assert (zero2.state_spec, zero2.grad_spec) == ((S(0),), (S(0),))
+    assert sharded_state_strategies(replicated, weight.shape, (4,), gradients=False) == [zero1]
+    ctx = CostContext((4,), (LinkSpec(1e9, 1e-5),), load_cluster("h100").device, OptimizerSpec("adamw"))
+    plain = storage_cost(weight, (R,), ctx, True)
+    one = storage_cost(weight, (R,), ctx, True, zero1.grad_spec, zero1.state_spec)
+    two = storage_cost(weight, (R,), ctx, True, zero2.grad_spec, zero2.state_spec)
+    assert one.memory.optimizer == plain.memory.optimizer / 4 and one.memory.grads == plain.memory.grads
+    assert two.memory.grads == plain.memory.grads / 4 and two.memory.params == plain.memory.params
+    assert plain.comm_s == 0 < one.comm_s == two.comm_s  # the updated shards all-gathered once per step
+    assert one.optimizer_s == pytest.approx(plain.optimizer_s / 4)
+    # the backward reduces a partial gradient into the parameter (all-reduce) or, ZeRO-2, into its shard
+    _, into_param = edge_steps((R,), (R,), weight.shape, 4, True, ctx, frozenset({0}))
+    _, into_shard = edge_steps((R,), (R,), weight.shape, 4, True, ctx, frozenset({0}), grad_src=zero2.grad_spec)
+    assert [s.kind for s in into_param] == ["all_reduce"] and [s.kind for s in into_shard] == ["reduce_scatter"]
+    assert P not in zero2.grad_spec
+
+
+def test_manual_zero_is_read_and_refused_in_one_line() -> None:
+    assert parse_manual("dp=4,zero=2").zero == 2
+    assert "zero=1" in parse_manual("dp=2,zero=1,microbatches=4").label
+    assert parse_manual("dp=2,pp=2,schedule=gpipe").microbatches == 1  # GPipe runs one microbatch
+    for text, needle in (("dp=2,zero=3", "zero=3 is fsdp="), ("zero=1", "give dp=2 or more"),
+                         ("dp=2,zero=2,microbatches=2", "use zero=1 with microbatches"),
+                         ("dp=2,pp=2", "needs at least one microbatch per stage")):
+        with pytest.raises(AutoplanError, match=f"^[^\\n]*{needle}[^\\n]*$"):
+            parse_manual(text)
+
+
+def _manual(name: str, text: str, devices: int, precision: str = "fp32") -> Plan:
+    options = PlanOptions(devices, "cpu", precision=precision)
+    return with_decisions(plan_manual(_spec(name), options.planner_options(), parse_manual(text)), options)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zero_programs_pass_check(world: int, tmp_path) -> None:
+    cases = {
+        2: {"nanogpt zero-1": ("nanogpt", "dp=2,zero=1", "fp32"),
+            "llama zero-2 bf16": ("llama", "dp=2,zero=2", "bf16"),
+            "nanogpt zero-1 accumulated": ("nanogpt", "dp=2,zero=1,microbatches=2", "fp32")},
+        4: {"gpt2 zero-2 x tp": ("gpt2", "dp=2,tp=2,zero=2", "fp32"),
+            "llama 2 stages x zero-1 checkpointed": ("llama", "dp=2,pp=2,microbatches=2,zero=1,ac=full", "fp32"),
+            "nanogpt 2 stages x zero-2, tied weights": ("nanogpt", "dp=2,pp=2,zero=2,schedule=gpipe", "fp32")},
+    }[world]
+    plans = {label: (model, _manual(model, text, world, precision))
+             for label, (model, text, precision) in cases.items()}
+    for label, (_, plan) in plans.items():
+        zero2 = "zero=2" in cases[label][1]
+        sharded = [s for s in plan.storage.values() if s.optimizer_state != s.param]
+        assert sharded and all((s.grad != s.param) == zero2 for s in sharded), label
+        assert any(c.phase == "optimizer" and c.kind == "all_gather" for c in plan.collectives), label
+        assert zero2 == any(c.kind == "reduce_scatter" and c.tensor == "gradient" for c in plan.collectives), label
+    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600)
+    assert_checks_passed(results, plans)
+    for label in plans:
+        assert "optimizer" in results[0][label]["text"] and "all_gather" in results[0][label]["text"], label
