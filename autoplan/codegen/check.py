@@ -1,13 +1,14 @@
 """``--check``: prove the parallel program computes what the model computes on one device.
 
 Compares, with the tolerances printed (:func:`~autoplan.codegen.precision.check_tolerances`;
-a bf16 plan's reference runs under the plan's precision too): the forward outputs, the loss, every parameter's
-gradient after the first step, and every parameter and the loss after K steps of the plan's
-optimizer (the reference steps the same optimizer, built from the plan); then sets the collectives
-the program executed (counted by :class:`~autoplan.codegen.collective_counter.CollectiveCounter`,
-forward and backward apart; for a pipeline, one step's per rank, as the schedule interleaves the
-phases) beside the plan's list. Runs in every rank; each rank computes the single-device
-reference itself.
+a bf16 plan's reference runs under the plan's precision too), and with dtypes equal: the
+forward outputs, the loss, every parameter's gradient after the first step, and every
+parameter and the loss after K steps of the plan's optimizer (the reference steps the same
+optimizer, built from the plan); then sets the collectives the program executed (counted by
+:class:`~autoplan.codegen.collective_counter.CollectiveCounter`: forward, backward and the
+optimizer step apart; for a pipeline, one step's per rank, as the schedule interleaves the
+forward and backward, and its optimizer step's) beside the plan's list. Runs in every rank;
+each rank computes the single-device reference itself.
 """
 
 from __future__ import annotations

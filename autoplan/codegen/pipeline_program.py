@@ -415,10 +415,14 @@ class PipelineProgram(torch.nn.Module):
         buckets: dict[tuple[DeviceMesh, tuple[int, ...], torch.dtype], list[torch.nn.Parameter]] = {}
         for p in params:
             g = p.grad
-            if not isinstance(g, DTensor) or g.placements == p.placements:
+            if not isinstance(g, DTensor):
                 continue
-            if id(p) in self.gradient_targets:  # ZeRO-2: reduced into the gradient's own placements
-                p.grad = g.redistribute(p.device_mesh, self.gradient_targets[id(p)])
+            target = self.gradient_targets.get(id(p))
+            if target is not None:  # ZeRO-2: reduced (or sliced) into the gradient's own placements
+                if tuple(g.placements) != tuple(target):
+                    p.grad = g.redistribute(p.device_mesh, target)
+                continue
+            if g.placements == p.placements:
                 continue
             axes = tuple(i for i, (q, r) in enumerate(zip(g.placements, p.placements)) if q != r)
             if all(isinstance(g.placements[i], Partial) and g.placements[i].reduce_op == "sum"
