@@ -1,22 +1,33 @@
-"""Predicted against measured step time and memory on one GPU (CUDA, NCCL), for GPT-2 124M.
+"""Predicted against measured step time and memory on one GPU (CUDA, NCCL).
 
-    torchrun --nproc-per-node 1 benchmarks/gpu_step_time.py [--cluster h100|FILE.toml]
+    torchrun --nproc-per-node 1 benchmarks/gpu_step_time.py [--model gpt2|llama-1b]
+        [--precision fp32|bf16] [--recompute all|none] [--batch B] [--seq S]
+        [--cluster h100 [--cluster FILE.toml ...]] [--eager] [--json OUT.json]
 
-Plans GPT-2 124M (Hugging Face classes, random weights, fp32, global batch ``--batch`` of
-1024 tokens) through the front door for the running job's devices, builds the planned
-program, and times ``--steps`` training steps of it (forward, backward and the plan's AdamW
-step, each timed to a CUDA synchronise after ``--warmup`` steps). Prints the predicted step
-time and peak memory beside the measured median step time and ``torch.cuda.max_memory_allocated``.
-Needs a GPU; on a CPU-only machine it says so and exits 2.
+Plans the model (Hugging Face classes, random weights; ``gpt2``: GPT-2 124M, ``llama-1b``:
+Llama 3.2 1B's shape, ``examples/llama.py``) through the front door for the running job's
+devices under each ``--cluster`` (no pipeline; ``--recompute all`` recomputes every layer in
+the backward, ``--precision bf16`` trains under torch.autocast with fp32 master weights),
+builds the program of the first cluster's plan and times ``--steps`` training steps of it
+(forward, backward and the plan's AdamW step, each timed to a CUDA synchronise after
+``--warmup`` steps). Prints each cluster's predicted step time and peak memory beside the
+measured median step time and ``torch.cuda.max_memory_allocated``. ``--eager`` also times the
+model as a user would run it by hand on one GPU (the same precision and checkpointing through
+Hugging Face's own gradient checkpointing, torch's AdamW): how far the emitted program is from
+eager PyTorch. Needs a GPU; on a CPU-only machine it says so and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -25,59 +36,135 @@ sys.path.insert(0, str(ROOT / "examples"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-import gpt2  # noqa: E402
 from autoplan.codegen.runtime import build_parallel_module, init_distributed  # noqa: E402
-from autoplan.load import make_model_spec  # noqa: E402
+from autoplan.load import ModelSpec, make_model_spec  # noqa: E402
+from autoplan.plan_schema import Plan  # noqa: E402
 from autoplan.planner.front_door import plan_model  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
 from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
 
 
+def _build(args: argparse.Namespace) -> ModelSpec:
+    """The model on the GPU, with its example inputs (one global batch)."""
+    if args.model == "gpt2":
+        import gpt2
+
+        model, inputs = gpt2.build(n_layer=12, n_embd=768, n_head=12, n_positions=args.seq, vocab_size=50257,
+                                   batch=args.batch, seq=args.seq, device="cuda")
+        return make_model_spec(model, inputs, gpt2.loss_fn, name="GPT-2 124M")
+    import llama
+
+    model, inputs = llama.build(**llama.LLAMA_1B, batch=args.batch, seq=args.seq, device="cuda")
+    return make_model_spec(model, inputs, None, name="Llama 3.2 1B shape")
+
+
+def _time_steps(step: Callable[[], Any], warmup: int, steps: int) -> tuple[list[float], float, Any]:
+    """Seconds of each step after ``warmup`` (each to a CUDA synchronise), the peak memory
+    allocated over the timed steps, and the last step's result."""
+    times = []
+    result = None
+    for index in range(warmup + steps):
+        if index == warmup:
+            torch.cuda.reset_peak_memory_stats()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        result = step()
+        torch.cuda.synchronize()
+        if index >= warmup:
+            times.append(time.perf_counter() - start)
+    return times, float(torch.cuda.max_memory_allocated()), result
+
+
+def _eager_step(spec: ModelSpec, plan: Plan) -> Callable[[], torch.Tensor]:
+    """One hand-written training step of the user's model: the plan's precision (autocast) and
+    checkpointing (Hugging Face's non-reentrant gradient checkpointing), torch's AdamW."""
+    model = spec.module
+    if plan.recompute:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    bf16 = plan.precision.name == "bf16"
+
+    def step() -> torch.Tensor:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else nullcontext():
+            loss = spec.loss_fn(spec.call(model, spec.example_inputs), *spec.example_inputs)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return step
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cluster", default="h100")
+    parser.add_argument("--model", choices=("gpt2", "llama-1b"), default="gpt2")
+    parser.add_argument("--cluster", action="append", help="a preset or cluster file (repeatable; default h100)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--recompute", choices=("all", "none"), default="none")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--eager", action="store_true", help="also time the model run eagerly by hand")
+    parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_step_time: no GPU here; run it on a machine with CUDA", file=sys.stderr)
         return 2
+    clusters = args.cluster or ["h100"]
     ctx = init_distributed()
-    model, inputs = gpt2.build(n_layer=args.layers, n_embd=768, n_head=12, n_positions=1024, vocab_size=50257,
-                               batch=args.batch, seq=1024)
-    spec = make_model_spec(model, inputs, gpt2.loss_fn, name=f"GPT-2 {args.layers} layers")
-    start = time.perf_counter()
-    plan = plan_model(spec, PlanOptions(ctx.world_size, args.cluster, pipeline=False))
-    planned_s = time.perf_counter() - start
-    spec.module.to("cuda")
-    spec = make_model_spec(spec.module, tuple(x.to("cuda") for x in inputs), gpt2.loss_fn, name=spec.name)
+    spec = _build(args)
+    plans: list[tuple[str, Plan, float]] = []
+    for cluster in clusters:
+        start = time.perf_counter()
+        options = PlanOptions(ctx.world_size, cluster, pipeline=False, precision=args.precision,
+                              recompute=args.recompute)
+        plans.append((cluster, plan_model(spec, options), time.perf_counter() - start))
+    plan = plans[0][1]
     pm = build_parallel_module(spec, plan)
-    torch.cuda.reset_peak_memory_stats()
-    times = []
-    for step in range(args.warmup + args.steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        loss = pm.train_step(*spec.example_inputs)
-        torch.cuda.synchronize()
-        if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+    times, peak, loss = _time_steps(lambda: pm.train_step(*spec.example_inputs), args.warmup, args.steps)
+    measured = statistics.median(times)
+    rows: dict[str, Any] = {"model": spec.name, "batch": args.batch, "seq": args.seq, "precision": args.precision,
+                            "recompute": args.recompute, "devices": ctx.world_size,
+                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                            "measured_step_s": measured, "measured_min_s": min(times), "measured_max_s": max(times),
+                            "measured_peak_bytes": peak, "loss": float(loss.item()), "predicted": {}}
+    for cluster, each, seconds in plans:
+        rows["predicted"][cluster] = {"step_s": each.predicted.step_time_s, "peak_bytes": each.predicted.memory_bytes.peak,
+                                      "compute_s": each.predicted.compute_s, "mfu": each.predicted.mfu,
+                                      "planning_s": seconds}
+    if args.eager:
+        del pm
+        torch.cuda.empty_cache()
+        eager_times, eager_peak, _ = _time_steps(_eager_step(spec, plan), args.warmup, args.steps)
+        rows["eager_step_s"], rows["eager_peak_bytes"] = statistics.median(eager_times), eager_peak
     if ctx.rank == 0:
-        measured = statistics.median(times)
-        predicted = plan.predicted.step_time_s
-        print(f"model {spec.name}, batch {args.batch} x 1024 tokens, {ctx.world_size} GPU(s) "
-              f"({torch.cuda.get_device_name()}), cluster {args.cluster}, torch {torch.__version__}")
-        print(f"plan: mesh {plan.mesh}, {len(plan.stages)} stage(s), optimizer {plan.optimizer.name}, "
-              f"precision {plan.precision.name}; planned in {planned_s:.1f} s")
-        print(f"step time: predicted {format_seconds(predicted)}, measured median {format_seconds(measured)} "
-              f"(min {format_seconds(min(times))}, max {format_seconds(max(times))}); "
-              f"measured / predicted = {measured / predicted:.2f}")
-        print(f"memory per device: predicted peak {format_bytes(plan.predicted.memory_bytes.peak)}, measured "
-              f"max allocated {format_bytes(torch.cuda.max_memory_allocated())}; last loss {loss.item():.4f}")
+        _print(rows, plan)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def _print(rows: dict[str, Any], plan: Plan) -> None:
+    measured = rows["measured_step_s"]
+    tokens = rows["batch"] * rows["seq"]
+    print(f"model {rows['model']}, batch {rows['batch']} x {rows['seq']} tokens, {rows['devices']} GPU(s) "
+          f"({rows['gpu']}), torch {rows['torch']}")
+    print(f"plan: mesh {plan.mesh}, {len(plan.stages)} stage(s), optimizer {plan.optimizer.name}, "
+          f"precision {plan.precision.name}, {len(plan.recompute)} region(s) recomputed")
+    print(f"measured: median {format_seconds(measured)} a step (min {format_seconds(rows['measured_min_s'])}, "
+          f"max {format_seconds(rows['measured_max_s'])}), {tokens / measured:,.0f} tokens/s, max allocated "
+          f"{format_bytes(rows['measured_peak_bytes'])}; last loss {rows['loss']:.4f}")
+    if "eager_step_s" in rows:
+        print(f"eager by hand: median {format_seconds(rows['eager_step_s'])} a step, max allocated "
+              f"{format_bytes(rows['eager_peak_bytes'])}; program / eager = {measured / rows['eager_step_s']:.2f}")
+    for cluster, p in rows["predicted"].items():
+        print(f"cluster {cluster}: predicted {format_seconds(p['step_s'])} (compute {format_seconds(p['compute_s'])}, "
+              f"MFU {p['mfu']:.1%}), peak {format_bytes(p['peak_bytes'])}; measured / predicted = "
+              f"{measured / p['step_s']:.2f}; planned in {p['planning_s']:.1f} s")
 
 
 if __name__ == "__main__":

@@ -127,6 +127,11 @@ def test_op_bandwidth_fit_inverts_the_cost_model() -> None:
     # The matmul and the overhead alone take longer than measured: no rate can be told.
     assert fit_op_bandwidth(nodes, (1 + BACKWARD_FACTOR) * 2e9 / 1e11, peaks, overhead) == 0.0
     assert fit_op_bandwidth(nodes, 1e6, peaks, overhead, lowest=1e6) == 1e6  # slower than any rate: clamped
+    # Where dispatch overlaps the device (a GPU), an op costs the larger of its roofline and the
+    # overhead: the view and the layer norm (0.01 s at 2e9 B/s) cost what their rooflines do.
+    seconds = (1 + BACKWARD_FACTOR) * (2e9 / 1e11 + 4e7 / bandwidth + overhead + 2e7 / bandwidth)
+    assert fit_op_bandwidth(nodes, seconds, peaks, overhead, overlapped_dispatch=True) == pytest.approx(bandwidth,
+                                                                                                      rel=1e-9)
 
 
 def test_threads_follow_torchrun(monkeypatch: pytest.MonkeyPatch) -> None:

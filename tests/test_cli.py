@@ -15,7 +15,7 @@ from autoplan.errors import AutoplanError
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("example", ["mlp", "gpt2", "bert", "resnet", "gpt"])
+@pytest.mark.parametrize("example", ["mlp", "gpt2", "bert", "resnet", "gpt", "llama"])
 def test_examples_plan(example: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert run([str(ROOT / "examples" / f"{example}.py"), "--devices", "8", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -135,3 +135,18 @@ def test_widths_no_device_count_divides(results):
     assert res["params"]["down.bias"] == ["R"]  # 30 rows: not divisible by 4
     for name in ("mlp_odd_4", "mlp_odd_2x2"):
         assert not _case(results, name)[0]["indivisible"]
+
+
+@pytest.mark.parametrize("device_type, fused", [("cpu", False), ("cuda", True)])
+def test_attention_backends_by_device(device_type: str, fused: bool) -> None:
+    """CPU programs run the math attention (the CPU flash backward has no DTensor rule); GPU
+    programs the fused kernels, whose DTensor rules shard batch and heads, with math behind."""
+    import torch
+
+    from autoplan.codegen.dtensor_program import dispatch_settings
+
+    with dispatch_settings(device_type):
+        assert torch.backends.cuda.math_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() == fused
+        assert torch.backends.cuda.mem_efficient_sdp_enabled() == fused
+        assert not torch.backends.cuda.cudnn_sdp_enabled()

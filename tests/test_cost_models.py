@@ -582,3 +582,23 @@ def test_package_does_not_import_torch() -> None:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
             assert not any(n == "torch" or n.startswith("torch.") for n in names), source.name
+
+
+def test_dispatch_overlaps_compute_on_gpus_and_adds_on_cpus(tmp_path: Path) -> None:
+    serial = DeviceSpec("cpu", {"float32": 1e11}, 1e10, 1e9, op_overhead_s=1e-4)
+    overlapped = DeviceSpec("gpu", {"float32": 1e11}, 1e10, 1e9, op_overhead_s=1e-4, overlapped_dispatch=True)
+    assert cm.op_seconds(3e-4, serial) == pytest.approx(4e-4)
+    assert cm.op_seconds(3e-4, overlapped) == pytest.approx(3e-4)  # the kernel outlasts its dispatch
+    assert cm.op_seconds(2e-5, overlapped) == pytest.approx(1e-4)  # the device waits for the host
+    assert load_cluster("h100").device.overlapped_dispatch and not load_cluster("cpu").device.overlapped_dispatch
+    cluster = ClusterSpec("g", overlapped, 8, LinkSpec(1e11, 1e-6), LinkSpec(1e10, 1e-5))
+    path = tmp_path / "g.toml"
+    path.write_text(cluster.to_toml())
+    assert "overlapped_dispatch = true" in path.read_text()
+    assert load_cluster(str(path)) == cluster
+    assert ClusterSpec.from_dict(json.loads(json.dumps(cluster.to_dict()))) == cluster
+    path.write_text('preset = "h100"\n[device]\noverlapped_dispatch = "yes"\n')
+    with pytest.raises(AutoplanError, match="device.overlapped_dispatch"):
+        load_cluster(str(path))
+    path.write_text('preset = "h100"\n[device]\nop_overhead_us = 100\n')  # a GPU preset's device overlaps
+    assert load_cluster(str(path)).device.overlapped_dispatch

@@ -49,7 +49,8 @@ def calibration_cluster(cal: Calibration, name: str | None = None) -> ClusterSpe
     peaks = {k: _round(v) for k, v in cal.peak_flops.items()}
     device_name = "cpu" if cal.device_kind == "cpu" else cal.device_name
     device = DeviceSpec(device_name, peaks, _round(cal.memory_bandwidth), float(int(cal.memory_bytes)),
-                        _round(cal.op_overhead_s), _round(cal.op_bandwidth))
+                        _round(cal.op_overhead_s), _round(cal.op_bandwidth),
+                        overlapped_dispatch=cal.device_kind != "cpu")
     host = socket.gethostname().split(".")[0] or "this-machine"
     return ClusterSpec(name or f"{host}-{cal.devices}x{cal.device_kind}", device, cal.devices, intra, inter)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autoplan.cost_models import (BACKWARD_FACTOR, DeviceSpec, LinkSpec, bytes_moved_per_device, latency_steps,
-    roofline_time)
+    op_seconds, roofline_time)
 
 # ---------------------------------------------------------------------------------------------
 # The alpha-beta fit (pure arithmetic)
@@ -102,10 +102,11 @@ def costed_ops(graph: Any) -> list[Any]:
 
 
 def fit_op_bandwidth(nodes: Sequence[Any], seconds: float, peaks: dict[str, float], overhead_s: float,
-                     lowest: float = 1e6, highest: float = 1e15) -> float:
+                     overlapped_dispatch: bool = False, lowest: float = 1e6, highest: float = 1e15) -> float:
     """The op bandwidth (bytes/s) at which the cost model predicts ``seconds`` for a training
     step of ``nodes`` (:class:`~autoplan.trace.graph.NodeInfo` of op nodes, all needing
-    gradients): ``Σ (1 + BACKWARD_FACTOR) · (roofline(flops, moved bytes) + overhead_s)`` with
+    gradients): ``Σ (1 + BACKWARD_FACTOR) · op_seconds(roofline(flops, moved bytes))`` (the
+    roofline plus ``overhead_s``, or the larger of the two with ``overlapped_dispatch``) with
     the matmul ``peaks`` (FLOP/s by dtype), as :func:`autoplan.cost_models.step_costs.op_cost` charges
     one device. The prediction falls as the bandwidth grows; the root is bisected (in log
     space) between ``lowest`` and ``highest``. 0.0 when even ``highest`` predicts more than
@@ -114,9 +115,9 @@ def fit_op_bandwidth(nodes: Sequence[Any], seconds: float, peaks: dict[str, floa
     from autoplan.cost_models.step_costs import moved_bytes
 
     def predicted(bandwidth: float) -> float:
-        device = DeviceSpec("fit", peaks, bandwidth, 1.0, overhead_s)
-        return sum((1.0 + BACKWARD_FACTOR) * (roofline_time(info.flops, moved_bytes(info), device,
-                                                            info.dtype or "float32") + overhead_s)
+        device = DeviceSpec("fit", peaks, bandwidth, 1.0, overhead_s, overlapped_dispatch=overlapped_dispatch)
+        return sum((1.0 + BACKWARD_FACTOR) * op_seconds(roofline_time(info.flops, moved_bytes(info), device,
+                                                                      info.dtype or "float32"), device)
                    for info in nodes)
 
     if predicted(highest) >= seconds:

@@ -203,7 +203,7 @@ class Worker:
         shape = s.gpu_block if self.cuda else s.cpu_block
         graph, program_step, _ = self.block_steps(shape, own)
         seconds = self.agree(self.median_time(program_step, s.repeats, s.warmup), "max")
-        bandwidth = fit_op_bandwidth(costed_ops(graph), seconds, peaks, overhead)
+        bandwidth = fit_op_bandwidth(costed_ops(graph), seconds, peaks, overhead, overlapped_dispatch=self.cuda)
         _log(self.rank, f"op bandwidth (a transformer block, batch {shape[0]}, sequence {shape[1]}, hidden "
                         f"{shape[2]}: {seconds * 1e3:.2f} ms a step{self.slowest}): "
                         + (format_si(bandwidth, "B/s") if bandwidth else "not fitted (matmuls and overhead explain it)"))

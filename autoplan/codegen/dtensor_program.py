@@ -22,8 +22,9 @@ Conventions:
 
 The traps the exported graph sets for DTensor (see DESIGN.md) are handled here:
 ``_assert_tensor_metadata`` nodes are dropped, tensors created inside the graph (``arange``)
-become replicated DTensors, attention runs with the math SDPA backend (the CPU flash-attention
-backward has no DTensor rule), and tied weights stay one parameter.
+become replicated DTensors, attention runs with the math SDPA backend on CPUs (the CPU
+flash-attention backward has no DTensor rule) and with the fused kernels on GPUs, and tied
+weights stay one parameter.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import contextlib
 import operator
 from collections import Counter
 from collections.abc import Iterator, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -60,12 +62,23 @@ SKIPPED_OPS = {
 SKIPPED_NAMES = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
 
 
+#: The attention kernels a program may run, by device type. On a CPU only the math backend: the
+#: CPU flash-attention backward has no DTensor rule. On a GPU the fused kernels first, whose
+#: DTensor rules shard the batch and head dims as the planner's attention rule does (the math
+#: backend computes a bf16 attention in fp32 and keeps its whole score matrix).
+ATTENTION_BACKENDS: dict[str, tuple[SDPBackend, ...]] = {
+    "cpu": (SDPBackend.MATH,),
+    "cuda": (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH),
+}
+
+
 @contextlib.contextmanager
-def dispatch_settings() -> Iterator[None]:
-    """What every op of a program runs under. ``implicit_replication``: plain tensors that ops
-    create inside DTensor dispatch (masks in the math attention) mix with DTensors as
-    replicated ones; attention runs with the math backend (see the module docstring)."""
-    with implicit_replication(), sdpa_kernel(SDPBackend.MATH):
+def dispatch_settings(device_type: str) -> Iterator[None]:
+    """What every op of a program on ``device_type`` runs under. ``implicit_replication``:
+    plain tensors that ops create inside DTensor dispatch (masks in the math attention) mix
+    with DTensors as replicated ones; attention runs with :data:`ATTENTION_BACKENDS`."""
+    backends = ATTENTION_BACKENDS.get(device_type, ATTENTION_BACKENDS["cpu"])
+    with implicit_replication(), sdpa_kernel(list(backends)):
         yield
 
 
@@ -77,7 +90,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self.program = program
         self._placeholder_values: dict[str, Any] = {}
         self.checkpointed = CheckpointedRegions(program.plan.recompute, program.graph_module.graph.nodes,
-                                                dispatch_settings)
+                                                partial(dispatch_settings, program.mesh.device_type))
 
     def run_with(self, placeholder_values: dict[str, Any]) -> Any:
         self._placeholder_values = placeholder_values
@@ -270,7 +283,7 @@ class ShardedProgram(torch.nn.Module):
                 values[node.name] = self._constants[node.name]
             else:
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
-        with dispatch_settings(), self.gathered.hooks():
+        with dispatch_settings(self.mesh.device_type), self.gathered.hooks():
             out = self._interpreter.run_with(values)
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         # The plan materialises the loss replicated (its "-> output" collective); the model's

@@ -118,7 +118,7 @@ class _StageModule(torch.nn.Module):
         self.nodes = layout.nodes[index]
         self.input_nodes = layout.inputs[index]
         self.output_nodes = layout.outputs[index]
-        self.checkpointed = CheckpointedRegions(recomputed, self.nodes, dispatch_settings)
+        self.checkpointed = CheckpointedRegions(recomputed, self.nodes, partial(dispatch_settings, mesh.device_type))
         self.is_last = index == layout.num_stages - 1
         self._locals: dict[torch.fx.Node, str] = {}  # parameter/buffer placeholder -> attribute
         self._constants: dict[torch.fx.Node, torch.Tensor] = {}
@@ -151,7 +151,7 @@ class _StageModule(torch.nn.Module):
         for node, attr in self._locals.items():
             env[node] = getattr(self, attr)
         env.update(self._constants)
-        with self.precision(), dispatch_settings(), self.gathered.hooks():
+        with self.precision(), dispatch_settings(self.mesh.device_type), self.gathered.hooks():
             for n in self.nodes:
                 env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
         outs = []

@@ -8,7 +8,7 @@ from .cluster import ClusterSpec, cluster_from_toml
 from .communication import (ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, BROADCAST, COLLECTIVE_KINDS, REDUCE_SCATTER,
     SEND_RECV, CollectiveKind, CollectiveStep, bytes_moved_per_device, collective_time, latency_steps, reshard_steps,
     reshard_time, steps_time)
-from .compute import BACKWARD_FACTOR, roofline_time
+from .compute import BACKWARD_FACTOR, op_seconds, roofline_time
 from .hardware import DeviceSpec, LinkRates, LinkSpec, dtype_name, parse_memory_size
 from .memory import OptimizerSpec, optimizer_step_time
 from .presets import PRESET_NAMES, load_cluster, preset_table
@@ -36,6 +36,7 @@ __all__ = [
     "dtype_name",
     "latency_steps",
     "load_cluster",
+    "op_seconds",
     "optimizer_step_time",
     "parse_memory_size",
     "preset_table",

@@ -12,6 +12,7 @@ TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` read
     memory_bandwidth_gbps = 3350   # GB/s
     op_overhead_us = 0         # optional: microseconds one op costs beyond its roofline (dispatch)
     op_bandwidth_gbps = 0      # optional: GB/s ops achieve on activations (0: memory_bandwidth_gbps)
+    overlapped_dispatch = true # optional: the host dispatches ahead of the device (GPUs; false on CPUs)
     [device.peak_tflops]
     float32 = 67
     bfloat16 = 989
@@ -97,6 +98,7 @@ class ClusterSpec:
                 "memory_bytes": self.device.memory_bytes,
                 "op_overhead_s": self.device.op_overhead_s,
                 "op_bandwidth": self.device.op_bandwidth,
+                "overlapped_dispatch": self.device.overlapped_dispatch,
             },
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
@@ -115,6 +117,7 @@ class ClusterSpec:
                 memory_bytes=float(dev["memory_bytes"]),
                 op_overhead_s=float(dev.get("op_overhead_s", 0.0)),
                 op_bandwidth=float(dev.get("op_bandwidth", 0.0)),
+                overlapped_dispatch=bool(dev.get("overlapped_dispatch", False)),
             ),
             devices_per_node=int(data["devices_per_node"]),
             intra_node=_link_from_dict(data["intra_node"]),
@@ -135,6 +138,7 @@ class ClusterSpec:
         }
         if dev.op_bandwidth:
             device["op_bandwidth_gbps"] = _to_unit(dev.op_bandwidth, _GIGA)
+        device["overlapped_dispatch"] = dev.overlapped_dispatch
         device["peak_tflops"] = {k: _to_unit(v, _TERA) for k, v in dev.peak_flops.items()}
         document: dict[str, Any] = {"name": self.name, "devices_per_node": self.devices_per_node, "device": device}
         for section, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
@@ -206,7 +210,8 @@ class _TomlReader:
     """Turns parsed TOML into a ClusterSpec, reporting the first problem by file and key."""
 
     _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
-    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "op_bandwidth_gbps", "peak_tflops")
+    _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "op_bandwidth_gbps",
+               "overlapped_dispatch", "peak_tflops")
     _LINK = ("bandwidth_gbps", "latency_us")
     _LINK_TABLES = _LINK + COLLECTIVE_KINDS
 
@@ -270,6 +275,8 @@ class _TomlReader:
             op_bandwidth=self._number(
                 table, "op_bandwidth_gbps", "device.op_bandwidth_gbps", _GIGA, False, base.op_bandwidth if base else 0.0
             ),
+            overlapped_dispatch=self._flag(table, "overlapped_dispatch", "device.overlapped_dispatch",
+                                           base.overlapped_dispatch if base else False),
         )
 
     def _link(self, data: dict[str, Any], section: str, base: LinkSpec | None) -> LinkSpec:
@@ -319,6 +326,12 @@ class _TomlReader:
         value = data[key]
         if not isinstance(value, str) or not value:
             raise self.fail(dotted, f"must be a non-empty string, not {value!r}")
+        return value
+
+    def _flag(self, data: dict[str, Any], key: str, dotted: str, default: bool) -> bool:
+        value = data.get(key, default)
+        if not isinstance(value, bool):
+            raise self.fail(dotted, f"must be true or false, not {value!r}")
         return value
 
     def _number(

@@ -17,3 +17,14 @@ def roofline_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str) -
     ``device.activation_bandwidth`` bytes/s (the measured rate of ops on activations where
     ``autoplan calibrate`` gave one, else the memory bandwidth)."""
     return max(flops / device.peak(dtype), nbytes / device.activation_bandwidth)
+
+
+def op_seconds(roofline_s: float, device: DeviceSpec) -> float:
+    """One op's time on ``device`` from its roofline time: the roofline plus the per-op
+    overhead where dispatch and compute take turns on one core, the larger of the two where
+    the host dispatches ahead of the device (:attr:`DeviceSpec.overlapped_dispatch`: a GPU runs
+    a long kernel while the host launches the next ones, and waits for the host only where
+    kernels are shorter than their dispatch)."""
+    if device.overlapped_dispatch:
+        return max(roofline_s, device.op_overhead_s)
+    return roofline_s + device.op_overhead_s

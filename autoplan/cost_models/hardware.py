@@ -54,6 +54,12 @@ class DeviceSpec:
     the streaming ``memory_bandwidth`` where tensors fit in cache or where an op's arithmetic
     (GELU's ``erf``, a softmax's ``exp``) rather than memory bounds it. 0 (the presets) means
     ``memory_bandwidth``; :attr:`activation_bandwidth` resolves it.
+
+    ``overlapped_dispatch`` says whether the host dispatches ops ahead of the device, as it
+    does into a GPU's launch queue: the device then runs one op while the host dispatches the
+    next ones, so an op costs the larger of its roofline and ``op_overhead_s``
+    (:func:`~autoplan.cost_models.compute.op_seconds`). Where one CPU core both dispatches and
+    computes (gloo processes), it is False and the two add.
     """
 
     name: str
@@ -62,6 +68,7 @@ class DeviceSpec:
     memory_bytes: float
     op_overhead_s: float = 0.0  # host-side seconds to launch one op (dispatch); 0 for the GPU presets
     op_bandwidth: float = 0.0  # bytes/s ops achieve on activations; 0: memory_bandwidth (the presets)
+    overlapped_dispatch: bool = False  # True on GPUs: dispatch overlaps the device's work
 
     def __post_init__(self) -> None:
         # Own a private copy so that mutating the caller's dict cannot change a frozen spec.

@@ -21,7 +21,7 @@ def _gpu_cluster(
     name: str, peaks: dict[str, float], hbm_bw: float, hbm: float, intra: LinkSpec, inter: LinkSpec
 ) -> ClusterSpec:
     """An 8-GPU-per-node cluster; ``hbm_bw`` in bytes/s, ``hbm`` in bytes."""
-    return ClusterSpec(name, DeviceSpec(name, peaks, hbm_bw, hbm), 8, intra, inter)
+    return ClusterSpec(name, DeviceSpec(name, peaks, hbm_bw, hbm, overlapped_dispatch=True), 8, intra, inter)
 
 
 def preset_table() -> dict[str, ClusterSpec]:

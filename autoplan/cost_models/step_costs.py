@@ -3,7 +3,8 @@
 A training step is forward + backward + optimizer step. Per node and strategy:
 
 - compute: a roofline of the node's FLOPs and bytes divided by the ways the work is split,
-  plus the device's per-op overhead (dispatch; measured by ``autoplan calibrate``), once for
+  with the device's per-op overhead (dispatch; measured by ``autoplan calibrate``; added on a
+  CPU, hidden behind a longer kernel on a GPU: :func:`~autoplan.cost_models.compute.op_seconds`), once for
   the forward and ``backward_factor`` times again for the backward (2: gradients with respect
   to inputs and weights) when the node needs gradients;
 - no communication of its own, a collective belongs to an edge; except the scalar all-reduce
@@ -56,7 +57,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from autoplan.cost_models import (BACKWARD_FACTOR, CollectiveStep, DeviceSpec, LinkSpec, OptimizerSpec,
-    collective_time, optimizer_step_time, reshard_steps, roofline_time)
+    collective_time, op_seconds, optimizer_step_time, reshard_steps, roofline_time)
 from autoplan.sharding import P, R, ShardingSpec, local_shape
 from autoplan.strategies.candidates import Strategy
 from autoplan.trace.graph import NodeInfo
@@ -216,7 +217,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
 
     Forward: the roofline of the node's FLOPs and moved bytes (:func:`moved_bytes`; the memory
     term at the device's :attr:`~autoplan.cost_models.DeviceSpec.activation_bandwidth`) split
-    over the shards, plus the device's per-op overhead; the backward costs ``backward_factor``
+    over the shards, with the device's per-op overhead (:func:`op_seconds`); the backward costs ``backward_factor``
     forwards, and one forward more where the node is ``recomputed``."""
     shards = strategy.compute_shards
     mixed = ctx.optimizer.mixed_precision
@@ -224,7 +225,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     moved = moved_bytes(info) * (itemsize / info.itemsize if info.itemsize else 1.0)
     forward = roofline_time(info.flops / shards, moved / shards, ctx.device, compute_dtype(info, mixed))
     backward = (ctx.backward_factor if needs_grad else 0.0) + (1.0 if recomputed else 0.0)
-    compute = (forward + ctx.device.op_overhead_s) * (1.0 + backward) * ctx.microbatches
+    compute = op_seconds(forward, ctx.device) * (1.0 + backward) * ctx.microbatches
     comm = steps_seconds(backward_reduction_steps(info, strategy), ctx) * ctx.microbatches if needs_grad else 0.0
     activations = 0.0
     if saves_output and info.shape is not None:

@@ -128,13 +128,17 @@ def _export_mode(module: torch.nn.Module) -> Iterator[None]:
 @contextlib.contextmanager
 def _no_stack_traces() -> Iterator[None]:
     """Export without recording each node's Python stack (nothing here reads it; it took about
-    a fifth of a trace)."""
-    before = torch.fx.config.do_not_emit_stack_traces
-    torch.fx.config.do_not_emit_stack_traces = True
+    a fifth of a trace). A torch without that setting records them."""
+    config = torch.fx.config
+    if not hasattr(config, "do_not_emit_stack_traces"):
+        yield
+        return
+    before = config.do_not_emit_stack_traces
+    config.do_not_emit_stack_traces = True
     try:
         yield
     finally:
-        torch.fx.config.do_not_emit_stack_traces = before
+        config.do_not_emit_stack_traces = before
 
 
 def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The checks only a GPU can show, in one run on a one-GPU machine (CUDA, NCCL), from the
+# repository root; every log and result goes to the folder given (default gpu_results):
+#   1. `autoplan calibrate --devices 1` on the GPU (h100-calibrated.toml);
+#   2. a bf16, checkpointed plan of Llama 3.2 1B's shape (batch 4 x 2048 tokens): measured step
+#      time beside its prediction under the h100 preset and the calibrated file, and the model
+#      run eagerly by hand (gpu_step_time.py);
+#   3. GPT-2 124M fp32 the same way;
+#   4. the emitted program's CUDA path: `--run --check` of a small Llama in bf16, recomputed.
+# Each step has its own time limit, so one failure leaves the others' figures.
+set -u
+out=${1:-gpu_results}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
+py=${PYTHON:-python3}
+run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print its tail and exit status
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  echo "== $name: exit $rc in $((SECONDS - start)) s"
+  grep -v -e '^\s*$' -e 'Warning' -e 'warnings.warn' "$out/$name.log" | tail -n 12
+}
+nvidia-smi -L
+$py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+run calibrate 90 $py -m autoplan calibrate --devices 1 -o "$out/h100-calibrated.toml"
+run llama1b 220 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py \
+  --model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 --cluster h100 \
+  --cluster "$out/h100-calibrated.toml" --eager --json "$out/llama1b.json"
+run gpt2 110 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py \
+  --model gpt2 --cluster h100 --cluster "$out/h100-calibrated.toml" --eager --json "$out/gpt2.json"
+run check 110 $py -m autoplan examples/llama.py --devices 1 --precision bf16 --recompute all --no-pipeline \
+  --run --check --steps 3 --out "${TMPDIR:-/tmp}/autoplan_gpu_check"
