@@ -16,6 +16,7 @@ from autoplan.planner.api import make_options, plan_traced
 from autoplan.trace.repeated import find_classes
 from autoplan.load import make_model_spec
 from autoplan.planner.meshes import candidate_meshes, parse_mesh
+from autoplan.planner.mesh_plan import StorageRule
 from autoplan.plan_schema import Plan
 from autoplan.trace.tracer import trace
 
@@ -76,12 +77,12 @@ def _least_memory_with_replicated_weights(graph, sharded_state: bool) -> Plan:
     def replicated_weights(info, spec) -> bool:
         return info.kind != "parameter" or all(p.is_replicate for p in spec)
 
-    if not sharded_state:  # the rule names no sharded state: plain storage only
-        replicated_weights.sharded_state = lambda strategy: False
+    # a rule naming no sharded state (accepting none) allows plain storage only
+    rule = StorageRule(replicated_weights, None if sharded_state else (lambda strategy: False))
 
     def replicated(budget: float | None) -> Plan:
         options = make_options(8, "h100", mesh=(8,), memory_per_device=budget)
-        return plan_traced(graph, dataclasses.replace(options, allow_storage=replicated_weights))
+        return plan_traced(graph, dataclasses.replace(options, allow_storage=rule))
 
     plan = replicated(None)
     while True:

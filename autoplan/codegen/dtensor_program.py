@@ -215,9 +215,11 @@ class ShardedProgram(torch.nn.Module):
         self.gathered = GatheredParameters()
         # parameters (placeholder names) whose edges reduce the gradient into the placements
         # the plan stores it in rather than the parameter's (ZeRO-2)
-        by_fqn = gradient_placements(plan.storage, self.named_plan_parameters())
-        self.gradient_targets = {name: by_fqn[id(self.tensor(fqn))] for name, fqn in self.placeholder_fqn.items()
-                                 if id(self.tensor(fqn)) in by_fqn}
+        # (``gradient_placements``: the same by ``id(parameter)``, for the gradient hooks)
+        self.gradient_placements = gradient_placements(plan.storage, self.named_plan_parameters())
+        self.gradient_targets = {name: self.gradient_placements[id(self.tensor(fqn))]
+                                 for name, fqn in self.placeholder_fqn.items()
+                                 if id(self.tensor(fqn)) in self.gradient_placements}
         self._interpreter = _PlanInterpreter(self)
 
     @staticmethod

@@ -29,7 +29,7 @@ from autoplan.codegen.dtensor_program import ShardedProgram, build_program
 from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.codegen.optimizer import build_optimizer, refuse_unsupported
 from autoplan.codegen.precision import compute_precision
-from autoplan.codegen.sharded_state import ShardedOptimizerState, gradient_placements
+from autoplan.codegen.sharded_state import ShardedOptimizerState
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import Plan
@@ -126,7 +126,7 @@ class ParallelModule(PlannedTraining):
         buckets = None
         if isinstance(program, ShardedProgram):
             buckets = program.gradient_buckets = GradientBuckets(program)
-        targets = gradient_placements(plan.storage, program.named_plan_parameters())
+        targets = program.gradient_placements if isinstance(program, ShardedProgram) else {}  # native: no ZeRO
         for param in {id(p): p for p in program.parameters()}.values():
             if not param.requires_grad:  # a frozen parameter (Whisper's positions) has no gradient
                 continue

@@ -26,7 +26,7 @@ from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.plan_schema import ParamStorage
 
 
-def sharded_storage(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
+def zero_parameters(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
                     ) -> dict[str, ParamStorage]:
     """The parameters of ``params`` (by FQN) whose plan storage shards the gradient or the
     optimizer state unlike the parameter; one FQN per parameter object."""
@@ -47,7 +47,7 @@ def gradient_placements(plan_storage: Mapping[str, ParamStorage], params: Mappin
     """``id(parameter)`` → the placements the backward reduces its gradient into, for the
     parameters whose gradient is stored unlike the parameter (ZeRO-2)."""
     return {id(params[fqn]): tuple(to_dtensor_placements(storage.grad))
-            for fqn, storage in sharded_storage(plan_storage, params).items() if storage.grad != storage.param}
+            for fqn, storage in zero_parameters(plan_storage, params).items() if storage.grad != storage.param}
 
 
 class ShardedOptimizerState:
@@ -57,7 +57,7 @@ class ShardedOptimizerState:
 
     def __init__(self, plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]) -> None:
         self._pairs: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []  # (parameter, master shard)
-        for fqn, storage in sharded_storage(plan_storage, params).items():
+        for fqn, storage in zero_parameters(plan_storage, params).items():
             param = params[fqn]
             placements = to_dtensor_placements(storage.optimizer_state)
             with torch.no_grad():  # its own memory: the step must not write into the parameter

@@ -151,7 +151,7 @@ def _tensor_parallel_weights(graph: TracedGraph, tp: int) -> frozenset[str]:
                      and any(d % tp == 0 for d in info.shape))
 
 
-def manual_rule(graph: TracedGraph, manual: ManualPlan) -> ManualStorageRule | None:
+def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     """What the labels of a manual plan promise, as a rule on placements (None: no rule).
 
     Data parallelism over the ``dp`` axis: parameters are replicated there, and user inputs
@@ -203,24 +203,19 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> ManualStorageRule | N
                     return False
         return True
 
-    return ManualStorageRule(allow, manual.zero, dp_axis)
+    return StorageRule(allow, ZeroStage(manual.zero, dp_axis))
 
 
 @dataclass(frozen=True)
-class ManualStorageRule:
-    """A manual plan's rule on placements (:func:`manual_rule`), and with ``zero`` the sharded
-    optimizer state (and, for 2, gradients) it requires over the ``dp`` axis of every trained
-    parameter that axis divides (:meth:`sharded_state`)."""
+class ZeroStage:
+    """The sharded state a manual plan's ``zero=`` requires: ``zero(strategy)`` accepts the
+    ZeRO strategy that shards the optimizer state (and, for 2, the gradient) over the ``dp``
+    axis; with ``zero`` 0 it accepts none (plain storage)."""
 
-    allow: StorageRule
     zero: int = 0
     dp_axis: int | None = None
 
-    def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
-        return self.allow(info, spec)
-
-    def sharded_state(self, strategy: Strategy) -> bool:
-        """Whether a parameter's ZeRO strategy is the one the plan names."""
+    def __call__(self, strategy: Strategy) -> bool:
         state = strategy.state_spec
         if not self.zero or self.dp_axis is None or state is None or not state[self.dp_axis].is_shard:
             return False

@@ -139,10 +139,23 @@ def _output_class_strategies(mesh_ndim: int, num_inputs: int) -> ClassStrategies
     return ClassStrategies("output", [Strategy(strategy_name(specs, ()), specs, (), 1)], [NodeCost()])
 
 
-# may a value be stored (or an op produce it) in a spec; a rule with a ``sharded_state(strategy)``
-# method (a manual plan's) also names the ZeRO strategy its parameters must take (none: plain
-# storage), where without one the ZeRO strategies are choices
-StorageRule = Callable[[NodeInfo, ShardingSpec], bool]
+# may a value be stored (or an op produce it) in a spec
+PlacementRule = Callable[[NodeInfo, ShardingSpec], bool]
+
+
+@dataclass(frozen=True)
+class StorageRule:
+    """A restriction of the search (a manual plan's, a pipeline stage's pinned parameters):
+    ``rule(info, spec)`` says whether a value may be stored in ``spec`` (or an op produce it).
+    With ``sharded_state``, a trained parameter must take a ZeRO-1/2 strategy it accepts where
+    one exists (none accepted: plain storage only); without it the ZeRO strategies are free
+    choices."""
+
+    allowed: PlacementRule
+    sharded_state: Callable[[Strategy], bool] | None = None
+
+    def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
+        return self.allowed(info, spec)
 
 
 def _num_outputs(node: fx.Node) -> int:
@@ -169,7 +182,7 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
         if _trained_parameter(view, name):  # ZeRO-1/2 (gradients: one microbatch)
             variants = [v for s in strategies for v in sharded_state_strategies(
                 s, info.shape or (), mesh_shape, gradients=ctx.microbatches == 1)]
-            required = getattr(allow_storage, "sharded_state", None)
+            required = allow_storage.sharded_state if allow_storage is not None else None
             if required is None:  # a free choice
                 strategies = strategies + variants
             else:  # a rule that names a sharded state (--manual zero=) requires it where it exists

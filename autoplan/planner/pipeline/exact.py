@@ -8,7 +8,7 @@ from dataclasses import replace
 from autoplan.cost_models.step_costs import CostContext
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.mesh_plan import IntraOpResult, plan_intra_op
+from autoplan.planner.mesh_plan import IntraOpResult, StorageRule, plan_intra_op
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.range_costs import RangeTable, layer_inputs
@@ -73,14 +73,13 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     stages = len(candidate.cuts)
     (start, end), mesh = candidate.cuts[index], candidate.meshes[index]
 
-    def allow_storage(info: NodeInfo, spec: ShardingSpec) -> bool:
+    def allowed(info: NodeInfo, spec: ShardingSpec) -> bool:
         if info.fqn in stored:
             return spec == stored[info.fqn]
         return options.allow_storage is None or options.allow_storage(info, spec)
 
-    sharded_state = getattr(options.allow_storage, "sharded_state", None)
-    if sharded_state is not None:  # the ZeRO strategies the options' rule names
-        allow_storage.sharded_state = sharded_state  # type: ignore[attr-defined]
+    # the parameters an earlier stage stored keep their placements; the options' ZeRO rule holds
+    allow_storage = StorageRule(allowed, options.allow_storage.sharded_state if options.allow_storage else None)
 
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
