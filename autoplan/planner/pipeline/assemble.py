@@ -33,7 +33,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     coupling = coupling_plans(graph, candidate.microbatches)  # refuses a split that changes the model
     results = stage_results(candidate, options, schedule)
     link = link_between_stages(options, candidate.submesh)
-    crossing = cut_bytes(graph, layers, options.optimizer.mixed_precision)
+    crossing = cut_bytes(graph, layers)
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     storage: dict[str, ParamStorage] = {}
     latencies, memories, computes, comms, kinds = [], [], [], [], []

@@ -122,11 +122,11 @@ def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
         cluster.inter_node
 
 
-def cut_bytes(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False) -> list[float]:
+def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers). A value produced in layer i and last read
-    in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j. (Sizes as
-    :func:`~autoplan.cost_models.step_costs.value_itemsize` gives them.)"""
+    in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j. (Sizes in the
+    traced dtype: pipeline stages send their values so, under bf16 autocast too.)"""
     layer_of = layer_index(layers)
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     loss = loss_name(graph)
@@ -136,7 +136,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = F
                     if user.op != "output" or name == loss), default=i)
         info = graph.nodes[name]
         if last > i and info.shape is not None:
-            nbytes = math.prod(info.shape) * value_itemsize(info, mixed_precision)
+            nbytes = math.prod(info.shape) * info.itemsize
             diff[i + 1] += nbytes
             diff[last + 1] -= nbytes
     return list(itertools.accumulate(diff))[:len(layers) + 1]

@@ -51,7 +51,7 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             costs[mesh] = layer_costs(options, mesh, microbatches, in_flight)
     reads = layer_inputs(graph, layers, options.optimizer.mixed_precision)
     link = link_between_stages(options, submesh)
-    boundary = cut_bytes(graph, layers, options.optimizer.mixed_precision)
+    boundary = cut_bytes(graph, layers)
     budget = options.memory_budget
     tied = tied_layers(graph, layers)
     nodes, per_node = cluster_shape(options)
