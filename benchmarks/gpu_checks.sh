@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The checks only a GPU can show, in one run on a one-GPU machine (CUDA, NCCL), from the
 # repository root; every log and result goes to the folder given (default gpu_results):
-#   1. `autoplan calibrate --devices 1` on the GPU (h100-calibrated.toml);
+#   1. `autoplan calibrate --devices 1` on the GPU (h100-calibrated.toml; CALIBRATED=FILE uses that
+#      file instead);
 #   2. a bf16, checkpointed plan of Llama 3.2 1B's shape (batch 4 x 2048 tokens): measured step
 #      time beside its prediction under the h100 preset and the calibrated file, and the model
-#      run eagerly by hand (gpu_step_time.py);
+#      run eagerly by hand (gpu_step_time.py); the same plan on the DTensor interpreter;
 #   3. GPT-2 124M fp32 the same way;
 #   4. the emitted program's CUDA path: `--run --check` of a small Llama in bf16, recomputed.
 # Each step has its own time limit, so one failure leaves the others' figures.
@@ -24,11 +25,12 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print its tail and
 }
 nvidia-smi -L
 $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-run calibrate 90 $py -m autoplan calibrate --devices 1 -o "$out/h100-calibrated.toml"
-run llama1b 220 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py \
-  --model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 --cluster h100 \
-  --cluster "$out/h100-calibrated.toml" --eager --json "$out/llama1b.json"
-run gpt2 110 $py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py \
-  --model gpt2 --cluster h100 --cluster "$out/h100-calibrated.toml" --eager --json "$out/gpt2.json"
+calibrated=${CALIBRATED:-$out/h100-calibrated.toml}
+[ -n "${CALIBRATED:-}" ] || run calibrate 90 $py -m autoplan calibrate --devices 1 -o "$calibrated"
+llama=(--model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 --cluster h100 --cluster "$calibrated")
+step_time=($py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py)
+run llama1b 200 "${step_time[@]}" "${llama[@]}" --eager --json "$out/llama1b.json"
 run check 110 $py -m autoplan examples/llama.py --devices 1 --precision bf16 --recompute all --no-pipeline \
   --run --check --steps 3 --out "${TMPDIR:-/tmp}/autoplan_gpu_check"
+run llama1b-interpreter 150 "${step_time[@]}" "${llama[@]}" --interpreter --json "$out/llama1b-interpreter.json"
+run gpt2 110 "${step_time[@]}" --model gpt2 --cluster h100 --cluster "$calibrated" --eager --json "$out/gpt2.json"

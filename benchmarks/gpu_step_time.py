@@ -2,13 +2,14 @@
 
     torchrun --nproc-per-node 1 benchmarks/gpu_step_time.py [--model gpt2|llama-1b]
         [--precision fp32|bf16] [--recompute all|none] [--batch B] [--seq S]
-        [--cluster h100 [--cluster FILE.toml ...]] [--eager] [--json OUT.json]
+        [--cluster h100 [--cluster FILE.toml ...]] [--interpreter] [--eager] [--json OUT.json]
 
 Plans the model (Hugging Face classes, random weights; ``gpt2``: GPT-2 124M, ``llama-1b``:
 Llama 3.2 1B's shape, ``examples/llama.py``) through the front door for the running job's
 devices under each ``--cluster`` (no pipeline; ``--recompute all`` recomputes every layer in
 the backward, ``--precision bf16`` trains under torch.autocast with fp32 master weights),
-builds the program of the first cluster's plan and times ``--steps`` training steps of it
+builds the program of the first cluster's plan (the native program where the plan is one of
+PyTorch's own patterns; ``--interpreter``: the DTensor interpreter always) and times ``--steps`` training steps of it
 (forward, backward and the plan's AdamW step, each timed to a CUDA synchronise after
 ``--warmup`` steps). Prints each cluster's predicted step time and peak memory beside the
 measured median step time and ``torch.cuda.max_memory_allocated``. ``--eager`` also times the
@@ -106,6 +107,8 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--interpreter", action="store_true",
+                        help="run the plan on the DTensor interpreter even where a native program matches it")
     parser.add_argument("--eager", action="store_true", help="also time the model run eagerly by hand")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
@@ -122,12 +125,13 @@ def main() -> int:
                               recompute=args.recompute)
         plans.append((cluster, plan_model(spec, options), time.perf_counter() - start))
     plan = plans[0][1]
-    pm = build_parallel_module(spec, plan)
+    pm = build_parallel_module(spec, plan, prefer_native=not args.interpreter)
+    program = getattr(pm.program, "kind", "interpreter")
     times, peak, loss = _time_steps(lambda: pm.train_step(*spec.example_inputs), args.warmup, args.steps)
     measured = statistics.median(times)
     rows: dict[str, Any] = {"model": spec.name, "batch": args.batch, "seq": args.seq, "precision": args.precision,
                             "recompute": args.recompute, "devices": ctx.world_size,
-                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "program": program,
                             "measured_step_s": measured, "measured_min_s": min(times), "measured_max_s": max(times),
                             "measured_peak_bytes": peak, "loss": float(loss.item()), "predicted": {}}
     for cluster, each, seconds in plans:
@@ -154,7 +158,7 @@ def _print(rows: dict[str, Any], plan: Plan) -> None:
     print(f"model {rows['model']}, batch {rows['batch']} x {rows['seq']} tokens, {rows['devices']} GPU(s) "
           f"({rows['gpu']}), torch {rows['torch']}")
     print(f"plan: mesh {plan.mesh}, {len(plan.stages)} stage(s), optimizer {plan.optimizer.name}, "
-          f"precision {plan.precision.name}, {len(plan.recompute)} region(s) recomputed")
+          f"precision {plan.precision.name}, {len(plan.recompute)} region(s) recomputed; program: {rows['program']}")
     print(f"measured: median {format_seconds(measured)} a step (min {format_seconds(rows['measured_min_s'])}, "
           f"max {format_seconds(rows['measured_max_s'])}), {tokens / measured:,.0f} tokens/s, max allocated "
           f"{format_bytes(rows['measured_peak_bytes'])}; last loss {rows['loss']:.4f}")

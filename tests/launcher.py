@@ -15,11 +15,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def launch_worker(worker: Path, world: int, out_dir: Path, timeout: int = 420) -> dict[int, dict]:
-    """Run ``worker OUT_DIR`` in ``world`` processes; each rank's JSON result, by rank."""
+def launch_worker(worker: Path, world: int, out_dir: Path, *args: str, timeout: int = 420) -> dict[int, dict]:
+    """Run ``worker OUT_DIR [ARGS...]`` in ``world`` processes; each rank's JSON result, by rank."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(worker), str(out_dir)]
+           str(worker), str(out_dir), *args]
     proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
     found = {r: out_dir / f"rank{r}.json" for r in range(world)}
     assert proc.returncode == 0 and all(f.exists() for f in found.values()), \

@@ -22,9 +22,19 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from autoplan.codegen.dtensor_program import planned_collectives
+from dataclasses import replace
+
 from autoplan.codegen.check import check_against_single_device
+from autoplan.codegen.precision import check_tolerances
+from autoplan.plan_schema import Plan
+from autoplan.planner.front_door import with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
+from autoplan.planner.options import PlanOptions
+from autoplan.trace.microbatch import microbatch_inputs
+from autoplan.trace.tracer import trace
 from autoplan.codegen.native import NativeProgram, recognise
 from autoplan.codegen.runtime import init_distributed, build_parallel_module
 from autoplan.planner.api import make_options, plan_spec
@@ -50,21 +60,95 @@ CASES: dict[str, tuple[str, dict, float | None, object, str]] = {
                     "none"),
 }
 
+def _residual_blocks():
+    import residual_blocks
+
+    return (*residual_blocks.build(), residual_blocks.loss_fn)
+
+
+def _llama_ignored_tokens():
+    """A Hugging Face Llama whose labels ignore (-100) most tokens of the first two sequences:
+    the two ranks' halves of the batch hold different numbers of counted tokens."""
+    import llama
+
+    model, inputs = llama.build(batch=4, seq=64, vocab=1024)  # logits worth sharding the loss over
+    labels = inputs["input_ids"].clone()
+    labels[:2, :40] = -100
+    return model, {"input_ids": inputs["input_ids"], "labels": labels}, None
+
+
+def _nanogpt():
+    import fsdp_cases
+
+    return fsdp_cases.nanogpt()
+
+
+BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt}
+
+# name -> (builder, --manual plan, expected kind): written plans of the memory dimensions
+MANUAL_CASES: dict[str, tuple[str, str, str]] = {
+    "blocks_fsdp": ("residual_blocks", "fsdp={world}", "fsdp"),
+    "blocks_fsdp_checkpointed": ("residual_blocks", "fsdp={world},ac=full", "fsdp"),
+    "blocks_fsdp_bf16": ("residual_blocks", "fsdp={world},ac=full,precision=bf16", "fsdp"),
+    "blocks_ddp_checkpointed": ("residual_blocks", "dp={world},ac=full", "ddp"),
+    # FSDP with gradient accumulation: the interpreter's schedule
+    "blocks_fsdp_accumulated": ("residual_blocks", "fsdp={world},microbatches=2", "none"),
+    # cross-entropy averaged over the global batch's counted tokens
+    "llama_fsdp_ignored_tokens": ("llama_ignored_tokens", "fsdp={world},ac=full", "fsdp"),
+    "llama_ddp_ignored_tokens": ("llama_ignored_tokens", "dp={world}", "ddp"),
+    # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
+    "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
+}
+# cases for one process: the plan of one device runs the model itself
+SINGLE_CASES: dict[str, tuple[str, str, str]] = {
+    "blocks_single_checkpointed": ("residual_blocks", "dp=1,ac=full", "single"),
+    "blocks_single_bf16": ("residual_blocks", "dp=1,ac=full,precision=bf16", "single"),
+}
+
+
+def _manual_plan(spec, text: str, world: int) -> Plan:
+    options = PlanOptions(world, "cpu", plan_only=True)
+    manual = parse_manual(text)
+    if manual.precision:
+        options = replace(options, precision=manual.precision)
+    return with_decisions(plan_manual(spec, options.planner_options(), manual), options)
+
+
+def _calls_per_step(pm, module_name: str, inputs) -> tuple[int, str]:
+    """How often ``module_name`` of the program's model runs in one forward and backward
+    (twice where its layer is recomputed), and the dtype of its output (bf16 under autocast)."""
+    calls: list[str] = []
+    handle = pm.program.user_module.get_submodule(module_name).register_forward_hook(
+        lambda module, args, output: calls.append(str(output.dtype)))
+    pm.forward_backward(*inputs)
+    handle.remove()
+    return len(calls), calls[0]
+
 
 def run_case(name: str, world: int) -> dict:
-    module_name, kwargs, memory, loss_override, expected = CASES[name]
-    module = __import__(module_name)
-    loss_fn = loss_override or module.loss_fn
-    model, inputs = module.build(**kwargs)
-    spec = make_model_spec(model, inputs, loss_fn)
-    plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
+    if name in CASES:
+        module_name, kwargs, memory, loss_override, expected = CASES[name]
+        module = __import__(module_name)
+        model, inputs = module.build(**kwargs)
+        spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
+        plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
+    else:
+        module_name, text, expected = {**MANUAL_CASES, **SINGLE_CASES}[name]
+        spec = make_model_spec(*BUILDERS[module_name]())
+        model, inputs = spec.module, spec.example_inputs
+        plan = _manual_plan(spec, text.format(world=world), world)
+        graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
     found = recognise(spec, graph, plan)
     before = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
     pm = build_parallel_module(spec, plan, graph=graph)
     untouched = all(torch.equal(before[k], v) for k, v in spec.module.state_dict().items())
     program = pm.program
     kind = program.kind if isinstance(program, NativeProgram) else "none"
-    report = check_against_single_device(spec, pm, steps=2, rtol=1e-4, atol=1e-5)
+    rtol, atol = check_tolerances(plan.precision)
+    report = check_against_single_device(spec, pm, steps=2, rtol=rtol, atol=atol)
+    native = isinstance(program, NativeProgram)
+    block_calls, block_dtype = _calls_per_step(pm, "blocks.0.up", inputs) \
+        if native and module_name == "residual_blocks" else (0, "")
     observable = ({p: program.observable_collectives(p) for p in ("forward", "backward")}
                   if isinstance(program, NativeProgram) else report.planned)
     return {
@@ -86,13 +170,19 @@ def run_case(name: str, world: int) -> dict:
         "observable": observable,
         "collective_map": [[m.planned, m.native, m.observable] for m in getattr(program, "collective_map", [])],
         "module_untouched": untouched,
+        "recomputed_layers": [r.layer for r in plan.recompute],
+        "precision": plan.precision.name,
+        "fsdp_groups": getattr(program, "fsdp_groups", 0),
+        "token_mean": getattr(program, "token_mean", False),
+        "block_calls_per_step": block_calls,
+        "block_output_dtype": block_dtype,
         "report": report.text(),
     }
 
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or list(CASES)
+    names = sys.argv[2:] or [*CASES, *MANUAL_CASES]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}

@@ -1,8 +1,11 @@
-"""Plans that reduce to a native PyTorch pattern run through it (DDP, parallelize_module with
-ColwiseParallel/RowwiseParallel) and match the single device; other plans are not recognised.
+"""Plans that reduce to a native PyTorch pattern run through it (the model itself on one
+device, DDP, FSDP2's fully_shard, each with checkpointed layers and bf16 autocast;
+parallelize_module with ColwiseParallel/RowwiseParallel) and match the single device; other
+plans are not recognised.
 
-One launch of 2 gloo processes runs every case of tests/native_worker.py; the tests read its
-results. A planning-only test (no process group) checks that a 2-D plan is refused.
+One launch of 2 gloo processes runs the multi-device cases of tests/native_worker.py, one of
+1 process the one-device cases; the tests read their results. A planning-only test (no process
+group) checks that a 2-D plan is refused.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from native_worker import CASES
+from native_worker import CASES, MANUAL_CASES, SINGLE_CASES
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -23,15 +26,17 @@ WORLD = 2
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=240)
-    return {name: [per_rank[r][name] for r in range(WORLD)] for name in CASES}
+    per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
+    single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
+    return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in [*CASES, *MANUAL_CASES]},
+            **{name: [single[0][name]] for name in SINGLE_CASES}}
 
 
 def _case(results, name: str) -> list[dict]:
     return on_every_rank(results[name], name)
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *SINGLE_CASES])
 def test_runs_the_expected_program_and_matches_single_device(results, name):
     for res in _case(results, name):
         assert res["recognised"] == res["expected"], res["reason"]
@@ -87,3 +92,54 @@ def test_two_dimensional_plan_is_not_recognised():
     plan, graph = plan_spec(spec, make_options(4, "h100", (2, 2)))
     found = recognise(spec, graph, plan)
     assert found.kind == "none" and "not 1-D" in found.reason
+
+
+@pytest.mark.parametrize("name", ["blocks_fsdp", "blocks_fsdp_checkpointed", "blocks_fsdp_bf16"])
+def test_fsdp_plans_run_fully_shard_per_block_with_the_plans_collectives(results, name):
+    res = _case(results, name)[0]
+    assert res["program"] == "fsdp" and res["fsdp_groups"] == 4  # three blocks and the root
+    # the plan's per-parameter gathers and reduce-scatters, one per fully_shard group
+    assert res["planned_by_plan"]["forward"]["all_gather"] > res["fsdp_groups"]
+    assert res["executed"]["forward"] == {"all_gather": 4, "all_reduce": 1}
+    assert res["executed"]["backward"] == {"all_gather": 4, "reduce_scatter": 4}
+    assert res["executed"] == res["observable"] == res["planned"]
+
+
+@pytest.mark.parametrize("name, calls", [("blocks_fsdp", 1), ("blocks_fsdp_checkpointed", 2),
+                                         ("blocks_ddp_checkpointed", 2), ("blocks_single_checkpointed", 2)])
+def test_recomputed_layers_run_again_in_the_backward(results, name, calls):
+    res = _case(results, name)[0]
+    assert bool(res["recomputed_layers"]) == (calls == 2)
+    assert res["block_calls_per_step"] == calls
+
+
+@pytest.mark.parametrize("name", ["blocks_fsdp_bf16", "blocks_single_bf16"])
+def test_bf16_plans_run_natively_under_autocast(results, name):
+    res = _case(results, name)[0]
+    assert res["precision"] == "bf16" and res["recognised"] == res["program"]
+    assert res["block_output_dtype"] == "torch.bfloat16"  # the linear computed in bf16
+
+
+def test_accumulating_fsdp_plans_run_on_the_interpreter(results):
+    res = _case(results, "blocks_fsdp_accumulated")[0]
+    assert res["program"] == "none" and "microbatches" in res["reason"]
+
+
+@pytest.mark.parametrize("name", ["llama_fsdp_ignored_tokens", "llama_ddp_ignored_tokens"])
+def test_a_token_mean_cross_entropy_divides_by_the_global_batchs_count(results, name):
+    """The ranks' halves of the batch count different numbers of targets (most of the first
+    half's labels are ignored): each rank's cross-entropy divides by the global count, so the
+    loss and every gradient equal the single device's (checked above), with the count
+    all-reduced in the forward as the plan lists it."""
+    res = _case(results, name)[0]
+    assert res["token_mean"] and res["program"] == res["expected"]
+    assert res["planned_by_plan"]["forward"]["all_reduce"] == 2  # the count and the loss value
+    assert res["executed"]["forward"]["all_reduce"] == 2
+    assert res["executed"] == res["planned"]
+
+
+def test_fsdp_plans_fully_shard_cannot_store_run_on_the_interpreter(results):
+    """nanoGPT's FSDP plan stores its position table sharded on dim 1, which fully_shard does
+    not do: the interpreter runs it (and matches the single device, above)."""
+    res = _case(results, "nanogpt_fsdp")[0]
+    assert res["program"] == "none" and "wpe.weight is S(1)" in res["reason"]

@@ -7,20 +7,46 @@ Recognition reads only the plan and the traced graph; it is deliberately conserv
 taken natively only when the native program does what the plan says (same placements, same
 collectives up to DDP's bucketing) and provably computes the same loss and gradients.
 
-Patterns (1-D meshes only):
+Patterns (1-D meshes, one stage, one microbatch):
+
+``"single"`` — a plan of one device: the user's module (a copy) itself.
 
 ``"ddp"`` — pure data parallelism. Every parameter and buffer is ``R``; the user inputs are
 ``S(d)`` (their batch dim; ``R`` inputs are passed whole) with the batch divisible by the mesh;
 every op keeps the batch sharded (no activation collective in the plan besides the loss's
 ``-> output`` all-reduce, only gradient all-reduces in the backward); the only op that
-produces partial sums is the loss itself and it is an ``aten.mean`` over all elements; no
-batch-norm and no buffer written in the forward. Then the global loss is the mean of the
-per-rank losses over equal shards, so DDP's *average* of per-rank gradients is the gradient
-of the global loss. A sum loss, a token-weighted mean (cross-entropy's ``ignore_index``) or
-BatchNorm statistics break that equality, and such plans are refused. Each rank runs the
-user's module (a copy) wrapped in ``DistributedDataParallel`` on its own slice of the global
-batch; the loss returned is the global mean (its value is all-reduced, its gradient is the
-local loss's, which DDP averages).
+produces partial sums is the loss itself, and it is an ``aten.mean`` over all elements or a
+cross-entropy averaged over the targets it does not ignore (the graph's only one, class-index
+targets, no class weights); no batch-norm and no buffer written in the forward. Then the global
+loss is the mean of the per-rank losses over equal shards, so DDP's *average* of per-rank
+gradients is the gradient of the global loss. A cross-entropy's mean divides by a count that
+differs between the ranks' shards: the program runs the model under
+:class:`~autoplan.codegen.token_mean.GlobalTokenMean`, which divides each rank's summed loss by
+the global count (all-reduced in the forward, the plan's "loss count") times the number of
+ranks, which makes the same equality exact. A sum loss, class weights or BatchNorm statistics
+break it, and such plans are refused. Each rank runs the user's module (a copy) wrapped in
+``DistributedDataParallel`` on its own slice of the global batch; the loss returned is the
+global mean (its value is all-reduced, its gradient is the local loss's, which DDP averages).
+
+``"fsdp"`` — the same, with every parameter stored sharded on dim 0 over the mesh and read whole
+by every op that reads it (ZeRO-3; buffers stay whole). FSDP2's ``fully_shard`` shards each of
+the plan's layers that is a module holding parameters (the repeated blocks), then the root
+(what is left: embeddings, the head, tied weights), each with ``reshard_after_forward=True``:
+a group's parameters are all-gathered before its forward, freed after it, gathered again for
+its backward, and its gradients reduce-scattered (averaged over the ranks, as DDP averages).
+The plan gathers and reduce-scatters per parameter; FSDP2 does it per group: the same bytes in
+fewer calls. A parameter stored sharded on another dim (``S(1)``) is not what ``fully_shard``
+stores, and such plans run on the interpreter.
+
+Each of the three checkpoints the plan's recomputed layers
+(:attr:`~autoplan.plan_schema.Plan.recompute`), which must name modules, with
+``torch.distributed._composable.checkpoint`` (non-reentrant, the module's parameter names
+unchanged): the backward runs the module's forward again. The plan's layer may hold ops outside
+that module (the embedding before the first block, the head and the loss after the last); those
+run once and keep their outputs, so the loss's count is not all-reduced again in the backward
+as the plan lists for a recomputed loss. The plan's precision is the ``torch.autocast`` that
+:class:`~autoplan.codegen.runtime.ParallelModule` runs every program under: parameters and
+their gathers stay fp32, as the interpreter keeps them.
 
 ``"tensor_parallel"`` — Megatron tensor parallelism. The non-replicated parameters are exactly
 those of ``nn.Linear`` modules in adjacent pairs: a column-parallel linear (weight ``S(0)``,
@@ -35,7 +61,8 @@ when they read ``R`` or ``P`` (an all-reduce; the plan may delay it past element
 partial sums — same count, same bytes). A row bias the plan stores ``S(0)`` (and pads into
 partial sums) is kept replicated by ``RowwiseParallel``: ``bias`` bytes more per device.
 
-How the plan's collectives map onto the native program (:attr:`NativeProgram.collective_map`):
+How the plan's collectives map onto the native program (:attr:`NativeProgram.collective_map`;
+FSDP's per-group gathers and reduce-scatters are in ``"fsdp"`` above):
 
 - tensor parallel: each planned activation collective is executed by DTensor inside the
   parallel styles (``RowwiseParallel``'s output redistribute: all-reduce or reduce-scatter in
@@ -57,8 +84,10 @@ How the plan's collectives map onto the native program (:attr:`NativeProgram.col
 from __future__ import annotations
 
 import copy
+import warnings
 from collections import Counter
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -68,14 +97,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import fully_shard
 
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
 from autoplan.codegen.redistribution import to_dtensor_placements
+from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Plan
+from autoplan.plan_schema import Plan, PlannedCollective
 from autoplan.trace.graph import TracedGraph
 
-__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise"]
+__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise", "sharded_blocks"]
 
 
 class NativeProgram(torch.nn.Module):
@@ -84,8 +116,11 @@ class NativeProgram(torch.nn.Module):
     the model outputs as DTensors (``.full_tensor()`` gathers one)."""
 
     def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
-                 mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]]) -> None:
+                 mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]], fsdp_groups: int = 0,
+                 token_mean: bool = False) -> None:
         super().__init__()
+        self.token_mean = token_mean  # the cross-entropy divides by the global batch's token count
+        self.fsdp_groups = fsdp_groups  # fully_shard units: one all-gather (and reduce-scatter) each
         self.kind = kind
         self.mesh = mesh
         self.plan = plan
@@ -128,17 +163,31 @@ class NativeProgram(torch.nn.Module):
         if len(inputs) != len(self.input_names):
             raise TypeError(f"the program takes {len(self.input_names)} inputs, got {len(inputs)}")
         rep = (Replicate(),)
-        if self.kind == "ddp":
+        if self.kind == "single":
+            output = self._call(self.module, tuple(inputs))
+            local_loss = self.loss_fn(output, *inputs)
+            loss = DTensor.from_local(local_loss, self.mesh, rep, run_check=False)
+            outs = [DTensor.from_local(o, self.mesh, rep, run_check=False) if isinstance(o, torch.Tensor) else o
+                    for o in _model_outputs(output, local_loss)]
+            return (loss, *outs)
+        if self.kind in ("ddp", "fsdp"):
             local = self._local_inputs(inputs)
-            output = self._call(self.module, tuple(local))
-            local_loss = self.loss_fn(output, *local)
+            with warnings.catch_warnings():
+                # the loss reads the model's outputs out of place: FSDP2's warning about in-place
+                # ops on a returned view does not apply
+                warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
+                with GlobalTokenMean(self.mesh.get_group(), self._n) if self.token_mean else nullcontext() as mean:
+                    output = self._call(self.module, tuple(local))
+                    local_loss = self.loss_fn(output, *local)
+            if mean is not None:
+                check_one_loss(mean)
             # The value of the global loss (the mean of equal shards' means); the gradient of
-            # the local one, which DDP averages over ranks.
+            # the local one, which DDP's all-reduce and FSDP's reduce-scatter average over ranks.
             total = local_loss.detach().clone()
             dist.all_reduce(total, group=self.mesh.get_group())
             loss = local_loss + (total / self._n - local_loss.detach())
             loss = DTensor.from_local(loss, self.mesh, rep, run_check=False)
-            outs = _leaves(output)
+            outs = _model_outputs(output, local_loss)
             wrapped = [DTensor.from_local(o, self.mesh, pl, run_check=False) if isinstance(o, torch.Tensor) else o
                        for o, pl in zip(outs, self._output_placements)]
             return (loss, *wrapped)
@@ -159,8 +208,17 @@ class NativeProgram(torch.nn.Module):
         else:
             loss = DTensor.from_local(loss, self.mesh, rep, run_check=False)
         outs = [o if isinstance(o, DTensor) or not isinstance(o, torch.Tensor)
-                else DTensor.from_local(o, self.mesh, rep, run_check=False) for o in _leaves(output)]
+                else DTensor.from_local(o, self.mesh, rep, run_check=False) for o in _model_outputs(output, loss)]
         return (loss, *outs)
+
+    @property
+    def description(self) -> str:
+        """What runs the plan, in a few words."""
+        checkpointed = f", {len(self.plan.recompute)} checkpointed layer(s)" if self.plan.recompute else ""
+        runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
+                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups)",
+                "tensor_parallel": "parallelize_module (ColwiseParallel/RowwiseParallel)"}[self.kind]
+        return f"native: {runs}{checkpointed}"
 
     # -- what ShardedProgram offers -----------------------------------------------------------
 
@@ -180,22 +238,43 @@ class NativeProgram(torch.nn.Module):
 
     # -- collectives ---------------------------------------------------------------------------
 
+    def _loss_not_recomputed(self, c: PlannedCollective) -> bool:
+        """Whether ``c`` is the loss count of a recomputed loss: the plan's last layer holds the
+        loss, the checkpointed block module does not, so the native program counts once."""
+        return c.tensor == "loss count" and c.phase == "backward"
+
+    def _grouped_by_fsdp(self, c: PlannedCollective) -> bool:
+        """Whether FSDP2 runs ``c`` as part of its per-group collectives (a parameter's gather or
+        a gradient's reduce-scatter)."""
+        return self.kind == "fsdp" and c.tensor in ("parameter", "gradient")
+
     def _collective_map(self) -> list[CollectiveMapping]:
         out = []
         grads = [c for c in self.plan.collectives if c.tensor == "gradient" and c.bucketed]
+        grouped = [c for c in self.plan.collectives if self._grouped_by_fsdp(c)]
         for c in self.plan.collectives:
-            if c in grads:
+            if c in grads or c in grouped:
                 continue
             what = f"{c.kind} x{c.count} {c.phase} at {c.where}"
-            if c.where.endswith("-> output"):
-                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind == "ddp" else \
+            if self._loss_not_recomputed(c):
+                native = "none: the checkpointed block modules do not hold the loss"
+            elif self.token_mean and c.tensor == "loss count":
+                native = "GlobalTokenMean: the cross-entropy's token count, all-reduced in the forward"
+            elif c.where.endswith("-> output"):
+                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind in ("ddp", "fsdp") else \
                     "DTensor: the loss's redistribute to Replicate"
             elif self.kind == "tensor_parallel":
                 native = "DTensor inside RowwiseParallel's output redistribute (or its backward)"
             else:
                 native = "?"
-            out.append(CollectiveMapping(what, native, True))
-        if grads:
+            out.append(CollectiveMapping(what, native, not self._loss_not_recomputed(c)))
+        if grouped:
+            nbytes = sum(c.bytes * c.count for c in grouped)
+            out.append(CollectiveMapping(
+                f"{sum(c.count for c in grouped)} parameter all-gathers and gradient reduce-scatters, {nbytes:.0f} bytes",
+                f"FSDP2: per fully_shard group ({self.fsdp_groups}), one all-gather in the forward, one in the "
+                "backward and one reduce-scatter of the gradients; the same bytes in fewer calls", False))
+        if grads and self.kind == "ddp":
             nbytes = sum(c.bytes * c.count for c in grads)
             out.append(CollectiveMapping(
                 f"all_reduce x{sum(c.count for c in grads)} backward (gradients, bucketed), {nbytes:.0f} bytes",
@@ -213,10 +292,17 @@ class NativeProgram(torch.nn.Module):
     def observable_collectives(self, phase: str) -> dict[str, int]:
         """What ``CollectiveCounter`` should count in ``phase``: the plan's collectives, except that
         under DDP the plan's per-parameter gradient all-reduces (``bucketed=True``) become one
-        all-reduce per DDP bucket (see the module docstring)."""
+        all-reduce per DDP bucket (see the module docstring), and under FSDP the per-parameter
+        gathers and reduce-scatters become one per ``fully_shard`` group."""
         counts: Counter[str] = Counter()
         grads = 0
+        if self.kind == "fsdp" and phase in ("forward", "backward"):
+            counts["all_gather"] += self.fsdp_groups
+            if phase == "backward":
+                counts["reduce_scatter"] += self.fsdp_groups
         for c in self.plan.collectives_in(phase):
+            if self._grouped_by_fsdp(c) or self._loss_not_recomputed(c):
+                continue
             if self.kind == "ddp" and c.tensor == "gradient" and c.bucketed:
                 grads += c.count
                 continue
@@ -226,10 +312,27 @@ class NativeProgram(torch.nn.Module):
         return dict(counts)
 
 
-def _leaves(output: Any) -> list[Any]:
+def _model_outputs(output: Any, loss: Any) -> list[Any]:
+    """The model's output tensors, less the loss where the model returns it (``output.loss``):
+    the program returns that as its first value."""
     from autoplan.trace.values import tensor_leaves
 
-    return list(tensor_leaves(output))
+    return [t for t in tensor_leaves(output) if t is not loss]
+
+
+def sharded_blocks(module: torch.nn.Module, plan: Plan) -> list[torch.nn.Module]:
+    """The modules FSDP shards and gathers as one unit each: the plan's layers that are modules
+    and hold parameters (the repeated blocks, as torchtitan wraps each transformer block), in
+    order; the root gathers what is left (embeddings, the head, tied weights)."""
+    blocks = []
+    for name in dict.fromkeys(layer for stage in plan.stages for layer in stage.layers):
+        try:
+            block = module.get_submodule(name) if name else None
+        except AttributeError:
+            continue
+        if block is not None and block is not module and any(True for _ in block.parameters()):
+            blocks.append(block)
+    return blocks
 
 
 def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceMesh) -> NativeProgram | None:
@@ -242,6 +345,21 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     if found.kind == "none":
         return None
     module = copy.deepcopy(spec.module).to(mesh.device_type)
+    for layer in plan.recompute:
+        checkpoint(module.get_submodule(layer.layer))
+    if found.kind == "single":
+        return NativeProgram("single", module, spec, graph, plan, mesh, {})
+    if found.kind == "fsdp":
+        # every group re-gathers in the backward what it freed after the forward, the root too:
+        # the plan re-gathers every weight a backward reads
+        blocks = sharded_blocks(module, plan)
+        for block in blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        root_group = any(id(p) not in in_blocks for p in module.parameters())
+        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        return NativeProgram("fsdp", module, spec, graph, plan, mesh, {}, fsdp_groups=len(blocks) + root_group,
+                             token_mean=found.token_mean)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -254,7 +372,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
                      for fqn, p in module.named_parameters(remove_duplicate=False) if p.requires_grad)
         wrapped = DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
                                           forward_sync_buffers=False, find_unused_parameters=unused)
-        return NativeProgram("ddp", wrapped, spec, graph, plan, mesh, {})
+        return NativeProgram("ddp", wrapped, spec, graph, plan, mesh, {}, token_mean=found.token_mean)
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,

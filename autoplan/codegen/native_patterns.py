@@ -1,5 +1,6 @@
-"""Recognising the plans PyTorch runs natively: pure data parallelism (DDP) and Megatron
-column/row pairs (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``), and the
+"""Recognising the plans PyTorch runs natively: one device, pure data parallelism (DDP),
+fully sharded data parallelism (FSDP2's ``fully_shard``), each with checkpointed layers, and
+Megatron column/row pairs (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``), and the
 collectives each native program runs in place of the plan's."""
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Plan
+from autoplan.plan_schema import NodePlan, Plan
 from autoplan.sharding import parse_placement
 from autoplan.trace.graph import TracedGraph
 
 _LINEAR = "aten.linear.default"
 _MEAN_OPS = ("aten.mean.default",)
+_CROSS_ENTROPY = "aten.cross_entropy_loss.default"
+_MEAN_REDUCTION = 1  # aten's Reduction::Mean
 _SKIPPED = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
 
 
@@ -35,11 +38,14 @@ class CollectiveMapping:
 @dataclass
 class Recognised:
     """What :func:`recognise` found: ``kind`` and, for tensor parallelism, the styles by
-    module FQN (``("colwise", None)`` / ``("rowwise", output placement)``)."""
+    module FQN (``("colwise", None)`` / ``("rowwise", output placement)``); ``token_mean``: the
+    loss is a cross-entropy averaged over the tokens it does not ignore, which data-parallel
+    programs divide by the global batch's count (:mod:`autoplan.codegen.token_mean`)."""
 
     kind: str
     styles: dict[str, tuple[str, DPlacement | None]]
     reason: str = ""
+    token_mean: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -78,6 +84,12 @@ def _op_nodes(graph: TracedGraph) -> list[torch.fx.Node]:
     return out
 
 
+def _planned_ops(graph: TracedGraph, plan: Plan) -> list[tuple[torch.fx.Node, NodePlan]]:
+    """The graph's op nodes with their plans, in graph order."""
+    plans = {p.name: p for p in plan.nodes}
+    return [(node, plans[node.name]) for node in _op_nodes(graph) if node.name in plans]
+
+
 def _tensor_inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
@@ -106,9 +118,32 @@ def _writes_buffers(graph: TracedGraph) -> bool:
     return bool(getattr(ep.graph_signature, "buffers_to_mutate", {}))
 
 
-def _recognise_ddp(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | None | str:
-    if any(not _is_r(p) for p in plan.params.values()):
-        return "a parameter is sharded"
+def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
+    """``"replicated"`` when every parameter is whole on every device, ``"sharded"`` when every
+    one is stored sharded on its dim 0 and every op reads it whole (gathered at use: ZeRO-3 /
+    FSDP), else a reason."""
+    if all(_is_r(p) for p in plan.params.values()):
+        return "replicated"
+    parameters = dict(spec.module.named_parameters(remove_duplicate=False))
+    for fqn, specs in plan.params.items():
+        storage = plan.storage.get(fqn)
+        if fqn not in parameters and _is_r(specs):
+            continue  # a buffer, kept whole on every rank as FSDP keeps it
+        if shard_dim(specs) != 0 or storage is None or shard_dim(storage.param) != 0:
+            return f"{fqn} is {_spec(specs)}: neither replicated nor stored sharded on dim 0"
+    for node, p in _planned_ops(graph, plan):
+        for value, specs in zip(_tensor_inputs(node), p.inputs):
+            if value.name in graph.param_names and not _is_r(specs):
+                return f"{node.name} reads {graph.param_names[value.name]} as {_spec(specs)}, not gathered whole"
+    return "sharded"
+
+
+def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | str:
+    """DDP (every parameter replicated) or FSDP (every parameter stored sharded and gathered at
+    use), the batch split over the ranks, the loss a mean."""
+    storage = _storage_kind(spec, graph, plan)
+    if storage not in ("replicated", "sharded"):
+        return storage
     sharded_inputs = 0
     for name, node in zip(graph.input_names, spec.example_inputs):
         specs = plan.inputs.get(name, ["R"])
@@ -124,23 +159,47 @@ def _recognise_ddp(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> R
         return "batch norm: per-rank statistics differ from the global batch's"
     if _writes_buffers(graph):
         return "the forward writes buffers"
-    for c in plan.collectives:
-        if c.phase == "forward" and not c.where.endswith("-> output"):
-            return f"the plan has an activation collective ({c.kind} at {c.where})"
-        if c.phase == "backward" and c.tensor != "gradient":
-            return f"the plan has an activation collective in the backward ({c.kind} at {c.where})"
     loss = _loss_node(graph)
-    plans = {p.name: p for p in plan.nodes}
-    for node in _op_nodes(graph):
-        p = plans.get(node.name)
-        if p is None:
-            continue
+    token_mean = loss is not None and _is_token_mean(graph, loss)
+    weights = ("parameter",) if storage == "sharded" else ()
+    counts = ("loss count",) if token_mean else ()
+    for c in plan.collectives:
+        if c.phase == "forward" and not c.where.endswith("-> output") and c.tensor not in (*weights, *counts):
+            return f"the plan has an activation collective ({c.kind} at {c.where})"
+        if c.phase == "backward" and c.tensor not in ("gradient", *weights, *counts):
+            return f"the plan has an activation collective in the backward ({c.kind} at {c.where})"
+    for node, p in _planned_ops(graph, plan):
         if any(_is_partial(s) for s in p.outputs):
             if node is not loss:
                 return f"{node.name} makes partial sums and is not the loss"
-            if _target_name(node) not in _MEAN_OPS:
-                return f"the loss is {_target_name(node)}, not a mean: DDP's gradient average would differ"
-    return Recognised("ddp", {})
+            if _target_name(node) not in _MEAN_OPS and not token_mean:
+                return f"the loss is {_target_name(node)}, not a mean: the ranks' gradient average would differ"
+    return Recognised("ddp" if storage == "replicated" else "fsdp", {}, token_mean=token_mean)
+
+
+def _is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:
+    """Whether ``loss`` is the graph's only cross-entropy, averaged over the targets it does not
+    ignore (class indices, no class weights)."""
+    if _target_name(loss) != _CROSS_ENTROPY:
+        return False
+    if sum(_target_name(n) == _CROSS_ENTROPY for n in graph.graph_module.graph.nodes) != 1:
+        return False
+    args = [*loss.args, None, None, None][:4]
+    weight = loss.kwargs.get("weight", args[2])
+    reduction = loss.kwargs.get("reduction", _MEAN_REDUCTION if args[3] is None else args[3])
+    target = loss.args[1].meta.get("val") if isinstance(loss.args[1], torch.fx.Node) else None
+    return weight is None and reduction == _MEAN_REDUCTION and isinstance(target, torch.Tensor) \
+        and not target.is_floating_point()
+
+
+def _unrecomputable(spec: ModelSpec, plan: Plan) -> str | None:
+    """Why the plan's recomputed layers cannot run as checkpointed modules (None: they can)."""
+    for layer in plan.recompute:
+        try:
+            spec.module.get_submodule(layer.layer)
+        except AttributeError:
+            return f"recomputed layer {layer.layer!r} is not a module"
+    return None
 
 
 def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | str:
@@ -257,23 +316,25 @@ def _mark_downstream(node: torch.fx.Node, seen: set[str]) -> None:
 
 
 def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
-    """Which native pattern ``plan`` reduces to: ``kind`` is ``"ddp"``, ``"tensor_parallel"``
-    or ``"none"`` (then ``reason`` says why, for the pattern that came closest)."""
+    """Which native pattern ``plan`` reduces to: ``kind`` is ``"single"``, ``"ddp"``,
+    ``"fsdp"`` or ``"tensor_parallel"``, or ``"none"`` (then ``reason`` says why, for the pattern
+    that came closest)."""
     if len(plan.mesh) != 1:
         return Recognised("none", {}, f"mesh {plan.mesh} is not 1-D")
     if plan.scheduled:
         return Recognised("none", {}, "pipeline stages or microbatches")
-    if plan.recompute:
-        return Recognised("none", {}, "layers recomputed in the backward")
+    unrecomputable = _unrecomputable(spec, plan)
+    if unrecomputable:
+        return Recognised("none", {}, unrecomputable)
     n = plan.mesh[0]
-    found = _recognise_ddp(spec, graph, plan, n)
+    if n == 1:
+        return Recognised("single", {})
+    found = _recognise_data_parallel(spec, graph, plan, n)
     if isinstance(found, Recognised):
         return found
+    if plan.recompute:
+        return Recognised("none", {}, f"not data parallel ({found}); layers recomputed under tensor parallelism")
     tp = _recognise_tp(spec, graph, plan)
     if isinstance(tp, Recognised):
         return tp
     return Recognised("none", {}, f"not data parallel ({found}); not Megatron ({tp})")
-
-
-# --------------------------------------------------------------------------------------------
-# the program

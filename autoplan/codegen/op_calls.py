@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch._decomp import get_decompositions
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.redistribution import to_dtensor_placements
@@ -63,8 +63,28 @@ def _bce_with_logits(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
     return loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
 
 
+_MEAN, _SUM = 1, 2  # ATen's Reduction
+
+
+def _cross_entropy_over_counted_targets(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                                        reduction: int = _MEAN, ignore_index: int = -100,
+                                        label_smoothing: float = 0.0) -> torch.Tensor:
+    """A mean ``cross_entropy_loss`` as the sum of its terms over the number of targets it does
+    not ignore, that count taken over the whole batch. DTensor's own rule averages the shards'
+    means, which is the batch's mean only when every shard counts as many targets; here the
+    sum stays partial and the count is all-reduced in the forward (the plan's "loss count")."""
+    if reduction != _MEAN or weight is not None:
+        return torch.ops.aten.cross_entropy_loss.default(x, target, weight, reduction, ignore_index, label_smoothing)
+    summed = torch.ops.aten.cross_entropy_loss.default(x, target, None, _SUM, ignore_index, label_smoothing)
+    count = (target != ignore_index).sum()
+    if isinstance(count, DTensor):
+        count = count.redistribute(count.device_mesh, [Replicate()] * count.device_mesh.ndim)
+    return summed / count
+
+
 REPLACED_OPS = MappingProxyType({
     torch.ops.aten.view.default: torch.ops.aten.reshape.default,
+    torch.ops.aten.cross_entropy_loss.default: _cross_entropy_over_counted_targets,
     torch.ops.aten.binary_cross_entropy_with_logits.default: _bce_with_logits,
     **get_decompositions(_DECOMPOSED_LOSSES),
 })

@@ -107,6 +107,12 @@ class PlannedTraining(torch.nn.Module):
         params = self.sharded_state.parameters(list(program.parameters()))
         self.optimizer = build_optimizer(self.plan.optimizer, params)
 
+    @property
+    def description(self) -> str:
+        """What runs the plan, in a few words: a native PyTorch program, the DTensor interpreter
+        or the pipeline schedule."""
+        return getattr(self.program, "description", "the DTensor interpreter (autoplan.codegen.dtensor_program)")
+
     def train_step(self, *inputs: Any, **keyword_inputs: Any) -> torch.Tensor:
         """One training step as planned: forward, backward and the optimizer step; returns
         the loss (computed before the step) as a plain scalar."""
@@ -167,6 +173,10 @@ class PipelinedModule(PlannedTraining):
         self.program = program
         self.plan = plan
         self._build_optimizer(program)
+
+    @property
+    def description(self) -> str:
+        return f"torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stage(s))"
 
     def forward(self, *inputs: Any, **keyword_inputs: Any) -> ParallelOutput:
         raise AutoplanError("a pipelined plan runs forward and backward together: call pm.train_step(*batch)")
@@ -236,8 +246,10 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
     """The program of ``plan`` for a loaded :class:`ModelSpec`, in this rank of the job.
 
     With ``prefer_native`` (the default), a plan that reduces to a pattern PyTorch implements
-    itself — pure data parallelism (DDP) or Megatron column/row pairs (``parallelize_module``
-    with ``ColwiseParallel``/``RowwiseParallel``) on a 1-D mesh — runs through that API
+    itself — one device (the model itself), data parallelism (DDP), fully sharded data
+    parallelism (FSDP2's ``fully_shard``), each with checkpointed layers, or Megatron
+    column/row pairs (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``) on a
+    1-D mesh — runs through that API
     (:func:`autoplan.codegen.native.native_module`); any other plan, or ``prefer_native=False``,
     runs on the DTensor interpreter (:func:`build_program`). A decision the program cannot
     carry out is refused in one line before anything is built."""

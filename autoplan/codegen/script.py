@@ -55,6 +55,8 @@ def main() -> int:
         spec = spec.to(torch.device("cuda", torch.cuda.current_device()))
     plan = Plan.load(PLAN_FILE)
     pm = build_parallel_module(spec, plan)
+    if ctx.rank == 0:
+        print(f"program: {{pm.description}}", flush=True)
 
     if args.check:
         from autoplan.codegen.check import check_against_single_device

@@ -226,7 +226,8 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     forward = roofline_time(info.flops / shards, moved / shards, ctx.device, compute_dtype(info, mixed))
     backward = (ctx.backward_factor if needs_grad else 0.0) + (1.0 if recomputed else 0.0)
     compute = op_seconds(forward, ctx.device) * (1.0 + backward) * ctx.microbatches
-    comm = steps_seconds(backward_reduction_steps(info, strategy), ctx) * ctx.microbatches if needs_grad else 0.0
+    comm = steps_seconds(count_reduction_steps(info, strategy), ctx) * (1.0 + recomputed) * ctx.microbatches \
+        if needs_grad else 0.0
     activations = 0.0
     if saves_output and info.shape is not None:
         activations = _local_bytes(info.shape, itemsize, strategy.output_spec, ctx.mesh_shape)
@@ -234,10 +235,13 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
 
 
-def backward_reduction_steps(info: NodeInfo, strategy: Strategy) -> list[CollectiveStep]:
-    """The collectives an op's own backward runs (:attr:`Strategy.backward_reductions`): one
-    all-reduce of a scalar per mesh axis, as DTensor replicates a mean loss's target count."""
-    return [CollectiveStep("all_reduce", axis, float(info.itemsize)) for axis in strategy.backward_reductions]
+def count_reduction_steps(info: NodeInfo, strategy: Strategy) -> list[CollectiveStep]:
+    """The collectives an op runs for its own reduction (:attr:`Strategy.count_reductions`): one
+    all-reduce of a scalar per mesh axis, the target count of a mean loss whose batch is
+    sharded, in the forward, which divides the loss's partial sum by it
+    (:func:`autoplan.codegen.op_calls._cross_entropy_over_counted_targets`), and again in the
+    backward where the loss is recomputed."""
+    return [CollectiveStep("all_reduce", axis, float(info.itemsize)) for axis in strategy.count_reductions]
 
 
 def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:

@@ -6,8 +6,9 @@ from __future__ import annotations
 import math
 
 from autoplan.cost_models import CollectiveStep
-from autoplan.cost_models.step_costs import (CostContext, MemoryParts, backward_reduction_steps, edge_steps,
-    model_flops_utilization, regather_runs, sharded_state_steps, steps_seconds, value_itemsize)
+from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
+                                             edge_steps, model_flops_utilization, regather_runs,
+                                             sharded_state_steps, steps_seconds, value_itemsize)
 from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
     StagePlan)
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
@@ -48,10 +49,12 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes, f"{where_v} (optimizer state)",
                  "parameter")
         if result.needs_grad.get(name):
-            for step in backward_reduction_steps(graph.nodes[name], strategy):
-                seconds += steps_seconds([step], ctx) * ctx.microbatches
-                _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where_v, "loss count",
-                     times=ctx.microbatches)
+            again = [("backward", f"{where_v} (recomputed)")] if ctx.region_of(name) is not None else []
+            for step in count_reduction_steps(graph.nodes[name], strategy):
+                for phase, where in [("forward", where_v), *again]:
+                    seconds += steps_seconds([step], ctx) * ctx.microbatches
+                    _add(bucket, step.kind, phase, step.mesh_axis, step.nbytes, where, "loss count",
+                         times=ctx.microbatches)
         inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
         for pos, inp in enumerate(inputs):
             dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None

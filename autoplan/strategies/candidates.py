@@ -34,8 +34,9 @@ class Strategy:
     ``compute_shards`` is how many ways the work is split. ``partial_grads`` lists
     ``(input position, mesh axis)`` pairs whose gradient leaves the backward as partial sums,
     to be reduced into the producer's placement (the dual of using a replicated input for
-    sharded work). ``backward_reductions`` are the mesh axes on which the op's own backward
-    all-reduces a scalar (the target count of a mean loss whose batch is sharded);
+    sharded work). ``count_reductions`` are the mesh axes on which the op all-reduces a
+    scalar (the target count of a mean loss whose batch is sharded: in the forward, once the
+    loss is needed for a gradient);
     ``whole_grad_axes`` those on which every input's gradient comes back replicated.
     A stored parameter's strategy may shard what the optimizer holds unlike the parameter:
     ``state_spec`` for its optimizer state (ZeRO-1), ``grad_spec`` for its reduced gradient
@@ -47,7 +48,7 @@ class Strategy:
     output_specs: tuple[ShardingSpec, ...]
     compute_shards: int
     partial_grads: tuple[tuple[int, int], ...] = ()
-    backward_reductions: tuple[int, ...] = ()
+    count_reductions: tuple[int, ...] = ()
     whole_grad_axes: frozenset[int] = frozenset()
     grad_spec: ShardingSpec | None = None
     state_spec: ShardingSpec | None = None

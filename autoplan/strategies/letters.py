@@ -33,7 +33,8 @@ class IndexMap:
     (``P`` in, ``P`` out): views, add/sub, sums, scaling by a constant. ``addends`` are inputs
     added to a contraction's result (a bias): where the result is partial, they must be too.
     ``counted`` letters are those a mean loss counts its targets over: where one is sharded,
-    the backward all-reduces that (scalar) count before dividing by it. Where a
+    the forward all-reduces that (scalar) count and divides the partial sum of the loss terms
+    by it. Where a
     ``whole_grads`` letter is sharded, the op's backward gives its inputs' gradients
     replicated on that axis (an embedding with a vocabulary-sharded table: the program unmasks
     the partial output at once, and the table's gradient comes back whole).
