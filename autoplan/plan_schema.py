@@ -130,13 +130,21 @@ class PlannedCollective:
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per device."""
+    """Bytes per device. ``peak`` is what the planner keeps under the memory budget (the kept
+    values); ``transient`` what the backward holds above them at its peak (an op's gradients, a
+    recomputed layer's values, the returned outputs:
+    :mod:`autoplan.cost_models.transient_memory`), not yet bounded by the budget."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
     peak: float
+    transient: float = 0.0
+
+    @property
+    def peak_with_transient(self) -> float:
+        return self.peak + self.transient
 
 
 @dataclass

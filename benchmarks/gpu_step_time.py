@@ -136,6 +136,7 @@ def main() -> int:
                             "measured_peak_bytes": peak, "loss": float(loss.item()), "predicted": {}}
     for cluster, each, seconds in plans:
         rows["predicted"][cluster] = {"step_s": each.predicted.step_time_s, "peak_bytes": each.predicted.memory_bytes.peak,
+                                      "peak_with_transient_bytes": each.predicted.memory_bytes.peak_with_transient,
                                       "compute_s": each.predicted.compute_s, "mfu": each.predicted.mfu,
                                       "planning_s": seconds}
     if args.eager:
@@ -167,7 +168,8 @@ def _print(rows: dict[str, Any], plan: Plan) -> None:
               f"{format_bytes(rows['eager_peak_bytes'])}; program / eager = {measured / rows['eager_step_s']:.2f}")
     for cluster, p in rows["predicted"].items():
         print(f"cluster {cluster}: predicted {format_seconds(p['step_s'])} (compute {format_seconds(p['compute_s'])}, "
-              f"MFU {p['mfu']:.1%}), peak {format_bytes(p['peak_bytes'])}; measured / predicted = "
+              f"MFU {p['mfu']:.1%}), peak {format_bytes(p['peak_bytes'])} kept, "
+              f"{format_bytes(p['peak_with_transient_bytes'])} with the backward's transients; measured / predicted = "
               f"{measured / p['step_s']:.2f}; planned in {p['planning_s']:.1f} s")
 
 

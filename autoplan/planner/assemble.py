@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 
+from torch import fx
+
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
                                              edge_steps, model_flops_utilization, regather_runs,
                                              sharded_state_steps, steps_seconds, value_itemsize)
+from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
     StagePlan)
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
@@ -107,10 +110,20 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
     memory = MemoryParts()
     for cost in result.node_costs.values():
         memory = memory + cost.memory
-    estimate = MemoryEstimate(memory.params, memory.grads, memory.optimizer, memory.activations, memory.total)
+    transient = backward_transient(graph.nodes, result.chosen, result.input_names, result.needs_grad,
+                                   model_outputs(graph), ctx)
+    estimate = MemoryEstimate(memory.params, memory.grads, memory.optimizer, memory.activations, memory.total,
+                              transient)
     mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, compute + comm, math.prod(ctx.mesh_shape),
                                   ctx.device, ctx.optimizer.mixed_precision)
     return Prediction(compute + comm, compute, comm, estimate, by_kind, mfu=mfu), collectives
+
+
+def model_outputs(graph: TracedGraph) -> list[str]:
+    """The graph's outputs other than the loss (its first), by node name."""
+    output = graph.graph_module.graph.output_node()
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return [v.name for v in values[1:] if isinstance(v, fx.Node)]
 
 
 def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:

@@ -41,10 +41,22 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
         parts["manual plans"] = time.perf_counter() - start - sum(parts.values())
     # the total is the wall clock from loading to the plan: never less than the parts it lists
     plan.timings_s = {"load": load_s, **parts, "total": load_s + time.perf_counter() - start}
-    note = replication_note(plan, spec)
-    if note:
-        plan.warnings.append(note)
+    for note in (replication_note(plan, spec), transient_note(plan)):
+        if note:
+            plan.warnings.append(note)
     return with_decisions(plan, options)
+
+
+def transient_note(plan: Plan) -> str | None:
+    """Why the plan may not fit after all, in one line: the backward's transients (which the
+    budget does not bound yet) take its predicted peak over the memory per device."""
+    budget = plan.cluster.get("device", {}).get("memory_bytes")
+    m = plan.predicted.memory_bytes
+    if not budget or m.peak_with_transient <= budget:
+        return None
+    return (f"with the backward's transients ({m.transient / 1e9:.2f} GB: gradients, recomputed layers, the "
+            f"returned outputs) the predicted peak is {m.peak_with_transient / 1e9:.2f} GB, over the "
+            f"{budget / 1e9:.2f} GB per device: a smaller batch or more microbatches would fit")
 
 
 def replication_note(plan: Plan, spec: ModelSpec) -> str | None:

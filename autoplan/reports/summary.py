@@ -131,7 +131,9 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         f"predicted: {_prediction_line(plan.predicted)}",
         f"memory per device: params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, "
         f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}"
-        + (f" (budget {format_bytes(budget)})" if budget else ""),
+        + (f" (budget {format_bytes(budget)})" if budget else "")
+        + (f"; the backward's transients {format_bytes(m.transient)} more, at most "
+           f"{format_bytes(m.peak_with_transient)} (not yet within the budget)" if m.transient else ""),
     ]
     if plan.solver:
         s = plan.solver

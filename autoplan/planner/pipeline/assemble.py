@@ -103,7 +103,7 @@ def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]
     for rank in range(ranks):
         mine = memories[rank::ranks]
         out.append(MemoryEstimate(*(sum(getattr(m, f) for m in mine)
-                                    for f in ("params", "grads", "optimizer", "activations", "peak"))))
+                                    for f in ("params", "grads", "optimizer", "activations", "peak", "transient"))))
     return out
 
 

@@ -1,0 +1,62 @@
+"""The backward's transients (autoplan/cost_models/transient_memory.py): an op's gradients, a
+recomputed layer's values and the returned outputs, in the dtype autocast gives them, are
+predicted beside the kept values, and a plan whose peak with them passes the memory per
+device says so in one line."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from autoplan.cost_models.transient_memory import working_itemsize
+from autoplan.load import make_model_spec
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.options import PlanOptions
+from autoplan.reports.summary import summary_text
+from autoplan.trace.tracer import trace
+from launcher import ROOT
+
+sys.path.insert(0, str(ROOT / "examples"))
+import llama  # noqa: E402
+
+
+def _spec(batch: int = 8):
+    model, inputs = llama.build(batch=batch, seq=32, vocab=512, device="meta")
+    return make_model_spec(model, inputs, None, name="llama")
+
+
+def _plan(batch: int = 8, recompute: str = "none", precision: str = "fp32", memory: float | None = None):
+    return plan_model(_spec(batch), PlanOptions(1, "h100", pipeline=False, recompute=recompute, precision=precision,
+                                                plan_only=True, memory_per_device=memory))
+
+
+def test_autocast_keeps_losses_norms_and_fp32_casts_in_fp32() -> None:
+    nodes = trace(_spec()).nodes
+    by_target = {info.target: info for info in nodes.values() if info.kind == "op"}
+    assert working_itemsize(by_target["aten.cross_entropy_loss.default"], True) == 4
+    assert working_itemsize(by_target["aten.to.dtype"], True) == 4  # the loss's logits.float()
+    assert working_itemsize(by_target["aten.linear.default"], True) == 2
+    assert working_itemsize(by_target["aten.linear.default"], False) == 4
+
+
+def test_a_recomputed_layer_holds_its_values_again_in_the_backward() -> None:
+    kept, recomputed = _plan(recompute="none"), _plan(recompute="all")
+    assert recomputed.predicted.memory_bytes.activations < kept.predicted.memory_bytes.activations
+    assert recomputed.predicted.memory_bytes.transient > kept.predicted.memory_bytes.transient > 0
+
+
+def test_the_transients_grow_with_the_batch() -> None:
+    small, large = (_plan(batch=b, recompute="all", precision="bf16").predicted.memory_bytes.transient for b in (4, 8))
+    assert large == pytest.approx(2 * small, rel=0.05)
+
+
+def test_a_peak_over_the_budget_with_transients_is_named() -> None:
+    free = _plan().predicted.memory_bytes
+    assert free.transient > 0
+    tight = _plan(memory=free.peak + free.transient / 2)
+    assert tight.predicted.memory_bytes.peak <= free.peak + free.transient / 2
+    note = [w for w in tight.warnings if "backward's transients" in w]
+    assert len(note) == 1 and "\n" not in note[0]
+    assert "the backward's transients" in summary_text(tight)
+    assert not [w for w in _plan().warnings if "backward's transients" in w]
