@@ -96,7 +96,8 @@ def _row(label: str, recipe: Recipe, p: Prediction | None, reason: str = "") -> 
         return f"  {label:46s} {reason}"
     return (f"  {label:46s} {format_seconds(p.step_time_s):>9s} {_tokens_per_gpu(recipe, p):7.0f} tok/s/GPU "
             f"MFU {p.mfu:5.1%}  (compute {format_seconds(p.compute_s)}, communication {format_seconds(p.comm_s)}, "
-            f"bubble {format_seconds(p.bubble_s)}; {format_bytes(p.memory_bytes.peak)} per device)")
+            f"bubble {format_seconds(p.bubble_s)}; {format_bytes(p.memory_bytes.peak)} per device, "
+            f"{format_bytes(p.memory_bytes.peak_with_transient)} with the backward's transients)")
 
 
 def _found_label(plan: Plan) -> str:

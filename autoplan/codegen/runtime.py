@@ -17,7 +17,7 @@ import json
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from autoplan.plan_schema import Plan
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.tracer import trace
+
+if TYPE_CHECKING:
+    from autoplan.codegen.native import NativeProgram
 
 
 @dataclass(frozen=True)
@@ -124,15 +127,16 @@ class PlannedTraining(torch.nn.Module):
 class ParallelModule(PlannedTraining):
     """The model parallelized by ``plan``. ``pm(*global_inputs)`` → :class:`ParallelOutput`."""
 
-    def __init__(self, program: ShardedProgram, plan: Plan, device_type: str, spec: ModelSpec | None = None) -> None:
+    def __init__(self, program: ShardedProgram | NativeProgram, plan: Plan, device_type: str,
+                 spec: ModelSpec | None = None) -> None:
         super().__init__(spec)
         self.program = program
         self.plan = plan
         self.device_type = device_type
-        buckets = None
+        buckets, targets = None, {}  # a native program reduces its gradients itself (DDP, FSDP; no ZeRO-1/2)
         if isinstance(program, ShardedProgram):
             buckets = program.gradient_buckets = GradientBuckets(program)
-        targets = program.gradient_placements if isinstance(program, ShardedProgram) else {}  # native: no ZeRO
+            targets = program.gradient_placements
         for param in {id(p): p for p in program.parameters()}.values():
             if not param.requires_grad:  # a frozen parameter (Whisper's positions) has no gradient
                 continue
