@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 
-from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import ParamStorage, Plan, PrecisionPlan
 from autoplan.planner.api import plan_spec
 from autoplan.planner.manual import cost_manual, parse_manual
-from autoplan.planner.options import PlanOptions, PlannerOptions
+from autoplan.planner.options import PlanOptions
 from autoplan.planner.pipeline import plan_pipeline
 from autoplan.solvers import format_bytes
 
@@ -34,11 +32,10 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     manual = [parse_manual(text) for text in options.manual]  # a bad one fails before the search
     planner_options = options.planner_options()
     start = time.perf_counter()
-    plan = _search(spec, options, planner_options)
-    reserved = _reserving_transients(spec, options, planner_options, plan)
-    if reserved is not None:
-        reserved.timings_s = {k: v + plan.timings_s.get(k, 0.0) for k, v in reserved.timings_s.items()}
-        plan = reserved
+    if options.pipeline:
+        plan = plan_pipeline(spec, planner_options, options.pipeline_options())
+    else:
+        plan = plan_spec(spec, planner_options)[0]
     plan.alternatives += [cost_manual(spec, planner_options, m) for m in manual]
     parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     if manual:
@@ -51,47 +48,17 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     return with_decisions(plan, options)
 
 
-def _search(spec: ModelSpec, options: PlanOptions, planner_options: PlannerOptions) -> Plan:
-    if options.pipeline:
-        return plan_pipeline(spec, planner_options, options.pipeline_options())
-    return plan_spec(spec, planner_options)[0]
-
-
-def _reserving_transients(spec: ModelSpec, options: PlanOptions, planner_options: PlannerOptions,
-                          plan: Plan) -> Plan | None:
-    """Where ``plan``'s backward transients take its peak over the memory per device (the solvers
-    bound the kept values only), the plan found again with that much memory held back for them,
-    when that one fits with its own transients; otherwise None (``plan`` stays, and
-    :func:`transient_note` says it may not fit)."""
-    budget = planner_options.memory_budget
-    m = plan.predicted.memory_bytes
-    if m.peak_with_transient <= budget or m.transient >= budget:
-        return None
-    cluster = planner_options.cluster
-    held_back = replace(cluster, device=replace(cluster.device, memory_bytes=budget - m.transient))
-    try:
-        again = _search(spec, options, replace(planner_options, cluster=held_back))
-    except AutoplanError:  # nothing fits with that much held back
-        return None
-    if again.predicted.memory_bytes.peak_with_transient > budget:
-        return None
-    again.cluster = plan.cluster
-    again.warnings.append(f"planned within {format_bytes(budget - m.transient)} of the {format_bytes(budget)} per "
-                          f"device, holding {format_bytes(m.transient)} back for the backward's transients")
-    return again
-
-
 def transient_note(plan: Plan) -> str | None:
     """Why the plan may not fit after all, in one line: the backward's transients (which the
-    budget does not bound yet) take its predicted peak over the memory per device."""
+    solvers do not bound yet) take its predicted peak over the memory per device."""
     budget = plan.cluster.get("device", {}).get("memory_bytes")
     m = plan.predicted.memory_bytes
     if not budget or m.peak_with_transient <= budget:
         return None
     return (f"with the backward's transients ({format_bytes(m.transient)}: gradients, recomputed layers, the "
             f"returned outputs) the predicted peak is {format_bytes(m.peak_with_transient)}, over the "
-            f"{format_bytes(budget)} per device, and no plan found with that much held back fits: a smaller "
-            f"batch, more microbatches or more devices would")
+            f"{format_bytes(budget)} per device: a smaller --memory-per-device, a smaller batch, more "
+            f"microbatches or more devices would leave room for them")
 
 
 def replication_note(plan: Plan, spec: ModelSpec) -> str | None:
