@@ -93,12 +93,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
-from torch.distributed._composable import checkpoint
-from torch.distributed.fsdp import fully_shard
 
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
 from autoplan.codegen.redistribution import to_dtensor_placements
