@@ -271,7 +271,8 @@ class NativeProgram(torch.nn.Module):
         if grouped:
             nbytes = sum(c.bytes * c.count for c in grouped)
             out.append(CollectiveMapping(
-                f"{sum(c.count for c in grouped)} parameter all-gathers and gradient reduce-scatters, {nbytes:.0f} bytes",
+                f"{sum(c.count for c in grouped)} parameter all-gathers and gradient reduce-scatters, "
+                f"{nbytes:.0f} bytes",
                 f"FSDP2: per fully_shard group ({self.fsdp_groups}), one all-gather in the forward, one in the "
                 "backward and one reduce-scatter of the gradients; the same bytes in fewer calls", False))
         if grads and self.kind == "ddp":

@@ -17,6 +17,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import NodePlan, Plan
 from autoplan.sharding import parse_placement
+from autoplan.trace.batch_coupling import op_argument
 from autoplan.trace.graph import TracedGraph
 
 _LINEAR = "aten.linear.default"
@@ -184,12 +185,11 @@ def _is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:
         return False
     if sum(_target_name(n) == _CROSS_ENTROPY for n in graph.graph_module.graph.nodes) != 1:
         return False
-    args = [*loss.args, None, None, None][:4]
-    weight = loss.kwargs.get("weight", args[2])
-    reduction = loss.kwargs.get("reduction", _MEAN_REDUCTION if args[3] is None else args[3])
-    target = loss.args[1].meta.get("val") if isinstance(loss.args[1], torch.fx.Node) else None
-    return weight is None and reduction == _MEAN_REDUCTION and isinstance(target, torch.Tensor) \
-        and not target.is_floating_point()
+    target = op_argument(loss, "target")
+    value = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
+    mean = op_argument(loss, "reduction", _MEAN_REDUCTION) == _MEAN_REDUCTION
+    return mean and op_argument(loss, "weight") is None and isinstance(value, torch.Tensor) \
+        and not value.is_floating_point()
 
 
 def _unrecomputable(spec: ModelSpec, plan: Plan) -> str | None:

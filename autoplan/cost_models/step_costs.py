@@ -167,7 +167,8 @@ def model_flops_utilization(graph_nodes: Iterable[NodeInfo], passes: int, step_t
     return flops / (step_time_s * devices * device.peak(dtype))
 
 
-def _local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
+def local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> float:
+    """Bytes of one device's shard of a value of ``shape`` stored in ``spec``."""
     return float(math.prod(local_shape(shape, spec, mesh_shape))) * itemsize
 
 
@@ -204,11 +205,15 @@ def sharded_state_steps(spec: ShardingSpec, state_spec: ShardingSpec | None, sha
     return reshard_steps(state_spec, spec, shape, itemsize, ctx.mesh_shape)
 
 
+def aten_name(info: NodeInfo) -> str:
+    """An op node's ATen name without namespace and overload (``linear``), else its target."""
+    parts = info.target.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "aten" else info.target
+
+
 def moved_bytes(info: NodeInfo) -> float:
     """Bytes an op node reads and writes: the traced count, or none for a view."""
-    parts = info.target.split(".")
-    name = parts[1] if len(parts) > 1 and parts[0] == "aten" else info.target
-    return 0.0 if name in ALIASING_OPS else info.bytes
+    return 0.0 if aten_name(info) in ALIASING_OPS else info.bytes
 
 
 def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inputs: list[bool],
@@ -230,7 +235,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
         if needs_grad else 0.0
     activations = 0.0
     if saves_output and info.shape is not None:
-        activations = _local_bytes(info.shape, itemsize, strategy.output_spec, ctx.mesh_shape)
+        activations = local_bytes(info.shape, itemsize, strategy.output_spec, ctx.mesh_shape)
         activations *= ctx.activations_in_flight
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
 

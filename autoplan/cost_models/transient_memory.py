@@ -24,14 +24,13 @@ normalisation, explicit casts to fp32); everything else is costed as
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 
-from autoplan.sharding import ShardingSpec, local_shape
+from autoplan.sharding import ShardingSpec
 from autoplan.strategies.candidates import Strategy
 from autoplan.trace.graph import NodeInfo
 
-from .step_costs import CostContext, moved_bytes, value_itemsize
+from .step_costs import CostContext, aten_name, local_bytes, moved_bytes, value_itemsize
 
 #: Ops that ``torch.autocast`` runs in float32 (their outputs are float32 under bf16 autocast),
 #: by ATen name.
@@ -44,15 +43,10 @@ _CASTS = frozenset({"to", "_to_copy"})
 _KEEPS_INPUT_SIZED = frozenset({"cross_entropy_loss"})
 
 
-def _aten_name(info: NodeInfo) -> str:
-    parts = info.target.split(".")
-    return parts[1] if len(parts) > 1 and parts[0] == "aten" else info.target
-
-
 def working_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
     """Bytes per element of ``info``'s value in the program: fp32 where autocast computes the op
     in fp32 or the model casts to fp32, otherwise :func:`value_itemsize`."""
-    name = _aten_name(info)
+    name = aten_name(info)
     if mixed_precision and info.dtype.replace("torch.", "") == "float32" and \
             (name in AUTOCAST_FP32_OPS or name in _CASTS):
         return 4
@@ -62,8 +56,7 @@ def working_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
 def _local_bytes(info: NodeInfo, spec: ShardingSpec | None, ctx: CostContext) -> float:
     if info.shape is None or spec is None:
         return 0.0
-    return float(math.prod(local_shape(info.shape, spec, ctx.mesh_shape))) * \
-        working_itemsize(info, ctx.optimizer.mixed_precision)
+    return local_bytes(info.shape, working_itemsize(info, ctx.optimizer.mixed_precision), spec, ctx.mesh_shape)
 
 
 def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strategy],
@@ -81,7 +74,7 @@ def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strat
     for name in ops:
         own = out_bytes(name)
         held = sum(out_bytes(i) for i in inputs.get(name, []) if i in nodes and needs_grad.get(i, False))
-        if _aten_name(nodes[name]) in _KEEPS_INPUT_SIZED and inputs.get(name):
+        if aten_name(nodes[name]) in _KEEPS_INPUT_SIZED and inputs.get(name):
             held += out_bytes(inputs[name][0])
         gradients[name] = own + held if needs_grad.get(name, False) else 0.0
     regions: dict[str, list[str]] = {}
@@ -90,8 +83,8 @@ def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strat
         if region is not None:
             regions.setdefault(region, []).append(name)
     returned = {name: out_bytes(name) for name in outputs if name in nodes}
-    worst = max((g + sum(returned.values()) for name, g in gradients.items() if ctx.region_of(name) is None),
-                default=0.0)
+    kept_ops = [g for name, g in gradients.items() if ctx.region_of(name) is None]
+    worst = max(kept_ops) + sum(returned.values()) if kept_ops else 0.0
     for members in regions.values():
         inside = set(members)
         values = sum(out_bytes(name) for name in members if moved_bytes(nodes[name]) > 0)

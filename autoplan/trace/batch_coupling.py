@@ -66,7 +66,7 @@ def _op(node: fx.Node) -> str:
     return getattr(node.target, "__name__", str(node.target)).split(".")[0]
 
 
-def _argument(node: fx.Node, name: str, default: object = None) -> object:
+def op_argument(node: fx.Node, name: str, default: object = None) -> object:
     """An argument of an ATen op by its schema name, positional or keyword."""
     schema = getattr(node.target, "_schema", None)
     if schema is None:
@@ -80,7 +80,7 @@ def _argument(node: fx.Node, name: str, default: object = None) -> object:
 
 
 def _is_counted_mean(node: fx.Node) -> bool:
-    return _op(node) in _COUNTED_LOSSES and _argument(node, "reduction", _MEAN) == _MEAN
+    return _op(node) in _COUNTED_LOSSES and op_argument(node, "reduction", _MEAN) == _MEAN
 
 
 def _scaled_root(loss: fx.Node) -> fx.Node:
@@ -132,10 +132,10 @@ def batch_couplings(graph: TracedGraph) -> list[BatchCoupling]:
             continue
         op = _op(node)
         module = graph.nodes[node.name].module if node.name in graph.nodes else ""
-        if op in _BATCH_NORMS and _argument(node, "training", True):
+        if op in _BATCH_NORMS and op_argument(node, "training", True):
             found.append(BatchCoupling(node.name, op, module, CouplingKind.BATCH_STATISTICS))
         elif _is_counted_mean(node):
-            weighable = (node is loss and _argument(node, "weight") is None
+            weighable = (node is loss and op_argument(node, "weight") is None
                          and _input_only_ancestors(graph, [node.args[1]]) is not None)
             found.append(BatchCoupling(node.name, op, module, CouplingKind.TARGET_COUNT, weighable))
     return found
@@ -173,7 +173,7 @@ def count_program(graph: TracedGraph, node_name: str) -> fx.GraphModule:
     ancestors = _input_only_ancestors(graph, [target])
     if ancestors is None:
         raise ValueError(f"the targets of {node_name} are not computed from the inputs alone")
-    ignore_index = _argument(loss, "ignore_index", -100)
+    ignore_index = op_argument(loss, "ignore_index", -100)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     placeholders = {n.name: n for n in graph.graph_module.graph.nodes if n.op == "placeholder"}
