@@ -18,6 +18,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from autoplan.codegen.script import render_train_script
 from autoplan.cost_models.presets import PRESET_NAMES
@@ -71,6 +72,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--check", action="store_true",
                         help="with --run: compare outputs, loss, gradients and collectives with one device")
     parser.add_argument("--steps", type=int, default=3, help="training steps for --run / --check (default 3)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="with --run: save checkpoints here and resume from the newest one there, if any")
+    parser.add_argument("--checkpoint-every", type=int, default=0,
+                        help="with --checkpoint-dir: save every K steps (default: after the last step)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="with --run: restart every process this many times after one fails (torchrun), "
+                             "resuming from the newest checkpoint")
     pipe = parser.add_argument_group("pipeline (inter-op) choices; left out, the planner chooses")
     pipe.add_argument("--stages", type=int, default=None, help="pin the number of pipeline stages")
     pipe.add_argument("--microbatches", type=int, default=None, help="pin the number of microbatches")
@@ -108,6 +116,11 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
     """The command line's options, checked, as the Python API takes them."""
     if args.steps < 1:
         raise AutoplanError(f"--steps must be at least 1, got {args.steps}")
+    for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--max-restarts", args.max_restarts)):
+        if value < 0:
+            raise AutoplanError(f"{flag} must be at least 0, got {value}")
+    if args.max_restarts and not args.checkpoint_dir:
+        raise AutoplanError("--max-restarts needs --checkpoint-dir DIR: a restarted job resumes from a checkpoint")
     precision = "bf16" if args.mixed_precision else args.precision
     options = PlanOptions(
         args.devices, args.cluster, parse_mesh(args.mesh) if args.mesh else None, args.memory_per_device,
@@ -192,7 +205,8 @@ def run_plan(args: argparse.Namespace) -> int:
     code, output = 0, None
     if args.run or args.check:
         output = [] if args.report else None
-        code = launch(script, plan.devices, args.steps, args.check, output)
+        code = launch(script, plan.devices, args.steps, args.check, output, checkpoint_dir=args.checkpoint_dir,
+                      checkpoint_every=args.checkpoint_every, max_restarts=args.max_restarts)
     if args.report:
         from autoplan.reports import parse_train_log, write_report
 
@@ -202,8 +216,22 @@ def run_plan(args: argparse.Namespace) -> int:
     return code
 
 
-def launch(script: Path, devices: int, steps: int, check: bool, output: list[str] | None = None) -> int:
-    """Run train.py under torch.distributed.run with one process per planned device. With
+def train_command(script: Path, devices: int, steps: int, check: bool, checkpoint_dir: str | None = None,
+                  checkpoint_every: int = 0, max_restarts: int = 0) -> list[str]:
+    """The torch.distributed.run command that runs train.py with one process per planned
+    device; with a checkpoint folder it resumes from the newest checkpoint there."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
+               "--max-restarts", str(max_restarts), str(script), "--steps", str(steps)]
+    if check:
+        return [*command, "--check"]
+    if checkpoint_dir:
+        command += ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every), "--resume"]
+    return command
+
+
+def launch(script: Path, devices: int, steps: int, check: bool, output: list[str] | None = None,
+           **checkpoints: Any) -> int:
+    """Run train.py (:func:`train_command`; ``checkpoints``: its checkpoint arguments). With
     ``output``, the child's stdout is also appended to it line by line (still shown here)."""
     import torch
 
@@ -211,8 +239,7 @@ def launch(script: Path, devices: int, steps: int, check: bool, output: list[str
     if not torch.cuda.is_available() and devices > cores:
         print(f"autoplan: warning: starting {devices} processes on {cores} CPU cores: they share the cores, so "
               f"steps are slow; this checks the program, it does not measure it", file=sys.stderr)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(devices),
-               str(script), "--steps", str(steps)] + (["--check"] if check else [])
+    command = train_command(script, devices, steps, check, **checkpoints)
     print("running: " + " ".join(command[2:]), flush=True)
     if output is None:
         return subprocess.run(command, check=False).returncode

@@ -24,7 +24,7 @@ import torch
 
 from autoplan.errors import AutoplanError
 
-__all__ = ["ModelSpec", "default_loss", "make_model_spec", "load_model_file", "import_file"]
+__all__ = ["ModelSpec", "default_loss", "make_model_spec", "load_model_file", "import_file", "spec_from_file_module"]
 
 
 @dataclass
@@ -292,7 +292,19 @@ def load_model_file(
     """Imports ``path`` and returns the ModelSpec of its ``model``, ``example_inputs`` and
     ``loss_fn`` (optional unless ``require_loss``: a loss the user named must exist). Every
     problem is a one-line AutoplanError."""
-    module = import_file(path)
+    return spec_from_file_module(import_file(path), path, model_name, inputs_name, loss_name, require_loss)
+
+
+def spec_from_file_module(
+    module: types.ModuleType,
+    path: str,
+    model_name: str = "model",
+    inputs_name: str = "example_inputs",
+    loss_name: str = "loss_fn",
+    require_loss: bool = False,
+) -> ModelSpec:
+    """The ModelSpec of a model file already imported (:func:`import_file`) from ``path``;
+    see :func:`load_model_file`."""
     if not hasattr(module, model_name):
         raise AutoplanError(
             f"{path} defines no {model_name!r}: define {model_name} = ... "

@@ -128,3 +128,24 @@ def test_run_warns_when_processes_outnumber_cores(monkeypatch: pytest.MonkeyPatc
     assert "starting 16 processes on 2 CPU cores" in err and len(launched) == 1
     assert cli.launch(Path("train.py"), 2, 1, False) == 0
     assert "CPU cores" not in capsys.readouterr().err
+
+
+def test_run_with_a_checkpoint_folder_saves_resumes_and_restarts() -> None:
+    from autoplan.cli import train_command
+
+    command = train_command(Path("out/train.py"), 4, 100, False, "ckpt", 10, 3)
+    assert command[command.index("--max-restarts") + 1] == "3"
+    assert command.index("--max-restarts") < command.index("out/train.py")  # torchrun's, not train.py's
+    after = command[command.index("out/train.py"):]
+    assert after == ["out/train.py", "--steps", "100", "--checkpoint-dir", "ckpt", "--checkpoint-every", "10",
+                     "--resume"]
+    assert "--checkpoint-dir" not in train_command(Path("train.py"), 2, 3, False)
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-restarts", "2"], "--max-restarts needs --checkpoint-dir"),
+    (["--checkpoint-dir", "c", "--checkpoint-every", "-1"], "--checkpoint-every must be at least 0"),
+])
+def test_restart_and_checkpoint_flags_are_checked_before_planning(flags: list[str], needle: str) -> None:
+    with pytest.raises(AutoplanError, match=needle):
+        run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--run", *flags])

@@ -60,10 +60,24 @@ def init_distributed() -> DistContext:
                                 "or call torch.distributed.init_process_group first")
         if use_cuda:
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo", **_restarted_job_store())
     backend = dist.get_backend()
     device_type = "cuda" if use_cuda and backend == "nccl" else "cpu"
     return DistContext(dist.get_rank(), dist.get_world_size(), local_rank, device_type)
+
+
+def _restarted_job_store() -> dict[str, Any]:
+    """Where torchrun restarted the job (``--max-restarts``) and the processes meet in the
+    agent's store, the store under a prefix of this attempt, so that the new processes do not
+    read the addresses the failed attempt's processes left there (they would connect to
+    processes that are gone); otherwise nothing (torchrun's environment decides)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    world_size = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False)
+    return dict(store=dist.PrefixStore(f"autoplan/attempt_{attempt}", store), rank=int(os.environ["RANK"]),
+                world_size=world_size)
 
 
 class ParallelOutput(NamedTuple):

@@ -18,9 +18,16 @@ TEMPLATE = '''#!/usr/bin/env python
     torchrun --nnodes 2 --nproc-per-node {half} --node-rank R --rdzv-backend c10d \\\\
              --rdzv-endpoint HOST:29500 {script}          # the same plan over two nodes
 
-On GPUs each process uses one GPU (NCCL); on CPUs gloo. Every rank passes the same global
-batch; the program keeps its own slice. The optimizer ({optimizer}) and everything else the
-program does come from plan.json.
+    torchrun --nproc-per-node {devices} --max-restarts 3 {script} --steps 1000 \\
+             --checkpoint-dir ckpt --checkpoint-every 100 --resume  # restarted after a fault
+
+The data is `batches` in the model file (a DataLoader of global batches shaped like the
+example inputs), else the example inputs every step. On GPUs each process uses one GPU (NCCL);
+on CPUs gloo. Every rank reads the same global batch; the program keeps its own slice. The
+optimizer ({optimizer}) and everything else the program does come from plan.json. With
+--checkpoint-dir, the model, optimizer state, step, data position and random states are saved
+with torch.distributed.checkpoint; --resume continues from the newest complete checkpoint,
+which may have been written under another plan or device count.
 """
 
 import argparse
@@ -33,26 +40,38 @@ import torch
 import torch.distributed as dist
 
 from autoplan.codegen.runtime import build_parallel_module, init_distributed
+from autoplan.codegen.training_checkpoint import TrainingCheckpoints
+from autoplan.data import BatchFeed, find_batches
 from autoplan.errors import AutoplanError
-from autoplan.load import load_model_file
+from autoplan.load import import_file, spec_from_file_module
 from autoplan.plan_schema import Plan
 
 MODEL_FILE = Path(__file__).resolve().parent / {model_file!r}
 NAMES = dict(model_name={model_attr!r}, inputs_name={inputs_attr!r}, loss_name={loss_attr!r})
+BATCHES = "batches"  # the name of the data in the model file
 PLAN_FILE = Path(__file__).resolve().with_name("plan.json")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=10, help="the total number of steps, counted across resumes")
     parser.add_argument("--check", action="store_true", help="compare with the model on one device")
+    parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (torch.distributed.checkpoint)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end)")
+    parser.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (default 2)")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
     args = parser.parse_args()
+    if args.resume and not args.checkpoint_dir:
+        raise AutoplanError("--resume needs --checkpoint-dir DIR: the folder the checkpoints are in")
 
     ctx = init_distributed()
     torch.manual_seed(0)  # every rank builds the same weights
-    spec = load_model_file(str(MODEL_FILE), **NAMES)
+    user_file = import_file(str(MODEL_FILE))
+    spec = spec_from_file_module(user_file, str(MODEL_FILE), **NAMES)
+    device = torch.device("cpu")
     if ctx.device_type == "cuda":  # trace where it runs: tensors the graph creates land there
-        spec = spec.to(torch.device("cuda", torch.cuda.current_device()))
+        device = torch.device("cuda", torch.cuda.current_device())
+        spec = spec.to(device)
     plan = Plan.load(PLAN_FILE)
     pm = build_parallel_module(spec, plan)
     if ctx.rank == 0:
@@ -66,13 +85,29 @@ def main() -> int:
             print(report.text(), flush=True)
         return 0 if report.ok else 1
 
-    for step in range(args.steps):
+    feed = BatchFeed(spec, find_batches(user_file, str(MODEL_FILE), BATCHES), device)
+    checkpoints = first = None
+    if args.checkpoint_dir:
+        checkpoints = TrainingCheckpoints(args.checkpoint_dir, pm, spec.module, keep=args.keep_checkpoints)
+        resumed = checkpoints.resume(feed) if args.resume else None
+        first = resumed.step if resumed else None
+        if ctx.rank == 0 and args.resume:
+            print(checkpoints.resume_line(resumed) if resumed else f"no checkpoint in {{args.checkpoint_dir}} yet: "
+                  f"starting at step 0", flush=True)
+    if ctx.rank == 0:
+        print(f"data: {{feed.source}}", flush=True)
+    for step in range(first or 0, args.steps):
         start = time.perf_counter()
-        loss = pm.train_step(*spec.example_inputs)  # forward, backward (every microbatch of a pipeline), optimizer
+        loss = pm.train_step(*feed.next_batch())  # forward, backward (every microbatch of a pipeline), optimizer
         value = loss.item()  # waits for the step to finish
         seconds = time.perf_counter() - start
         if ctx.rank == 0:
             print(f"step {{step}} loss {{value:.6f}} time {{seconds:.6f}}", flush=True)
+        done = step + 1
+        if checkpoints and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
+            saved = checkpoints.save(done, feed)
+            if ctx.rank == 0:
+                print(f"checkpoint: {{saved}}", flush=True)
     return 0
 
 

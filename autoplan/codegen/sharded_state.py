@@ -86,3 +86,11 @@ class ShardedOptimizerState:
             for param, master in self._pairs:
                 whole = master.detach().redistribute(param.device_mesh, param.placements)
                 param.to_local().copy_(whole.to_local())
+
+    def take_from_parameters(self) -> None:
+        """Take each master shard from its parameter again: after the parameters were loaded
+        from a checkpoint (a local slice, no communication)."""
+        with torch.no_grad():
+            for param, master in self._pairs:
+                shard = param.detach().redistribute(master.device_mesh, master.placements)
+                master.to_local().copy_(shard.to_local())
