@@ -29,14 +29,14 @@ from autoplan.planner.options import PlanOptions
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILE = ROOT / "tests" / "training_run_model.py"
 STEPS = 6
-# name -> (--manual plan, processes)
+# name -> (--manual plan, processes, the program train.py says runs it)
 PLANS = {
-    "data_parallel": ("dp=2", 2),
-    "tensor_parallel": ("tp=2", 2),
-    "fsdp": ("fsdp=2", 2),
-    "pipeline": ("pp=2,microbatches=2", 2),
-    "fsdp_x_tp": ("fsdp=2,tp=2", 4),
-    "single": ("dp=1", 1),
+    "data_parallel": ("dp=2", 2, "native: DistributedDataParallel"),
+    "tensor_parallel": ("tp=2", 2, "the DTensor interpreter"),
+    "fsdp": ("fsdp=2", 2, "native: FSDP2 fully_shard"),
+    "pipeline": ("pp=2,microbatches=2", 2, "torch.distributed.pipelining"),
+    "fsdp_x_tp": ("fsdp=2,tp=2", 4, "the DTensor interpreter"),
+    "single": ("dp=1", 1, "native: the model itself"),
 }
 RESTARTED = ["data_parallel", "tensor_parallel", "fsdp", "pipeline"]
 
@@ -47,7 +47,7 @@ def programs(tmp_path_factory) -> dict[str, Path]:
     that were wrong would show in the losses)."""
     spec = load_model_file(str(MODEL_FILE))
     folders = {}
-    for name, (text, processes) in PLANS.items():
+    for name, (text, processes, _) in PLANS.items():
         options = PlanOptions(processes, "cpu", lr=1e-2)
         plan = with_decisions(plan_manual(spec, options.planner_options(), parse_manual(text)), options)
         folder = tmp_path_factory.mktemp(name)
@@ -82,7 +82,7 @@ class UninterruptedRuns(dict):
 
     def __missing__(self, name: str) -> dict[int, float]:
         run = train(self.programs[name], PLANS[name][1], "--steps", str(STEPS))
-        assert "data: batches (DataLoader)" in run.stdout
+        assert "data: batches (DataLoader)" in run.stdout and f"program: {PLANS[name][2]}" in run.stdout
         self[name] = found = losses(run)
         assert sorted(found) == list(range(STEPS))
         return found

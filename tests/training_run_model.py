@@ -1,4 +1,4 @@
-"""A small nanoGPT trained on a shuffled DataLoader, for the checkpoint and restart tests
+"""A small Hugging Face Llama (random weights) trained on a shuffled DataLoader of keyword batches, for the checkpoint and restart tests
 (tests/test_training_run.py). Faults are injected here, by the test's environment, never by a
 product flag:
 
@@ -20,12 +20,12 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import gpt  # noqa: E402
+import llama  # noqa: E402
 
-BATCH, SEQ, VOCAB, SEQUENCES = 4, 16, 64, 12  # 3 global batches an epoch
+BATCH, SEQ, VOCAB, SEQUENCES = 4, 64, 1024, 12  # 3 global batches an epoch
 
-model, example_inputs = gpt.build(hidden=32, layers=2, heads=2, seq=SEQ, vocab=VOCAB, batch=BATCH)
-loss_fn = gpt.loss_fn
+model, example_inputs = llama.build(hidden=32, layers=2, heads=2, kv_heads=1, intermediate=64, vocab=VOCAB,
+                                    batch=BATCH, seq=SEQ)
 
 
 def _rank() -> int:
@@ -41,22 +41,23 @@ def _fault_here() -> bool:
 
 
 class Tokens(Dataset):
-    """Random token sequences; item i gives (inputs, next-token targets)."""
+    """Random token sequences; item i gives the model's keyword inputs (Hugging Face shifts the
+    labels itself)."""
 
     def __init__(self) -> None:
         generator = torch.Generator().manual_seed(1)
-        self.data = torch.randint(VOCAB, (SEQUENCES, SEQ + 1), generator=generator)
+        self.data = torch.randint(VOCAB, (SEQUENCES, SEQ), generator=generator)
         self.items_read = 0
 
     def __len__(self) -> int:
         return SEQUENCES
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         batch = self.items_read // BATCH
         self.items_read += 1
         if "FAULT_BATCH" in os.environ and batch == int(os.environ["FAULT_BATCH"]) and _fault_here():
             os._exit(1)
-        return self.data[i, :-1], self.data[i, 1:]
+        return {"input_ids": self.data[i], "labels": self.data[i].clone()}
 
 
 batches = DataLoader(Tokens(), batch_size=BATCH, shuffle=True, drop_last=True)
