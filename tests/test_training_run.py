@@ -21,6 +21,8 @@ import pytest
 
 from autoplan.codegen.script import render_train_script
 from autoplan.codegen.training_checkpoint import INFO_FILE, newest_complete
+from autoplan.data import BatchFeed
+from autoplan.errors import AutoplanError
 from autoplan.load import load_model_file
 from autoplan.planner.front_door import with_decisions
 from autoplan.planner.manual import parse_manual, plan_manual
@@ -36,6 +38,7 @@ PLANS = {
     "fsdp": ("fsdp=2", 2, "native: FSDP2 fully_shard"),
     "pipeline": ("pp=2,microbatches=2", 2, "torch.distributed.pipelining"),
     "fsdp_x_tp": ("fsdp=2,tp=2", 4, "the DTensor interpreter"),
+    "tensor_parallel_4": ("tp=4", 4, "the DTensor interpreter"),
     "single": ("dp=1", 1, "native: the model itself"),
 }
 RESTARTED = ["data_parallel", "tensor_parallel", "fsdp", "pipeline"]
@@ -149,3 +152,42 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(programs, tmp_path
     errors = [line for line in run.stderr.splitlines() if line.startswith("autoplan: error:")]
     assert len(errors) == 1 and "checkpoint of another model" in errors[0], run.stderr[-2000:]
     assert "autoplan/codegen/training_checkpoint.py" not in run.stderr  # no worker traceback
+
+
+def test_safetensors_saved_by_transformers_load_into_a_tensor_parallel_plan_on_four(programs, uninterrupted,
+                                                                                     tmp_path):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    sys.path.insert(0, str(MODEL_FILE.parent))
+    import training_run_model as user
+
+    torch.manual_seed(7)
+    pretrained = LlamaForCausalLM(user.model.config)
+    with torch.no_grad():  # weights far from the ones the model file builds
+        for param in pretrained.parameters():
+            if param.dim() > 1:  # matrices and tables; the norms stay 1
+                param.normal_(0.0, 0.5)
+    pretrained.save_pretrained(tmp_path / "hf")
+    assert list((tmp_path / "hf").glob("*.safetensors"))
+    run = train(programs["tensor_parallel_4"], 4, "--steps", "1", "--weights", str(tmp_path / "hf"))
+    got = losses(run)
+    assert "(Hugging Face safetensors)" in run.stdout and f"program: {PLANS['tensor_parallel_4'][2]}" in run.stdout
+    reference = LlamaForCausalLM.from_pretrained(tmp_path / "hf")
+    input_ids, labels = BatchFeed(load_model_file(str(MODEL_FILE)), user.batches).next_batch()
+    with torch.no_grad():
+        expected = reference(input_ids=input_ids, labels=labels).loss.item()
+    assert got[0] == pytest.approx(expected, rel=1e-5, abs=0)
+    assert got[0] != pytest.approx(uninterrupted["single"][0], rel=1e-2)  # not the model file's own weights
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda folder: None, "no such folder"),
+    (lambda folder: folder.mkdir(), "holds neither .safetensors files nor a DCP checkpoint"),
+])
+def test_a_weights_folder_of_nothing_it_can_read_is_named_in_one_line(tmp_path, make, needle):
+    from autoplan.codegen.pretrained import load_pretrained
+
+    make(tmp_path / "weights")
+    with pytest.raises(AutoplanError, match=needle):
+        load_pretrained(None, tmp_path / "weights")

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autoplan.codegen.pretrained import load_pretrained
 from autoplan.codegen.runtime import build_parallel_module, init_distributed
 from autoplan.codegen.training_checkpoint import TrainingCheckpoints
 from autoplan.data import BatchFeed, find_batches
@@ -60,6 +61,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end)")
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (default 2)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
+    parser.add_argument("--weights", default=None,
+                        help="start from these weights: a Hugging Face folder of .safetensors or a checkpoint folder")
     args = parser.parse_args()
     if args.resume and not args.checkpoint_dir:
         raise AutoplanError("--resume needs --checkpoint-dir DIR: the folder the checkpoints are in")
@@ -76,6 +79,10 @@ def main() -> int:
     pm = build_parallel_module(spec, plan)
     if ctx.rank == 0:
         print(f"program: {{pm.description}}", flush=True)
+    if args.weights:
+        loaded = load_pretrained(pm, args.weights)  # each rank reads its own shards
+        if ctx.rank == 0:
+            print(loaded, flush=True)
 
     if args.check:
         from autoplan.codegen.check import check_against_single_device
