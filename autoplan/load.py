@@ -40,6 +40,9 @@ class ModelSpec:
     # the keyword arguments that are not tensors, passed unchanged on every call
     input_names: tuple[str, ...] | None = None
     fixed_kwargs: dict[str, Any] = field(default_factory=dict)
+    # ``init_weights(module)`` from the model file: initialises a meta-device model shard by
+    # shard (see autoplan.codegen.materialize); None uses the model's own initialisation
+    init_weights: Callable[[torch.nn.Module], Any] | None = None
 
     def call(self, module: Any, inputs: tuple[Any, ...]) -> Any:
         """``module`` (the user's model or a copy of it) called on ``inputs`` the way the user
@@ -71,7 +74,8 @@ class ModelSpec:
     def to(self, device: str | torch.device) -> ModelSpec:
         """The model and its example inputs on ``device`` (the module is moved in place), so
         that a graph traced from it creates its own tensors there too."""
-        self.module.to(device)
+        if not any(t.is_meta for t in [*self.module.parameters(), *self.module.buffers()]):
+            self.module.to(device)  # a meta model is allocated shard by shard where it runs
         return self.with_inputs(tuple(x.to(device) if isinstance(x, torch.Tensor) else x
                                       for x in self.example_inputs))
 
@@ -327,10 +331,15 @@ def spec_from_file_module(
             f"{path}: {loss_name} must be a function {loss_name}(output, *inputs) returning a scalar "
             f"tensor, got {_type_name(loss_fn)}"
         )
-    return make_model_spec(
+    init_weights = getattr(module, "init_weights", None)
+    if init_weights is not None and not callable(init_weights):
+        raise AutoplanError(f"{path}: init_weights must be a function init_weights(module), got "
+                            f"{_type_name(init_weights)}")
+    spec = make_model_spec(
         getattr(module, model_name),
         getattr(module, inputs_name),
         loss_fn,
         _where=f"{path}: ",
         _labels=(model_name, inputs_name, loss_name),
     )
+    return replace(spec, init_weights=init_weights)

@@ -191,3 +191,25 @@ def test_a_weights_folder_of_nothing_it_can_read_is_named_in_one_line(tmp_path, 
     make(tmp_path / "weights")
     with pytest.raises(AutoplanError, match=needle):
         load_pretrained(None, tmp_path / "weights")
+
+
+@pytest.mark.parametrize("text, program", [("fsdp=4", "native: FSDP2 fully_shard"),
+                                           ("fsdp=2,tp=2", "the DTensor interpreter")])
+def test_a_meta_model_three_times_a_ranks_budget_initialises_sharded_within_it(tmp_path, text, program):
+    sys.path.insert(0, str(ROOT / "tests"))
+    from launcher import launch_worker
+    from meta_init_worker import meta_spec
+
+    options = PlanOptions(4, "cpu")
+    plan = with_decisions(plan_manual(meta_spec(), options.planner_options(), parse_manual(text)), options)
+    (tmp_path / "plan.json").write_text(plan.to_json())
+    results = launch_worker(ROOT / "tests" / "meta_init_worker.py", 4, tmp_path, str(tmp_path / "plan.json"))
+    for rank, found in results.items():
+        budget = found["model_bytes"] / 3
+        assert found["program"].startswith(program)
+        assert found["held_bytes"] <= found["model_bytes"] / 4 * 1.01, rank  # its shards, nothing whole
+        assert found["peak_growth"] < budget, f"rank {rank} grew {found['peak_growth'] / 1e6:.0f} MB"
+        assert not found["meta_left"]
+        # the model's own initialisation ran on the shards: N(0, 0.02) matrices, norms of ones
+        assert found["matrix_std"] == pytest.approx(0.02, rel=0.05) and abs(found["matrix_mean"]) < 1e-3
+        assert found["norm_min"] == found["norm_max"] == 1.0

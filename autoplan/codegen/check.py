@@ -25,9 +25,11 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.dtensor_program import planned_collectives
+from autoplan.codegen.materialize import has_meta_tensors
 from autoplan.codegen.optimizer import build_optimizer
 from autoplan.codegen.precision import check_tolerances, compute_precision
 from autoplan.codegen.runtime import ParallelModule, PipelinedModule
+from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
 
 
@@ -298,6 +300,9 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     """Run the first step of ``pm`` and of a copy of the model on one device, compare, then
     ``steps`` steps of the plan's optimizer on each and compare every parameter and the final
     loss. ``pm`` must be freshly built."""
+    if has_meta_tensors(spec.module):
+        raise AutoplanError("--check compares with the model on one device, and this one is on the meta device: "
+                            "check a smaller configuration built with real weights")
     if isinstance(pm, PipelinedModule):
         return check_pipeline_against_single_device(spec, pm, steps, rtol, atol)
     rtol, atol = _tolerances(pm, rtol, atol)

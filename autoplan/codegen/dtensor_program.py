@@ -39,12 +39,13 @@ from typing import Any, Protocol
 import torch
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.collective_counter import CollectiveCounter
+from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
@@ -196,7 +197,7 @@ class ShardedProgram(torch.nn.Module):
             placements = to_dtensor_placements(specs)
             if any(isinstance(p, Partial) for p in placements):
                 raise AutoplanError(f"plan stores {fqn} as partial sums ({specs}): a parameter must be R or S(d)")
-            dt = distribute_tensor(tensor.clone(), mesh, placements, src_data_rank=None)
+            dt = planned_tensor(tensor, mesh, placements)  # a meta tensor: this rank's shard, empty
             attr = fqn.replace(".", "__")
             if fqn in buffer_fqns or not tensor.is_floating_point():
                 self.register_buffer(attr, dt)
@@ -248,11 +249,16 @@ class ShardedProgram(torch.nn.Module):
         fqn = self.tied.get(fqn, fqn)
         return getattr(self, self._fqn_to_attr[fqn])
 
-    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """Every parameter by the model's FQN, tied FQNs included (they give the same object)."""
+    def named_plan_tensors(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer by the model's FQN, tied FQNs included (they give the same
+        object)."""
         out = {fqn: self.tensor(fqn) for fqn in self._fqn_to_attr}
         out.update({fqn: self.tensor(used) for fqn, used in self.tied.items() if used in self._fqn_to_attr})
-        return {k: v for k, v in out.items() if isinstance(v, torch.nn.Parameter)}
+        return out
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """Every parameter by the model's FQN, tied FQNs included (they give the same object)."""
+        return {k: v for k, v in self.named_plan_tensors().items() if isinstance(v, torch.nn.Parameter)}
 
     def distribute_inputs(self, inputs: Sequence[Any]) -> list[Any]:
         """Global user inputs → DTensors with the plan's input placements (local slicing only)."""

@@ -100,6 +100,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
+from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -345,7 +346,12 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     found = recognise(spec, graph, plan)
     if found.kind == "none":
         return None
-    module = copy.deepcopy(spec.module).to(mesh.device_type)
+    meta = has_meta_tensors(spec.module)  # allocated below, shard by shard where the plan shards
+    module = copy.deepcopy(spec.module)
+    if not meta:
+        module.to(mesh.device_type)
+    elif found.kind in ("single", "ddp"):  # a whole copy on every rank, by design
+        materialise_whole(module, mesh.device_type, spec.init_weights)
     for layer in plan.recompute:
         checkpoint(module.get_submodule(layer.layer))
     if found.kind == "single":
@@ -359,6 +365,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         root_group = any(id(p) not in in_blocks for p in module.parameters())
         fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        if meta:
+            materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
         return NativeProgram("fsdp", module, spec, graph, plan, mesh, {}, fsdp_groups=len(blocks) + root_group,
                              token_mean=found.token_mean)
     if found.kind == "ddp":
@@ -388,4 +396,6 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
             styles[name] = RowwiseParallel(output_layouts=layout, use_local_output=isinstance(layout, Replicate))
     # every rank holds the same weights: cut them locally (src_data_rank=None), no scatter
     parallelize_module(module, mesh, styles, src_data_rank=None)
+    if meta:
+        materialise_whole(module, mesh.device_type, spec.init_weights)
     return NativeProgram("tensor_parallel", module, spec, graph, plan, mesh, found.styles)

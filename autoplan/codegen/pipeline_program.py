@@ -71,11 +71,12 @@ import torch
 import torch.distributed as dist
 import torch.fx
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
+from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
@@ -280,7 +281,8 @@ class PipelineProgram(torch.nn.Module):
         for fqn in sorted(f for f, ranks in owners.items() if self.pp_rank in ranks):
             if fqn not in params:
                 raise AutoplanError(f"no tensor given for {fqn}: pass model.named_parameters() and named_buffers()")
-            tensor = params[fqn].detach().to(self.device)
+            tensor = params[fqn].detach()
+            tensor = tensor if tensor.is_meta else tensor.to(self.device)
             mesh = holder[fqn]
             specs = plan.params.get(fqn, ["R"] * mesh.ndim)
             if len(specs) != mesh.ndim:
@@ -289,7 +291,7 @@ class PipelineProgram(torch.nn.Module):
             placements = to_dtensor_placements(specs)
             if any(isinstance(p, Partial) for p in placements):
                 raise AutoplanError(f"plan stores {fqn} as partial sums ({specs}): a parameter must be R or S(d)")
-            dt = distribute_tensor(tensor.clone(), mesh, placements, src_data_rank=None)
+            dt = planned_tensor(tensor, mesh, placements)  # a meta tensor: this rank's shard, empty
             if fqn in buffer_fqns or not tensor.is_floating_point():
                 self._local[fqn] = dt
             else:
@@ -357,12 +359,15 @@ class PipelineProgram(torch.nn.Module):
 
     # -- parameters
 
-    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
-        """This rank's parameters by the model's FQN (DTensors on the stage's sub-mesh); tied FQNs
-        whose weight this rank holds give the same object."""
-        out = {fqn: t for fqn, t in self._local.items() if isinstance(t, torch.nn.Parameter)}
+    def named_plan_tensors(self) -> dict[str, torch.Tensor]:
+        """This rank's parameters and buffers by the model's FQN (DTensors on the stage's
+        sub-mesh); tied FQNs whose weight this rank holds give the same object."""
+        out = dict(self._local)
         out.update({fqn: out[used] for fqn, used in self.tied.items() if used in out})
         return out
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return {k: v for k, v in self.named_plan_tensors().items() if isinstance(v, torch.nn.Parameter)}
 
     # -- one step
 

@@ -27,6 +27,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.dtensor_program import ShardedProgram, build_program
 from autoplan.codegen.gradient_buckets import GradientBuckets
+from autoplan.codegen.materialize import has_meta_tensors, initialise
 from autoplan.codegen.optimizer import build_optimizer, refuse_unsupported
 from autoplan.codegen.precision import compute_precision
 from autoplan.codegen.sharded_state import ShardedOptimizerState
@@ -248,14 +249,18 @@ def _agree_across_ranks(plan: Plan) -> None:
                             "every rank")
 
 
-def _real_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and buffers by FQN, tied names included; meta ones are allocated as the
+    program's shards (:mod:`autoplan.codegen.materialize`)."""
     tensors = dict(model.named_parameters(remove_duplicate=False))
     tensors.update(dict(model.named_buffers(remove_duplicate=False)))
-    meta = [name for name, t in tensors.items() if t.is_meta]
-    if meta:
-        raise AutoplanError(f"{meta[0]} is on the meta device: build the model with real weights to run it "
-                            f"(meta models can only be planned)")
     return tensors
+
+
+def _initialise_meta_model(spec: ModelSpec, program: Any) -> None:
+    """A meta-device model's initialisation, run on the program's shards."""
+    if has_meta_tensors(spec.module):
+        initialise(spec.module, program.named_plan_tensors(), spec.init_weights)
 
 
 def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None = None,
@@ -283,7 +288,7 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
         mesh = init_device_mesh(ctx.device_type, tuple(plan.mesh))
     elif tuple(mesh.shape) != tuple(plan.mesh):
         raise AutoplanError(f"the plan is for mesh {plan.mesh} but the given mesh is {list(mesh.shape)}")
-    tensors = _real_tensors(spec.module)
+    tensors = _model_tensors(spec.module)
     program = None
     if prefer_native:
         from autoplan.codegen.native import native_module
@@ -291,6 +296,7 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
         program = native_module(spec, graph, plan, mesh)
     if program is None:
         program = build_program(graph, plan, mesh, tensors)
+        _initialise_meta_model(spec, program)
     return ParallelModule(program, plan, ctx.device_type, spec)
 
 
@@ -303,4 +309,6 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
         graph = trace(one)
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
-    return PipelinedModule(build_pipeline(graph, plan, _real_tensors(spec.module), ctx.device_type), plan, spec)
+    program = build_pipeline(graph, plan, _model_tensors(spec.module), ctx.device_type)
+    _initialise_meta_model(spec, program)
+    return PipelinedModule(program, plan, spec)
