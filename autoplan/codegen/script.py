@@ -60,6 +60,8 @@ def main() -> int:
     parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (torch.distributed.checkpoint)")
     parser.add_argument("--checkpoint-every", type=int, default=0, help="save every K steps (default: at the end)")
     parser.add_argument("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept (default 2)")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="write checkpoints in the background while training goes on (dcp.async_save)")
     parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint, if any")
     parser.add_argument("--weights", default=None,
                         help="start from these weights: a Hugging Face folder of .safetensors or a checkpoint folder")
@@ -95,7 +97,8 @@ def main() -> int:
     feed = BatchFeed(spec, find_batches(user_file, str(MODEL_FILE), BATCHES), device)
     checkpoints = first = None
     if args.checkpoint_dir:
-        checkpoints = TrainingCheckpoints(args.checkpoint_dir, pm, spec.module, keep=args.keep_checkpoints)
+        checkpoints = TrainingCheckpoints(args.checkpoint_dir, pm, spec.module, keep=args.keep_checkpoints,
+                                          asynchronous=args.async_checkpoint)
         resumed = checkpoints.resume(feed) if args.resume else None
         first = resumed.step if resumed else None
         if ctx.rank == 0 and args.resume:
@@ -111,10 +114,14 @@ def main() -> int:
         if ctx.rank == 0:
             print(f"step {{step}} loss {{value:.6f}} time {{seconds:.6f}}", flush=True)
         done = step + 1
+        if checkpoints:
+            checkpoints.poll()  # completes an asynchronous save that has been written
         if checkpoints and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
             saved = checkpoints.save(done, feed)
             if ctx.rank == 0:
                 print(f"checkpoint: {{saved}}", flush=True)
+    if checkpoints:
+        checkpoints.wait()  # an asynchronous save still writing
     return 0
 
 

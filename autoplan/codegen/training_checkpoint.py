@@ -20,7 +20,13 @@ checkpoint of another model or optimizer is refused in one line.
 
 Completeness: every rank writes into ``step-00000006.partial``; only when DCP's save has
 returned on every rank (its metadata written last) does rank 0 write ``autoplan.json`` and
-rename the folder to its final name, an atomic step on one file system. A save interrupted at
+rename the folder to its final name, an atomic step on one file system. An asynchronous save
+(``dcp.async_save``) copies the tensors to host memory and writes them in a background thread
+while training goes on, synchronising its ranks on a gloo group of its own (not the group the
+training's collectives run on); rank 0 completes it (renames it) at the first
+:meth:`TrainingCheckpoints.poll` after it is written (rank 0 coordinates DCP's save: its
+future is done only once every rank has written and the metadata is out), and at the latest
+when the next save starts or :meth:`TrainingCheckpoints.wait` is called at the end of the run. A save interrupted at
 any point leaves at most a ``.partial`` folder, which resuming ignores and the next save of
 that step replaces; the previous complete checkpoint is untouched. The newest ``keep``
 complete checkpoints are kept.
@@ -33,6 +39,7 @@ import json
 import os
 import re
 import shutil
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,6 +69,17 @@ class CheckpointInfo:
     world_size: int
     mesh: list[int]
     stages: int
+
+
+@dataclass(frozen=True)
+class _PendingSave:
+    """A save to complete: DCP's future (an asynchronous save in flight), and what completing
+    it renames."""
+
+    future: Future | None  # None: written already (a synchronous save)
+    partial: Path
+    final: Path
+    info: CheckpointInfo
 
 
 def model_signature(module: torch.nn.Module) -> str:
@@ -114,7 +132,7 @@ class TrainingCheckpoints:
     """Saving and resuming the training of ``program`` (a planned program) in ``root``."""
 
     def __init__(self, root: str | os.PathLike[str], program: PlannedTraining, user_module: torch.nn.Module,
-                 keep: int = 2) -> None:
+                 keep: int = 2, asynchronous: bool = False) -> None:
         if keep < 1:
             raise AutoplanError(f"checkpoints to keep must be at least 1, got {keep}")
         self.root = Path(root)
@@ -122,6 +140,8 @@ class TrainingCheckpoints:
         self.signature = model_signature(user_module)
         self.keep = keep
         self.rank = dist.get_rank()
+        self._pending: _PendingSave | None = None
+        self._save_group = dist.new_group(backend="gloo") if asynchronous else None  # a collective
 
     # -- what is saved ---------------------------------------------------------------------
 
@@ -147,22 +167,49 @@ class TrainingCheckpoints:
     # -- save ------------------------------------------------------------------------------
 
     def save(self, step: int, feed: BatchFeed) -> Path:
-        """Save the state after ``step`` steps; returns the complete checkpoint's folder. A
-        collective: every rank calls it."""
+        """Save the state after ``step`` steps; returns the folder the checkpoint has once
+        complete (at once, or, for an asynchronous save, when the next save starts or
+        :meth:`wait` returns). A collective: every rank calls it."""
+        self.wait()
         final = checkpoint_folder(self.root, step)
         partial = final.with_name(final.name + ".partial")
         if self.rank == 0:
             shutil.rmtree(partial, ignore_errors=True)  # what an interrupted save of this step left
             partial.mkdir(parents=True)
         dist.barrier()
-        dcp.save(self._tensors(), checkpoint_id=partial)
-        if self.rank == 0:
-            (partial / INFO_FILE).write_text(json.dumps(asdict(self._info(step, feed))) + "\n")
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(partial, final)
-            self._remove_old()
-        dist.barrier()
+        info = self._info(step, feed)
+        if self._save_group is None:
+            dcp.save(self._tensors(), checkpoint_id=partial)
+            self._complete(_PendingSave(None, partial, final, info))
+            dist.barrier()
+        else:  # the tensors are copied to host memory before async_save returns
+            future = dcp.async_save(self._tensors(), checkpoint_id=partial, process_group=self._save_group)
+            self._pending = _PendingSave(future, partial, final, info)
         return final
+
+    def poll(self) -> None:
+        """Complete the asynchronous save in flight if it is written; never waits (call it
+        every step)."""
+        if self._pending is not None and self._pending.future.done():
+            pending, self._pending = self._pending, None
+            self._complete(pending)
+
+    def wait(self) -> None:
+        """Wait for the asynchronous save in flight, if any, and complete it. A collective."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.future.result()
+            self._complete(pending)
+        dist.barrier()
+
+    def _complete(self, save: _PendingSave) -> None:
+        if save.future is not None:
+            save.future.result()  # raises what the writer raised
+        if self.rank == 0:
+            (save.partial / INFO_FILE).write_text(json.dumps(asdict(save.info)) + "\n")
+            shutil.rmtree(save.final, ignore_errors=True)
+            os.replace(save.partial, save.final)
+            self._remove_old()
 
     def _remove_old(self) -> None:
         complete = sorted((int(m.group(1)), p) for p in self.root.iterdir() if (m := _COMPLETE.match(p.name)))
