@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from autoplan.codegen.script import render_train_script
-from autoplan.codegen.training_checkpoint import INFO_FILE, newest_complete
+from autoplan.codegen.training_checkpoint import INFO_FILE, model_signature, newest_complete
 from autoplan.data import BatchFeed
 from autoplan.errors import AutoplanError
 from autoplan.load import load_model_file
@@ -143,15 +143,22 @@ def test_a_checkpoint_of_two_processes_resumes_under_another_plan_on_four(progra
     assert_same_losses({**first, **got}, single, range(STEPS))
 
 
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(programs, tmp_path):
+@pytest.mark.parametrize("other, needle", [("model", "is a checkpoint of another model"),
+                                           ("optimizer", "was written with the sgd optimizer")])
+def test_a_checkpoint_of_another_model_or_optimizer_is_refused_in_one_line(programs, tmp_path, other, needle):
+    sys.path.insert(0, str(MODEL_FILE.parent))
+    import training_run_model as user
+
     folder = tmp_path / "ckpt" / "step-00000002"
     folder.mkdir(parents=True)
-    info = dict(step=2, position=2, optimizer="adamw", model_signature="0" * 16, world_size=1, mesh=[1], stages=1)
+    signature = "0" * 16 if other == "model" else model_signature(user.model)
+    info = dict(step=2, position=2, optimizer="sgd" if other == "optimizer" else "adamw", model_signature=signature,
+                world_size=1, mesh=[1], stages=1)
     (folder / INFO_FILE).write_text(json.dumps(info))
     run = train(programs["single"], 1, "--steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume")
     assert run.returncode != 0
     errors = [line for line in run.stderr.splitlines() if line.startswith("autoplan: error:")]
-    assert len(errors) == 1 and "checkpoint of another model" in errors[0], run.stderr[-2000:]
+    assert len(errors) == 1 and needle in errors[0], run.stderr[-2000:]
     assert "autoplan/codegen/training_checkpoint.py" not in run.stderr  # no worker traceback
 
 
@@ -195,7 +202,8 @@ def test_a_weights_folder_of_nothing_it_can_read_is_named_in_one_line(tmp_path, 
 
 
 @pytest.mark.parametrize("text, program", [("fsdp=4", "native: FSDP2 fully_shard"),
-                                           ("fsdp=2,tp=2", "the DTensor interpreter")])
+                                           ("fsdp=2,tp=2", "the DTensor interpreter"),
+                                           ("pp=2,fsdp=2,microbatches=2", "torch.distributed.pipelining")])
 def test_a_meta_model_three_times_a_ranks_budget_initialises_sharded_within_it(tmp_path, text, program):
     sys.path.insert(0, str(ROOT / "tests"))
     from launcher import launch_worker
