@@ -7,7 +7,10 @@ scalar tensor``. With keyword inputs (``{"input_ids": ..., "labels": ..., "atten
 None}``) the model is called as ``model(**example_inputs)``; the tensors among them are the
 program's inputs, in the dict's order, and the rest (``None`` placeholders, flags) are passed as
 they are on every call. A model whose output has a ``loss`` needs no ``loss_fn``. Build big models under
-``torch.device("meta")``: planning never needs the weights.
+``torch.device("meta")``: planning never needs the weights, and the program allocates and
+initialises only each rank's shards (with ``init_weights(module)`` where the file defines it;
+see :mod:`autoplan.codegen.materialize`). The training data, ``batches``, is read by
+:mod:`autoplan.data`.
 """
 
 from __future__ import annotations
