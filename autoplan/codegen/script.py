@@ -18,7 +18,7 @@ TEMPLATE = '''#!/usr/bin/env python
     torchrun --nnodes 2 --nproc-per-node {half} --node-rank R --rdzv-backend c10d \\\\
              --rdzv-endpoint HOST:29500 {script}          # the same plan over two nodes
 
-    torchrun --nproc-per-node {devices} --max-restarts 3 {script} --steps 1000 \\
+    torchrun --nproc-per-node {devices} --max-restarts 3 {script} --steps 1000 \\\\
              --checkpoint-dir ckpt --checkpoint-every 100 --resume  # restarted after a fault
 
 The data is `batches` in the model file (a DataLoader of global batches shaped like the
