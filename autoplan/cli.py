@@ -28,6 +28,7 @@ from autoplan.plan_schema import OPTIMIZER_NAMES, PRECISIONS
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.meshes import mesh_label, parse_mesh
 from autoplan.planner.options import PlanOptions
+from autoplan.planner.pins import pin_file_texts
 from autoplan.reports.summary import summary_text
 from autoplan.reports.timeline import write_timeline
 from autoplan.solvers import SOLVER_NAMES
@@ -90,6 +91,13 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                       help="also cost this hand-written plan and show it beside the found one (repeatable); "
                            "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, ac=full|none, "
                            "precision=fp32|bf16, zero=1|2 (optimizer state, and gradients, sharded over dp)")
+    pins = parser.add_argument_group("pins: decisions you fix, which the planner plans around")
+    pins.add_argument("--pin", action="append", default=[], metavar="PATTERN=VALUE",
+                      help="pin part of the plan (repeatable): h.*.mlp.c_fc.weight=[R, S(0)] (a placement, * leaves an "
+                           "axis free), h.0-3=stage:0, h.*=checkpoint, *.weight=fsdp, mesh=2x4, tp=8, stages=2, "
+                           "microbatches=32")
+    pins.add_argument("--pins", default=None, metavar="FILE.toml",
+                      help="a TOML file of pins: PATTERN = VALUE lines (at the top or in a [pins] table)")
     parser.add_argument("--report", action="store_true",
                         help="also write report.html (self-contained) and report.md with plots into --out; "
                              "with --run, the measured step times and losses too")
@@ -127,7 +135,8 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         args.devices_per_node, args.optimizer, args.lr, args.weight_decay, precision=precision,
         recompute=args.recompute, solver=args.solver, time_limit_s=args.time_limit, pipeline=not args.no_pipeline,
         stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, layers=args.layers,
-        manual=tuple(args.manual), plan_only=args.plan_only, jobs=args.jobs)
+        manual=tuple(args.manual), pins=(*(pin_file_texts(args.pins) if args.pins else ()), *args.pin),
+        plan_only=args.plan_only, jobs=args.jobs)
     if args.mixed_precision:
         print("autoplan: note: --mixed-precision is --precision bf16", file=sys.stderr)
     return options

@@ -96,6 +96,33 @@ class RecomputedLayer:
     nodes: list[str]
 
 
+@dataclass
+class PinRecord:
+    """A pin the plan keeps (``--pin``), as written, and the names it holds: parameters,
+    inputs or nodes for a placement or fsdp pin, modules for a stage or checkpoint pin (none
+    for a structure pin such as ``mesh=2x2``)."""
+
+    pin: str
+    holds: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PinCost:
+    """What the pins cost: the predicted step time of the pinned plan beside that of the
+    search's optimum without them (None where no unpinned plan fits, with ``reason``)."""
+
+    pinned_step_time_s: float
+    unpinned_step_time_s: float | None
+    reason: str = ""
+
+    @property
+    def fraction(self) -> float | None:
+        """The pinned plan's step time over the unpinned optimum's, less one."""
+        if not self.unpinned_step_time_s:
+            return None
+        return self.pinned_step_time_s / self.unpinned_step_time_s - 1.0
+
+
 class CouplingHandling(StrEnum):
     """How a program keeps an op that couples the samples of a batch equal to one device."""
 
@@ -250,6 +277,8 @@ class Plan:
     storage: dict[str, ParamStorage] = field(default_factory=dict)  # parameter -> param, grad, optimizer state
     options: dict[str, Any] = field(default_factory=dict)  # the planning options, as given
     batch_coupling: list[BatchCouplingPlan] = field(default_factory=list)
+    pins: list[PinRecord] = field(default_factory=list)  # the user's pins, which the plan keeps
+    pin_cost: PinCost | None = None
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -299,6 +328,8 @@ class Plan:
                 options=dict(data.get("options", {})),
                 batch_coupling=[BatchCouplingPlan(c["node"], c["description"], CouplingHandling(c["handling"]))
                                 for c in data.get("batch_coupling", [])],
+                pins=[PinRecord(p["pin"], list(p.get("holds", []))) for p in data.get("pins", [])],
+                pin_cost=PinCost(**data["pin_cost"]) if data.get("pin_cost") else None,
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None

@@ -21,6 +21,7 @@ from autoplan.planner.assemble import node_plans, placements, predict, sharded_s
 from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
+from autoplan.planner.pins import PinKind
 from autoplan.planner.recompute import RecomputePolicy, recomputable, recomputed_layers, regions
 from autoplan.solvers import explain, format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
@@ -45,7 +46,7 @@ def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...],
                       recompute_regions=regions(recomputed))
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
-                               options.time_limit_s, options.pick, options.allow_storage, canonical)
+                               options.time_limit_s, options.pick, options.allow_storage, canonical, options.pins)
     except MemoryInfeasibleError as e:
         return MeshOutcome(mesh, None, None, str(e), e.least_memory_bytes)
     return MeshOutcome(mesh, result, ctx)
@@ -61,10 +62,16 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         raise AutoplanError(f"mesh {mesh_label(options.mesh)} holds {math.prod(options.mesh)} devices but devices is "
                             f"{options.devices}: make them agree (a smaller mesh is a pipeline stage's: pass --stages)")
     meshes = [options.mesh] if options.mesh else candidate_meshes(options.devices)
+    if options.pins:  # the meshes on which the user's pins hold
+        meshes = [m for m in meshes if options.pins.mesh_allowed(m)]
     recomputed: list[Layer] = []
-    if options.recompute == RecomputePolicy.ALL:  # every layer that may be, recomputed
+    pinned = options.pins.of_kind(PinKind.CHECKPOINT) if options.pins else []
+    if options.recompute == RecomputePolicy.ALL or pinned:  # every layer that may be, or the pinned ones
         layers = make_layers(graph, classes)
-        recomputed = [layers[i] for i in sorted(recomputable(graph, layers))]
+        chosen = recomputable(graph, layers) if options.recompute == RecomputePolicy.ALL else frozenset()
+        if pinned:
+            chosen |= options.pins.checkpointed_layers(graph, layers)
+        recomputed = [layers[i] for i in sorted(chosen)]
     # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically
     outcomes = [_solve_mesh(graph, classes, mesh, options, options.canonical and len(meshes) == 1, recomputed)
                 for mesh in meshes]

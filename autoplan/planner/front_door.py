@@ -14,17 +14,25 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
+from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, make_model_spec
-from autoplan.plan_schema import ParamStorage, Plan, PrecisionPlan
+from autoplan.plan_schema import ParamStorage, PinCost, PinRecord, Plan, PrecisionPlan
 from autoplan.planner.api import plan_spec
-from autoplan.planner.manual import cost_manual, parse_manual
-from autoplan.planner.options import PlanOptions
+from autoplan.planner.manual import cost_manual, parse_manual, tensor_parallel_rule
+from autoplan.planner.meshes import candidate_meshes
+from autoplan.planner.options import PlannerOptions, PlanOptions
+from autoplan.planner.pin_check import check_layer_pins, check_pins, matched_names
+from autoplan.planner.pins import PinKind
 from autoplan.planner.pipeline import plan_pipeline
 from autoplan.solvers import format_bytes
+from autoplan.trace.layers import make_layers
+from autoplan.trace.repeated import find_classes
+from autoplan.trace.tracer import trace
 
 
 def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Plan:
@@ -32,20 +40,64 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     manual = [parse_manual(text) for text in options.manual]  # a bad one fails before the search
     planner_options = options.planner_options()
     start = time.perf_counter()
+    pin_holds: dict[str, list[str]] = {}
+    if options.pin_set:  # checked on the model before any solving
+        planner_options, pin_holds = checked_pins(spec, options, planner_options)
     if options.pipeline:
         plan = plan_pipeline(spec, planner_options, options.pipeline_options())
     else:
         plan = plan_spec(spec, planner_options)[0]
-    plan.alternatives += [cost_manual(spec, planner_options, m) for m in manual]
+    unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written
+    plan.alternatives += [cost_manual(spec, unpinned, m) for m in manual]
     parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     if manual:
         parts["manual plans"] = time.perf_counter() - start - sum(parts.values())
+    if options.pin_set:
+        clock = time.perf_counter()
+        plan.pins = [PinRecord(text, pin_holds.get(text, [])) for text in options.pins]
+        plan.pin_cost = pin_cost(spec, options, plan)
+        parts["unpinned optimum"] = time.perf_counter() - clock
     # the total is the wall clock from loading to the plan: never less than the parts it lists
     plan.timings_s = {"load": load_s, **parts, "total": load_s + time.perf_counter() - start}
     for note in (replication_note(plan, spec), transient_note(plan)):
         if note:
             plan.warnings.append(note)
     return with_decisions(plan, options)
+
+
+def pin_meshes(options: PlanOptions) -> list[tuple[int, ...]]:
+    """Every logical mesh the searches may give a stage (a superset)."""
+    if options.mesh is not None:
+        return [tuple(options.mesh)]
+    counts = [s for s in range(1, options.devices + 1) if options.devices % s == 0] if options.pipeline else [1]
+    if options.stages is not None:
+        counts = [options.stages]
+    return list(dict.fromkeys(m for s in counts for m in candidate_meshes(options.devices // s)))
+
+
+def checked_pins(spec: ModelSpec, options: PlanOptions, planner_options: PlannerOptions
+                 ) -> tuple[PlannerOptions, dict[str, list[str]]]:
+    """The planner's options with the pins checked on the traced model (:func:`check_pins`,
+    one line for a pin that cannot hold) and ``tp=N`` as its Megatron rule; and what each pin
+    holds."""
+    graph = trace(spec)
+    pins = check_pins(graph, options.pin_set, pin_meshes(options))
+    if pins.of_kind(PinKind.STAGE, PinKind.CHECKPOINT):
+        layers = make_layers(graph, find_classes(graph), options.layers)
+        check_layer_pins(graph, layers, pins, options.stages, options.pipeline, options.schedule, options.recompute)
+    tp = pins.tensor_parallel()
+    rule = tensor_parallel_rule(graph, tp) if tp is not None else planner_options.allow_storage
+    return replace(planner_options, pins=pins, allow_storage=rule), matched_names(graph, pins)
+
+
+def pin_cost(spec: ModelSpec, options: PlanOptions, plan: Plan) -> PinCost:
+    """The pinned plan's predicted step time beside the unpinned search's optimum."""
+    pinned = plan.predicted.step_time_s
+    try:
+        free = plan_model(spec, replace(options.without_pins(), manual=()))
+    except AutoplanError as e:
+        return PinCost(pinned, None, f"without the pins: {e}")
+    return PinCost(pinned, free.predicted.step_time_s)
 
 
 def transient_note(plan: Plan) -> str | None:

@@ -34,7 +34,7 @@ from autoplan.planner.pipeline import (
     normalize_schedule,
     trace_microbatch,
 )
-from autoplan.sharding import ShardingSpec
+from autoplan.sharding import Placement, ShardingSpec
 from autoplan.strategies.candidates import Strategy
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.trace.graph import NodeInfo, TracedGraph
@@ -193,17 +193,28 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
             divisible = info.kind == "parameter" and any(d % manual.fsdp == 0 for d in info.shape or ())
             if divisible and not spec[fsdp_axis].is_shard:
                 return False
-        if tp_axis is not None:
-            if info.kind == "parameter" and info.fqn in sharded_weights and not spec[tp_axis].is_shard:
-                return False
-            if info.kind == "op" and info.shape and sharded_weights.intersection(info.params):
-                placement = spec[tp_axis]
-                column = placement.is_shard and placement.dim == len(info.shape) - 1
-                if not (column or placement.is_partial):
-                    return False
-        return True
+        return tp_axis is None or tensor_parallel_allows(info, spec[tp_axis], sharded_weights)
 
     return StorageRule(allow, ZeroStage(manual.zero, dp_axis))
+
+
+def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights: frozenset[str]) -> bool:
+    """Megatron tensor parallelism on one mesh axis (see :func:`manual_rule`): a weight of
+    ``sharded_weights`` is stored sharded there, and an op reading one produces a column
+    (``S(last dim)``) or partial sums (a row)."""
+    if info.kind == "parameter" and info.fqn in sharded_weights and not placement.is_shard:
+        return False
+    if info.kind == "op" and info.shape and sharded_weights.intersection(info.params):
+        column = placement.is_shard and placement.dim == len(info.shape) - 1
+        return column or placement.is_partial
+    return True
+
+
+def tensor_parallel_rule(graph: TracedGraph, tp: int) -> StorageRule:
+    """The ``tp=N`` pin: Megatron tensor parallelism over the last mesh axis (of ``N``
+    devices: :meth:`~autoplan.planner.pins.PinSet.mesh_allowed` keeps such meshes)."""
+    sharded_weights = _tensor_parallel_weights(graph, tp)
+    return StorageRule(lambda info, spec: tensor_parallel_allows(info, spec[-1], sharded_weights))
 
 
 @dataclass(frozen=True)

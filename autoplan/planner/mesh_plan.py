@@ -32,10 +32,12 @@ from torch import fx
 
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, steps_seconds, storage_cost, value_itemsize)
-from autoplan.sharding import R, ShardingSpec
+from autoplan.errors import AutoplanError
+from autoplan.planner.pins import PinSet
+from autoplan.sharding import R, ShardingSpec, spec_to_json
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy,
-    sharded_state_strategies, storage_strategies, strategy_name)
+    sharded_state_strategies, storage_strategies, strategy_name, tensor_specs)
 from autoplan.strategies.index_maps import index_map_for, op_name
 from autoplan.trace.graph import NodeInfo, NodeKind, TracedGraph
 from autoplan.trace.repeated import NodeClasses, split_classes
@@ -164,9 +166,44 @@ def _num_outputs(node: fx.Node) -> int:
     return len(value) if isinstance(value, (tuple, list)) else 1
 
 
+def pinned_strategies(info: NodeInfo, strategies: list[Strategy], mesh_shape: tuple[int, ...],
+                      pins: PinSet | None) -> list[Strategy]:
+    """The strategies whose output the user's pins allow (all of them where none holds the
+    node); none allowed is refused in one line: a pin is a constraint, never dropped."""
+    if not pins or info.kind in ("output", "activation"):
+        return strategies
+    held = pins.value_pins(info)
+    if not held:
+        return strategies
+    kept = [s for s in strategies if all(p.allows(s.output_specs[0], mesh_shape) for p in held)]
+    if not kept:
+        offered = ", ".join(sorted({"[" + ", ".join(spec_to_json(s.output_specs[0])) + "]" for s in strategies}))
+        what = info.fqn or info.name
+        raise AutoplanError(f"pin {held[0].text!r} cannot hold on mesh {'x'.join(map(str, mesh_shape))}: "
+                            f"{what} ({info.target}, shape {list(info.shape or ())}) may be {offered} there; "
+                            f"pin one of those, or another mesh")
+    return kept
+
+
+def offered_output_specs(view: _GraphView, name: str, mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
+    """The output specs the strategies of node ``name`` offer on ``mesh_shape``, before any
+    rule or pin (what a pin may choose from)."""
+    info = view.graph.nodes[name]
+    node = view.fx_nodes[name]
+    if info.kind in STORED_KINDS:
+        return tensor_specs(info.shape or (), mesh_shape)
+    imap = index_map_for(node) if info.shape is not None or node.meta.get("val") is not None else None
+    if imap is None:
+        return [(R,) * len(mesh_shape)]
+    differentiable = frozenset(i for i in view.inputs[name] if view.needs_grad[i])
+    strategies = enumerate_strategies(imap, view.inputs[name], mesh_shape, differentiable,
+                                      allow_partial=is_floating(info.dtype))
+    return list(dict.fromkeys(s.output_specs[0] for s in strategies)) or [(R,) * len(mesh_shape)]
+
+
 def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
                       producer: ClassStrategies | None, warn: Callable[[str], None],
-                      allow_storage: StorageRule | None = None) -> ClassStrategies:
+                      allow_storage: StorageRule | None = None, pins: PinSet | None = None) -> ClassStrategies:
     info = view.graph.nodes[name]
     node = view.fx_nodes[name]
     if info.kind == "output":
@@ -177,6 +214,7 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
             strategies = [s for s in strategies if all(p == R for p in s.output_spec)]  # gradient leaves whole
         elif allow_storage is not None:
             strategies = [s for s in strategies if allow_storage(info, s.output_spec)] or strategies[:1]
+        strategies = pinned_strategies(info, strategies, mesh_shape, pins)
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
         if _trained_parameter(view, name):  # ZeRO-1/2 (gradients: one microbatch)
@@ -218,6 +256,7 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
             strategies = [s for s in strategies if allow_storage(info, s.output_specs[0])] or strategies
         if not strategies:
             strategies = [replicated_strategy(len(input_names), len(imap.outputs), len(mesh_shape))]
+    strategies = pinned_strategies(info, strategies, mesh_shape, pins)
     costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx, region is not None)
              for s in strategies]
     return ClassStrategies(kind, strategies, costs)
@@ -439,7 +478,8 @@ def _solve(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies],
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
                   memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
                   pick: Callable[[int, list[str]], int] | None = None,
-                  allow_storage: StorageRule | None = None, canonical: bool = True) -> IntraOpResult:
+                  allow_storage: StorageRule | None = None, canonical: bool = True,
+                  pins: PinSet | None = None) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
@@ -449,11 +489,15 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     sharded there); a stored value keeps its first spec (replicated) and an op all its
     strategies if the rule allows none. ``canonical`` breaks ties among equal-cost assignments
     canonically (:mod:`autoplan.solvers.intra_op.canonical`), at the price of a second solve:
-    needed for a plan that runs, not for a cost estimate."""
+    needed for a plan that runs, not for a cost estimate. ``pins`` (the user's, see
+    :mod:`autoplan.planner.pins`) leave each node they hold only the strategies whose output
+    they allow: constraints of the ILP, whose resharding the objective pays."""
     view = _GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     if ctx.recompute_regions:  # copies of a block share a strategy only where they are recomputed alike
         classes = split_classes(classes, lambda name: ctx.region_of(name) is not None)
+    if pins:  # copies of a block share a strategy only where they are pinned alike
+        classes = split_classes(classes, lambda name: pins.key(graph.nodes[name]))
     messages: list[str] = []
 
     def warn(message: str) -> None:
@@ -467,7 +511,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
         producer = None
         if node.target is operator.getitem:
             producer = strat[classes.class_of[node.args[0].name]]
-        strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage))
+        strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage, pins))
     if pick is None:
         grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical)
     else:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from autoplan.cost_models import ClusterSpec, OptimizerSpec, load_cluster, parse_memory_size
@@ -18,6 +18,7 @@ from autoplan.errors import AutoplanError
 from autoplan.plan_schema import OPTIMIZER_NAMES, OptimizerPlan, PrecisionPlan
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import mesh_label
+from autoplan.planner.pins import PinKind, PinSet
 from autoplan.planner.recompute import RecomputePolicy
 from autoplan.planner.workers import default_jobs
 from autoplan.solvers import SolverName, check_solver_name
@@ -39,6 +40,7 @@ class PlannerOptions:
     time_limit_s: float | None = None
     pick: Callable[[int, list[str]], int] | None = None  # replaces the ILP: group, choice names -> index
     allow_storage: StorageRule | None = None  # restricts the specs of parameters, buffers and inputs
+    pins: PinSet | None = None  # the user's pins: constraints of every intra-op ILP and of the stage DP
     recompute: RecomputePolicy = RecomputePolicy.AUTO  # which layers the backward recomputes
     canonical: bool = True  # break ties among equal-cost assignments canonically (a plan to run needs it)
     jobs: int = 1  # processes the stage search runs in (the plan does not depend on it)
@@ -68,6 +70,9 @@ class PlanOptions:
     ``"all"`` (every layer that may be; also ``True``) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
+    ``pins`` (``"h.*.mlp.c_fc.weight=[R, S(0)]"``, ``"mesh=2x2"``, …, or a dict of pattern to
+    value) fix decisions the planner then plans around (:mod:`autoplan.planner.pins`); a
+    structure pin (``mesh``, ``stages``, ``microbatches``) sets that option where it is not given.
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
     stage search runs in (default: one per core this process may use, shared with the node's
     other ranks under torchrun, one inside a process group); the plan is the same for any
@@ -92,11 +97,15 @@ class PlanOptions:
     schedule: str | None = None
     layers: int | None = None
     manual: tuple[str, ...] = ()
+    pins: tuple[str, ...] = ()
     plan_only: bool = False
     jobs: int | None = None
     cluster_spec: ClusterSpec = field(init=False, repr=False, compare=False)
+    pin_set: PinSet = field(init=False, repr=False, compare=False)
+    pinned_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)  # set by structure pins
 
     def __post_init__(self) -> None:
+        self._read_pins()
         _positive_int("devices", self.devices)
         for name in ("stages", "microbatches", "layers", "devices_per_node", "jobs"):
             _positive_int(name, getattr(self, name))
@@ -148,6 +157,32 @@ class PlanOptions:
                                                                      memory_per_device=memory))
         object.__setattr__(self, "manual", tuple(self.manual))
 
+    def _read_pins(self) -> None:
+        """Read the pins and set the options their structure pins fix (a disagreement with an
+        option given outright is refused)."""
+        pins = PinSet.read(self.pins)
+        object.__setattr__(self, "pins", tuple(pins.texts()))
+        object.__setattr__(self, "pin_set", pins)
+        pinned = []
+        for kind, name in ((PinKind.MESH, "mesh"), (PinKind.STAGES, "stages"), (PinKind.MICROBATCHES, "microbatches")):
+            pin = pins.structure(kind)
+            if pin is None:
+                continue
+            value = pin.mesh if kind == PinKind.MESH else pin.number
+            given = getattr(self, name)
+            if given is not None and (tuple(given) if name == "mesh" else given) != value:
+                shown = mesh_label(given) if name == "mesh" else given
+                raise AutoplanError(f"pin {pin.text!r} disagrees with {name}={shown}: keep one")
+            if given is None:
+                object.__setattr__(self, name, value)
+                pinned.append(name)
+        object.__setattr__(self, "pinned_fields", tuple(pinned))
+
+    def without_pins(self) -> PlanOptions:
+        """These options with no pins (and none of the options the pins set): the unpinned
+        search whose optimum a pinned plan is measured against."""
+        return replace(self, pins=(), **{name: None for name in self.pinned_fields})
+
     def optimizer_plan(self) -> OptimizerPlan:
         """The optimizer with its hyper-parameters: torch's defaults where none was given."""
         name = self.optimizer.strip().lower()
@@ -165,7 +200,8 @@ class PlanOptions:
         return PlannerOptions(self.devices, self.cluster_spec, self.mesh,
                               OptimizerSpec(self.optimizer, mixed_precision=self.precision != "fp32"),
                               self.solver, self.time_limit_s, recompute=RecomputePolicy(self.recompute),
-                              jobs=self.jobs if self.jobs is not None else default_jobs())
+                              jobs=self.jobs if self.jobs is not None else default_jobs(),
+                              pins=self.pin_set or None)
 
     def pipeline_options(self) -> PipelineOptions:
         from autoplan.planner.pipeline import PipelineOptions
@@ -176,6 +212,9 @@ class PlanOptions:
         """The options as plan.json records them (the cluster by name, or as its spec)."""
         data = asdict(self)
         data.pop("cluster_spec")
+        data.pop("pin_set")
+        data.pop("pinned_fields")
+        data["pins"] = list(self.pins)
         data["cluster"] = self.cluster if isinstance(self.cluster, str) else self.cluster.to_dict()
         data["mesh"] = list(self.mesh) if self.mesh else None
         data["manual"] = list(self.manual)

@@ -33,6 +33,8 @@ from autoplan.reports.summary import (
     alternative_text,
     alternatives_in_order,
     layers_label,
+    pin_cost_text,
+    pinned_names,
     planning_time_text,
     ranges_label,
 )
@@ -144,6 +146,12 @@ def summary_section(plan: Plan) -> Section:
                    format_seconds(s.latency_s)] for i, s in enumerate(plan.stages)]
     blocks.append(Table(["stage", "layers", "devices", "mesh", "parameters", "latency per microbatch (fwd+bwd)"],
                         stage_rows, caption="pipeline stages" if len(plan.stages) > 1 else "the single stage"))
+    if plan.pins:
+        blocks.append(Table(["pin (kept)", "holds"], [[r.pin, ", ".join(r.holds[:6]) + (" …" if len(r.holds) > 6 else "")
+                                                       if r.holds else "the plan's structure"] for r in plan.pins],
+                            caption="your pins; the planner chose everything else around them"))
+        if pin_cost_text(plan):
+            blocks.append(Text(pin_cost_text(plan) + "."))
     if plan.explanation:
         blocks += [Text("Why this plan (the largest cost terms and memory holders):"), Pre(plan.explanation)]
     blocks += [Text(f"warning: {w}") for w in plan.warnings]
@@ -223,9 +231,11 @@ def placements_section(plan: Plan, progress: Progress) -> Section:
         more = f" (first {MAX_MAP_ROWS} of {len(groups)} rows)" if len(groups) > MAX_MAP_ROWS else ""
         blocks.append(Figure("report_placements", figures.placement_map(rows, axes, "parameter placements" + more),
                              f"placement of every parameter per mesh axis{more}"))
-    header = ["module", "parameter", "count"] + (["stage"] if pipeline else []) + axes
+    pinned = pinned_names(plan)
+    header = ["module", "parameter", "count"] + (["stage"] if pipeline else []) + axes + (["pinned"] if pinned else [])
     table_rows = [[g.module or "(top)", g.leaf, str(len(g.names))]
-                  + ([ranges_label(sorted(g.stages))] if pipeline else []) + list(g.placements) for g in groups]
+                  + ([ranges_label(sorted(g.stages))] if pipeline else []) + list(g.placements)
+                  + (["yes" if pinned.intersection(g.names) else ""] if pinned else []) for g in groups]
     blocks.append(Table(header, table_rows, caption="parameter placements", collapsed=len(table_rows) > 40))
     if plan.inputs:
         blocks.append(Table(["input"] + axes, [[k, *v] for k, v in plan.inputs.items()], caption="input placements"))

@@ -122,6 +122,39 @@ def alternative_text(a: Alternative) -> str:
     return a.reason or "infeasible"
 
 
+def pin_cost_text(plan: Plan) -> str:
+    """What the pins cost, in one sentence ("" without pins)."""
+    cost = plan.pin_cost
+    if not plan.pins or cost is None:
+        return ""
+    if cost.fraction is None:
+        return f"the pins' cost is unknown: {cost.reason}" if cost.reason else ""
+    pinned, free = format_seconds(cost.pinned_step_time_s), format_seconds(cost.unpinned_step_time_s or 0.0)
+    if cost.fraction < 0:
+        return (f"your pins save {-cost.fraction:.1%} of step time against the search without them ({pinned} "
+                f"against {free} per step): they found a plan the search missed")
+    return f"your pins cost {cost.fraction:.1%} of step time against the unpinned optimum ({pinned} against {free})"
+
+
+def pinned_names(plan: Plan) -> set[str]:
+    """The parameters, inputs and nodes a pin holds."""
+    return {name for record in plan.pins for name in record.holds}
+
+
+def _pin_lines(plan: Plan) -> list[str]:
+    if not plan.pins:
+        return []
+    lines = ["", f"pins ({len(plan.pins)}, kept; marked * below):"]
+    lines += [f"  {r.pin}" + (f"  holds {len(r.holds)}: {', '.join(r.holds[:4])}{' …' if len(r.holds) > 4 else ''}"
+                              if r.holds else "") for r in plan.pins]
+    cost = pin_cost_text(plan)
+    return lines + ([f"  {cost}"] if cost else [])
+
+
+def _placement_rows(placements: dict[str, list[str]], pinned: set[str]) -> list[list[str]]:
+    return [[k + (" *" if k in pinned else ""), "[" + ", ".join(v) + "]"] for k, v in placements.items()]
+
+
 def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     m = plan.predicted.memory_bytes
     budget = plan.cluster.get("device", {}).get("memory_bytes")
@@ -142,17 +175,17 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
                      f"{s.num_variables} variables, {s.num_constraints} constraints, {format_seconds(s.solve_time_s)}")
     if plan.timings_s:
         lines.append("planning time: " + planning_time_text(plan.timings_s))
-    lines += _pipeline_lines(plan) + _recompute_lines(plan) + _gathered_lines(plan)
+    lines += _pipeline_lines(plan) + _recompute_lines(plan) + _gathered_lines(plan) + _pin_lines(plan)
+    pinned = pinned_names(plan)
     lines += ["", "parameters:"]
-    lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.params.items()],
-                                       ["parameter", "placement"])]
+    lines += ["  " + r for r in _table(_placement_rows(plan.params, pinned), ["parameter", "placement"])]
     if plan.inputs:
         lines += ["", "inputs:"]
-        lines += ["  " + r for r in _table([[k, "[" + ", ".join(v) + "]"] for k, v in plan.inputs.items()],
-                                           ["input", "placement"])]
+        lines += ["  " + r for r in _table(_placement_rows(plan.inputs, pinned), ["input", "placement"])]
     shown = [n for n in plan.nodes][:max_nodes]
     lines += ["", f"ops ({len(plan.nodes)}{', first ' + str(max_nodes) if len(plan.nodes) > max_nodes else ''}):"]
-    lines += ["  " + r for r in _table([[n.name, n.op, n.module, n.strategy] for n in shown],
+    lines += ["  " + r for r in _table([[n.name + (" *" if n.name in pinned else ""), n.op, n.module, n.strategy]
+                                        for n in shown],
                                        ["node", "op", "module", "strategy (out = inputs)"])]
     lines += ["", "collectives per step:"]
     if plan.collectives:

@@ -99,7 +99,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     if result is None:
         result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,
                                options.solver, options.time_limit_s, allow_storage=allow_storage,
-                               canonical=options.canonical)
+                               canonical=options.canonical, pins=options.pins)
         solved[key] = (sub, result)
     for name, strategy in result.chosen.items():
         info = sub.nodes[name]

@@ -60,7 +60,8 @@ class LayerCosts:
                 sub = extract(graph, list(layer.nodes))
                 result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                        self.options.solver, self.options.time_limit_s,
-                                       allow_storage=self.options.allow_storage, canonical=False)
+                                       allow_storage=self.options.allow_storage, canonical=False,
+                                   pins=self.options.pins)
                 self.problems[layer.signature] = result.problem
                 self.fast_choices[layer.signature] = result.solution.choices
                 self.changes[layer.signature] = recompute_change(sub, result, self.ctx)
@@ -111,7 +112,8 @@ class LayerCosts:
             sub = extract(graph, list(first.nodes) + list(second.nodes))
             result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                    self.options.solver, self.options.time_limit_s,
-                                   allow_storage=self.options.allow_storage, canonical=False)
+                                   allow_storage=self.options.allow_storage, canonical=False,
+                                   pins=self.options.pins)
             self.pairs[key] = result.solution.objective - self.cost(graph, first)[0] - self.cost(graph, second)[0]
         return self.pairs[key]
 
@@ -204,6 +206,8 @@ class RangeTable:
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute: frozenset[int] | None = None  # the layers that may be recomputed
+        pins = costs.options.pins  # the layers the user's checkpoint pins recompute, whatever the policy
+        self.pinned_recompute = pins.checkpointed_layers(graph, layers) if pins else frozenset()
         self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
@@ -258,6 +262,12 @@ class RangeTable:
         return self.plans[key]
 
     def _plan(self, start: int, end: int, budget: float | None) -> RangePlan:
+        pinned = frozenset(i for i in range(start, end) if i in self.pinned_recompute)
+        if pinned:  # checkpoint pins: those layers recomputed, more where the policy and memory ask
+            plan = self._recomputed(start, end, budget if self.policy != RecomputePolicy.NONE else None,
+                                    every=self.policy == RecomputePolicy.ALL, pinned=pinned)
+            assert plan is not None
+            return plan
         seconds, memory = self._range(FAST, start, end)
         fastest = RangePlan(seconds + self.joins[end - 1] - self.joins[start], memory - self.counted_apart(start, end))
         fits = budget is None or fastest.memory <= budget
@@ -285,12 +295,14 @@ class RangeTable:
             return RangePlan(lean[0], lean[1] - excess)
         return RangePlan(trimmed[0] + joins, trimmed[1] - excess)
 
-    def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False) -> RangePlan | None:
+    def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False,
+                    pinned: frozenset[int] = frozenset()) -> RangePlan | None:
         """Recompute layers in the backward until the range fits ``budget`` (all that may be,
-        with ``every``): each step recomputes, in its fastest plan, the layer that frees the most
-        bytes per second it adds (:meth:`LayerCosts.recomputed`), a quick estimate like the
-        trimming. Where recomputing every layer of the range is not enough, its layers are also
-        trimmed (see below). None where no layer of the range may be recomputed."""
+        with ``every``): the ``pinned`` ones first, then at each step, in its fastest plan, the
+        layer that frees the most bytes per second it adds (:meth:`LayerCosts.recomputed`), a
+        quick estimate like the trimming. Where recomputing every layer of the range is not
+        enough, its layers are also trimmed (see below). None where no layer of the range may
+        be recomputed."""
         if self.may_recompute is None:
             self.may_recompute = recomputable(self.graph, self.layers)
         candidates = [i for i in range(start, end) if i in self.may_recompute]
@@ -307,11 +319,12 @@ class RangeTable:
             return again[0] - plain[0], plain[1] - again[1]
 
         changes = {i: change(i) for i in candidates}
-        order = sorted((i for i in candidates if every or changes[i][1] > 0),
-                       key=lambda i: (changes[i][0] / changes[i][1] if changes[i][1] > 0 else math.inf, i))
+        order = sorted((i for i in candidates if every or changes[i][1] > 0 or i in pinned),
+                       key=lambda i: (i not in pinned,
+                                      changes[i][0] / changes[i][1] if changes[i][1] > 0 else math.inf, i))
         chosen: set[int] = set()
         for i in order:
-            if not every and budget is not None and memory <= budget:
+            if i not in pinned and not every and (budget is None or memory <= budget):
                 break
             chosen.add(i)
             seconds, memory = seconds + changes[i][0], memory - changes[i][1]

@@ -56,7 +56,8 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     tied = tied_layers(graph, layers)
     nodes, per_node = cluster_shape(options)
     problem = InterOpProblem(len(layers), nodes, per_node, microbatches, budget, pinned_stages=stages,
-                             submeshes=(submesh,))
+                             submeshes=(submesh,),
+                             layer_stages=options.pins.layer_stages(graph, layers) if options.pins else ())
     found: list[PipelineCandidate] = []
     # with recomputation chosen under memory, the DP also runs without it: its estimates of
     # trimmed ranges run high where those of recomputed ranges do not (see _trimmed_rival)
@@ -121,16 +122,26 @@ def submeshes(options: PlannerOptions, popts: PipelineOptions, num_layers: int) 
         stages = options.devices // sm.size
         if stages > num_layers or (popts.stages is not None and stages != popts.stages):
             continue
+        if options.pins and stages < options.pins.least_stages:
+            continue  # a stage pin names a later stage
         out.append(sm)
     return out
+
+
+def pinned_layers(graph: TracedGraph, popts: PipelineOptions, options: PlannerOptions) -> list[Layer]:
+    """The graph's layers, their signatures telling apart layers pinned differently."""
+    layers = make_layers(graph, find_classes(graph), popts.layers)
+    return options.pins.sign_layers(graph, layers) if options.pins else layers
 
 
 def stage_meshes(options: PlannerOptions, submesh: SubMesh) -> list[tuple[int, ...]]:
     """Logical meshes of a sub-mesh: a pinned one, or (size,) and the 2-D shapes whose inner
     axis stays inside a node."""
     if options.mesh is not None:
-        return [options.mesh] if math.prod(options.mesh) == submesh.size else []
-    return [m for m in candidate_meshes(submesh.size) if len(m) == 1 or m[1] <= submesh.devices]
+        meshes = [options.mesh] if math.prod(options.mesh) == submesh.size else []
+    else:
+        meshes = [m for m in candidate_meshes(submesh.size) if len(m) == 1 or m[1] <= submesh.devices]
+    return [m for m in meshes if options.pins is None or options.pins.mesh_allowed(m)]
 
 
 def microbatch_candidates(spec: ModelSpec, popts: PipelineOptions) -> list[int]:
@@ -187,7 +198,7 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         if refusal is not None and microbatches > 1:
             raise AutoplanError(f"{microbatches} microbatches would change what the model computes: {refusal}; "
                                 f"use one microbatch (--microbatches 1)")
-        layers = make_layers(graph, find_classes(graph), popts.layers)
+        layers = pinned_layers(graph, popts, options)
         if popts.stages and popts.stages > len(layers):
             raise AutoplanError(f"--stages {popts.stages} needs at least {popts.stages} layers and the model cuts into "
                                 f"{len(layers)} ({', '.join(layer.name for layer in layers)}): choose at most "
@@ -213,7 +224,7 @@ def accumulation_tasks(graph: TracedGraph, layers: list[Layer], microbatches: in
     communicates at least as much (each microbatch pays the latencies the whole batch pays
     once), so the whole batch is never slower; recomputation, which computes a forward more,
     it may beat."""
-    if popts.stages not in (None, 1) or microbatches < 2:
+    if popts.stages not in (None, 1) or microbatches < 2 or (options.pins and options.pins.least_stages > 1):
         return []
     whole = SubMesh(*cluster_shape(options))
     meshes = stage_meshes(options, whole)
@@ -341,7 +352,7 @@ def on_traced_graph(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch
     if graphs.is_traced(candidate.graph):
         return candidate
     graph = graphs.trace(batch // candidate.microbatches)
-    layers = make_layers(graph, find_classes(graph), popts.layers)
+    layers = pinned_layers(graph, popts, options)
     if graph.graph_hash == candidate.graph.graph_hash and \
             [layer.nodes for layer in layers] == [layer.nodes for layer in candidate.layers]:
         return replace(candidate, graph=graph, layers=layers)

@@ -13,7 +13,7 @@ from autoplan.solvers.inter_op.dp import solve_inter_op
 from autoplan.solvers.inter_op.explain import explain_inter_op
 from autoplan.solvers.inter_op.problem import (InterOpInfeasibleError, InterOpProblem, InterOpSolution,
     StageAssignment, StageCost, StageCostFn, SubMesh, candidate_submeshes, pipeline_step_time, problem_submeshes)
-from autoplan.solvers.inter_op.stages import StageOracle, allowed_stage_counts, usable_stages
+from autoplan.solvers.inter_op.stages import StageOracle, StagePins, allowed_stage_counts, usable_stages
 
 __all__ = [
     "BRUTE_FORCE_LIMIT",
@@ -24,6 +24,7 @@ __all__ = [
     "StageCost",
     "StageCostFn",
     "StageOracle",
+    "StagePins",
     "SubMesh",
     "allowed_stage_counts",
     "brute_force_inter_op",

@@ -25,19 +25,23 @@ def _mesh_sequences(submeshes: list[SubMesh], count: int, devices: int):
 
 
 def brute_force_inter_op(problem: InterOpProblem, cost_fn: StageCostFn) -> InterOpSolution:
-    """The optimum of (0) by enumerating every contiguous partition and every sub-mesh
-    assignment with sizes adding up to N (at most BRUTE_FORCE_LIMIT pipelines)."""
+    """The optimum of (0) by enumerating every contiguous partition that obeys the stage pins
+    and every sub-mesh assignment with sizes adding up to N (at most BRUTE_FORCE_LIMIT
+    pipelines)."""
     clock = time.perf_counter()
     problem.validate()
     L, N, B = problem.num_layers, problem.num_devices, problem.num_microbatches
     submeshes = problem_submeshes(problem)
     allowed = allowed_stage_counts(problem)
+    pins = problem.stage_pins()
     oracle = StageOracle(cost_fn, problem.memory_budget)
     best: tuple[float, list[StageAssignment]] | None = None
     enumerated = 0
     for count in allowed:
         for cuts in itertools.combinations(range(1, L), count - 1):
             bounds = list(zip((0, *cuts), (*cuts, L)))
+            if not all(bounds[stage][0] <= layer < bounds[stage][1] for layer, stage in pins.items()):
+                continue  # breaks a stage pin (pins come with pinned_stages, so count is S)
             for meshes in _mesh_sequences(submeshes, count, N):
                 enumerated += 1
                 if enumerated > BRUTE_FORCE_LIMIT:

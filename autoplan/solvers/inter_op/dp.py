@@ -55,6 +55,22 @@ largest stage may be faster than ``t_max``), with equality at ``t_max`` = the la
 latency of an optimal pipeline; so (5), taken over every distinct stage latency, is the optimum
 of (0). The reported ``step_time_s`` is (0) recomputed from the chosen stages.
 
+Stage pins
+----------
+``layer_stages`` pins layers to stage indices of a pipeline of exactly ``S`` stages
+(``pinned_stages``; ``A = {S}``). Counting stages from the start, the stage that begins at
+layer ``k`` when ``s`` stages remain is stage ``S - s``, so the pins restrict the choices of (2)::
+
+    choice (k..i, (n, m)) is usable in F(s, k, d | t_max) only if
+    stage(l) = S - s for every pinned layer l with k <= l <= i                               (2')
+
+and the DP keeps ``s`` whenever a layer is pinned. Every layer lies in exactly one stage, so a
+pipeline built from choices obeying (2') obeys every pin, and (2)-(5) give the optimum of (0)
+among those pipelines. Each choice is used only at the stage indices ``S - s`` at which some
+pipeline obeying the pins can hold its layer range (:class:`~.stages.StagePins`): a range of
+``s`` (a slice in the vectorised update, empty for a range whose pinned layers disagree); this
+implies (2') and drops only choices no such pipeline contains.
+
 In Alpa ``t_intra`` also takes ``s`` (1F1B keeps more microbatches in flight on early stages,
 which changes their memory); here the oracle has no stage index, so the caller folds the
 schedule into ``memory_bytes`` and ``s`` only counts stages. When no stage count is constrained
@@ -66,7 +82,8 @@ Work saved (the answer is unchanged)
 (W1) Oracle calls: only (stage, sub-mesh) pairs that some pipeline obeying (1) and ``A`` can
      contain are evaluated: ``[k, i)`` on size ``z`` is kept iff ``N - z`` is a sum of ``c``
      sub-mesh sizes for some ``c`` between the fewest stages the layers outside ``[k, i)``
-     need (0, 1 or 2) and the most they allow (``L - (i - k)``), with ``c + 1`` in ``A``.
+     need (0, 1 or 2) and the most they allow (``L - (i - k)``), with ``c + 1`` in ``A``, and,
+     with stage pins, some stage index can hold ``[k, i)`` (see "Stage pins").
      Each pair is evaluated once (memoised per solve), so at most ``L(L+1)/2 * |sub-meshes|``
      oracle calls: on one device only ``[0, L)`` is evaluated.
 (W2) ``t_max = +inf`` is solved first: ``F_inf = min_s F(s, 0, N | inf)`` is a lower bound on
@@ -89,8 +106,8 @@ import numpy as np
 
 from autoplan.solvers.inter_op.problem import (InterOpProblem, InterOpSolution, StageAssignment, StageCost,
     StageCostFn, SubMesh, pipeline_step_time, problem_submeshes)
-from autoplan.solvers.inter_op.stages import (StageOracle, allowed_stage_counts, infeasible_error, stage_count_free,
-    usable_stages)
+from autoplan.solvers.inter_op.stages import (StageOracle, StagePins, allowed_stage_counts, infeasible_error,
+    stage_count_free, usable_stages)
 
 
 @dataclass
@@ -111,10 +128,21 @@ class _StageDP:
         self.allowed = allowed
         self.track_stages = not stage_count_free(problem, allowed)
         self.stage_axis = max(allowed) + 1 if self.track_stages else 1
-        # choices by first layer, fastest first, so a pass can stop at t_max
+        # per choice, the s it updates in (2) (destination) and the s - 1 it reads (source)
+        every_s = ((slice(1, None), slice(None, -1)) if self.track_stages
+                   else (slice(0, 1), slice(0, 1)))
+        self.s_slices: list[tuple[slice, slice] | None] = [every_s] * len(choices)
+        if problem.layer_stages:  # (2'): stage index p = S - s, so s runs over S - p
+            pins, S = StagePins(problem), problem.pinned_stages
+            for idx, choice in enumerate(choices):
+                p = pins.indices(choice.start, choice.end)
+                self.s_slices[idx] = ((slice(S - p[-1], S - p[0] + 1), slice(S - p[-1] - 1, S - p[0]))
+                                      if p else None)
+        # usable choices by first layer, fastest first, so a pass can stop at t_max
         self.by_start: list[list[int]] = [[] for _ in range(self.L)]
         for idx in sorted(range(len(choices)), key=lambda j: choices[j].cost.latency_s):
-            self.by_start[choices[idx].start].append(idx)
+            if self.s_slices[idx] is not None:
+                self.by_start[choices[idx].start].append(idx)
         self.passes = 0
 
     def solve(self, t_max: float) -> list[int] | None:
@@ -124,8 +152,6 @@ class _StageDP:
         F = np.full((self.stage_axis, L + 1, N + 1), np.inf)
         pick = np.full(F.shape, -1, dtype=np.int64)
         F[0, L, 0] = 0.0  # (3)
-        dst_s, src_s = ((slice(1, None), slice(None, -1)) if self.track_stages
-                        else (slice(0, 1), slice(0, 1)))
         for k in range(L - 1, -1, -1):  # F(., i+1, .) is final before F(., k, .) is built
             for idx in self.by_start[k]:
                 choice = self.choices[idx]
@@ -133,6 +159,7 @@ class _StageDP:
                 if t > t_max:
                     break
                 z = choice.mesh.size
+                dst_s, src_s = self.s_slices[idx]
                 candidate = F[src_s, choice.end, : N + 1 - z] + t  # (2), every s and d at once
                 target = F[dst_s, k, z:]
                 better = candidate < target
@@ -163,7 +190,8 @@ def _step_time(choices: list[_Choice], picked: list[int], B: int) -> tuple[float
 
 
 def solve_inter_op(problem: InterOpProblem, cost_fn: StageCostFn) -> InterOpSolution:
-    """The pipeline minimising (0) under (1), the budget and the stage-count limits.
+    """The pipeline minimising (0) under (1), the budget, the stage-count limits and the stage
+    pins (2').
 
     Enumerates t_max over the distinct latencies of the present stages (5), in increasing
     order from the smallest feasible one (W3), stopping by (W2). Raises InterOpInfeasibleError

@@ -5,7 +5,8 @@ devices, ``N = num_nodes * M`` in all. ``B`` microbatches flow through the pipel
 a contiguous layer range on a sub-mesh of shape ``(n, m)``: ``(1, 2^j)`` with ``2^j <= M`` (a
 slice of one node) or ``(n, M)`` with ``1 <= n <= num_nodes`` (``n`` whole nodes). A 1F1B or
 GPipe schedule over stages with latencies ``t_1..t_S`` takes
-``T = sum_i t_i + (B - 1) * max_j t_j`` (:func:`pipeline_step_time`).
+``T = sum_i t_i + (B - 1) * max_j t_j`` (:func:`pipeline_step_time`). Stage pins
+(``layer_stages``) put chosen layers in chosen stages of a pipeline of ``pinned_stages`` stages.
 """
 
 from __future__ import annotations
@@ -78,8 +79,15 @@ class InterOpProblem:
     max_stages: int | None = None  # optional cap on the number of stages
     pinned_stages: int | None = None  # exactly this many stages (--stages S)
     submeshes: tuple[SubMesh, ...] | None = None  # only these sub-mesh shapes (default: every candidate)
+    layer_stages: tuple[tuple[int, int], ...] = ()  # (layer, stage) pins, 0-based; need pinned_stages
 
     def __post_init__(self) -> None:
+        pins = self.layer_stages
+        if not isinstance(pins, tuple) or not all(isinstance(pin, tuple) for pin in pins):
+            try:  # a list of lists, say: store it as a tuple of tuples (the problem is frozen)
+                object.__setattr__(self, "layer_stages", tuple(tuple(pin) for pin in pins))
+            except TypeError:
+                raise ValueError(f"layer_stages must be (layer, stage) pairs, not {pins!r}") from None
         self.validate()
 
     @property
@@ -102,6 +110,52 @@ class InterOpProblem:
                 and self.pinned_stages > self.max_stages):
             raise ValueError(f"pinned_stages={self.pinned_stages} exceeds "
                              f"max_stages={self.max_stages}")
+        self._validate_layer_stages()
+
+    def stage_pins(self) -> dict[int, int]:
+        """The pins as ``{layer: stage}`` (a repeated identical pin counts once)."""
+        return dict(self.layer_stages)
+
+    def _validate_layer_stages(self) -> None:
+        """Raise ValueError unless some pipeline of ``pinned_stages`` stages obeys every pin."""
+        pins = self.layer_stages
+        if not pins:
+            return
+        L, S = self.num_layers, self.pinned_stages
+        for pin in pins:
+            if len(pin) != 2 or not all(isinstance(x, int) and not isinstance(x, bool) for x in pin):
+                raise ValueError(f"layer_stages entries must be (layer, stage) pairs of ints, not {pin!r}")
+        if S is None:
+            raise ValueError("layer_stages needs pinned_stages: a stage index means nothing without "
+                             "a known stage count (--stages)")
+        stage_of: dict[int, int] = {}
+        for layer, stage in pins:
+            if not 0 <= layer < L:
+                raise ValueError(f"layer_stages pins layer {layer}, out of range for "
+                                 f"{L} layers (0..{L - 1})")
+            if not 0 <= stage < S:
+                raise ValueError(f"layer_stages pins layer {layer} to stage {stage}, out of range "
+                                 f"for {S} pinned stages (0..{S - 1})")
+            if stage_of.setdefault(layer, stage) != stage:
+                raise ValueError(f"layer_stages pins layer {layer} twice, to stages "
+                                 f"{stage_of[layer]} and {stage}")
+        ordered = sorted(stage_of.items())
+        for (a, sa), (b, sb) in zip(ordered, ordered[1:]):
+            if sa > sb:
+                raise ValueError(f"layer_stages breaks layer order: layer {a} is pinned to stage {sa} "
+                                 f"but the later layer {b} to the earlier stage {sb}")
+            if sb - sa > b - a:
+                raise ValueError(f"layer_stages leaves not enough layers: stages {sa + 1}..{sb - 1} "
+                                 f"between layer {a} (stage {sa}) and layer {b} (stage {sb}) "
+                                 f"would get {b - a - 1} layer(s) for {sb - sa - 1} stage(s)")
+        first, s_first = ordered[0]
+        if first < s_first:
+            raise ValueError(f"layer_stages leaves not enough layers: layer {first} in stage "
+                             f"{s_first} leaves {first} layer(s) for the {s_first} stage(s) before it")
+        last, s_last = ordered[-1]
+        if L - last < S - s_last:
+            raise ValueError(f"layer_stages leaves not enough layers: layer {last} in stage {s_last} "
+                             f"leaves {L - 1 - last} layer(s) for the {S - 1 - s_last} stage(s) after it")
 
 
 def problem_submeshes(problem: InterOpProblem) -> list[SubMesh]:

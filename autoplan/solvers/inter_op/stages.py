@@ -1,9 +1,10 @@
 """Which stages a pipeline may contain, and the memoised cost oracle that prices them.
 
 Stage counts: the set ``A`` of allowed counts (each stage needs a layer and a device, and the
-caller may cap or pin the count). Work saved (W1): only (stage, sub-mesh) pairs that some
-pipeline obeying ``sum_i n_i m_i = N`` and ``A`` can contain are evaluated; see
-:func:`usable_stages` and the DP's docstring (:mod:`~autoplan.solvers.inter_op.dp`).
+caller may cap or pin the count). Stage pins: :class:`StagePins`, the stage indices at which a
+layer range may stand. Work saved (W1): only (stage, sub-mesh) pairs that some pipeline obeying
+``sum_i n_i m_i = N``, ``A`` and the pins can contain are evaluated; see :func:`usable_stages`
+and the DP's docstring (:mod:`~autoplan.solvers.inter_op.dp`).
 """
 
 from __future__ import annotations
@@ -26,8 +27,50 @@ def allowed_stage_counts(problem: InterOpProblem) -> list[int]:
 
 
 def stage_count_free(problem: InterOpProblem, allowed: list[int]) -> bool:
-    """True when A holds every count a partition can have, so (2) may drop its s index."""
-    return allowed == list(range(1, min(problem.num_layers, problem.num_devices) + 1))
+    """True when A holds every count a partition can have and no layer is pinned to a stage,
+    so (2) may drop its s index."""
+    return not problem.layer_stages and allowed == list(range(1, min(problem.num_layers, problem.num_devices) + 1))
+
+
+class StagePins:
+    """The pins of a problem as bounds on its cuts, and the stage indices a layer range may take.
+
+    Stage ``q`` of ``S`` holds layers ``[c_q, c_{q+1})`` with ``0 = c_0 < c_1 < ... < c_S = L``;
+    a pin ``(l, q)`` asks ``c_q <= l < c_{q+1}``. These are bounds ``lo[q] <= c_q <= hi[q]``,
+    tightened by ``lo[q] >= lo[q-1] + 1`` (forward) and ``hi[q] <= hi[q+1] - 1`` (backward).
+    A validated problem leaves every ``lo[q] <= hi[q]``, and then ``[start, end)`` is stage ``p``
+    of some pipeline obeying the pins iff ``lo[p] <= start <= hi[p]`` and
+    ``lo[p+1] <= end <= hi[p+1]`` (the least cuts before ``p`` and the largest after ``p + 1``
+    fit). As ``lo`` and ``hi`` increase with ``q``, those ``p`` form a range.
+    """
+
+    def __init__(self, problem: InterOpProblem) -> None:
+        L, S = problem.num_layers, problem.pinned_stages
+        if S is None:
+            raise ValueError("stage pins need pinned_stages")
+        lo, hi = [0] + [1] * (S - 1) + [L], [0] + [L - 1] * (S - 1) + [L]
+        for layer, stage in problem.layer_stages:
+            hi[stage] = min(hi[stage], layer)
+            lo[stage + 1] = max(lo[stage + 1], layer + 1)
+        for q in range(1, S + 1):
+            lo[q] = max(lo[q], lo[q - 1] + 1)
+        for q in range(S - 1, -1, -1):
+            hi[q] = min(hi[q], hi[q + 1] - 1)
+        if any(a > b for a, b in zip(lo, hi)):
+            raise ValueError(f"no pipeline of {S} stages obeys layer_stages={problem.layer_stages}")
+        self.num_stages = S
+        # cuts[x]: the cut indices q with lo[q] <= x <= hi[q], as (first, last); (S + 1, -1) if none
+        self.cuts = [(S + 1, -1)] * (L + 1)
+        for q in range(S + 1):
+            for x in range(lo[q], hi[q] + 1):
+                first, last = self.cuts[x]
+                self.cuts[x] = (min(first, q), max(last, q))
+
+    def indices(self, start: int, end: int) -> range:
+        """The stage indices ``p`` at which layers ``[start, end)`` may stand (maybe none)."""
+        first_start, last_start = self.cuts[start]
+        first_end, last_end = self.cuts[end]
+        return range(max(first_start, first_end - 1), min(last_start, last_end - 1) + 1)
 
 
 def _device_sums(sizes: list[int], max_count: int, total: int) -> list[int]:
@@ -44,15 +87,19 @@ def _device_sums(sizes: list[int], max_count: int, total: int) -> list[int]:
 
 def usable_stages(problem: InterOpProblem, submeshes: list[SubMesh],
                   allowed: list[int]) -> list[tuple[int, int, SubMesh]]:
-    """(W1): the (start, end, sub-mesh) triples some pipeline obeying (1) and A can contain."""
+    """(W1): the (start, end, sub-mesh) triples some pipeline obeying (1), A and the stage pins
+    can contain."""
     if not allowed:
         return []
     L, N = problem.num_layers, problem.num_devices
+    pins = StagePins(problem) if problem.layer_stages else None
     allowed_set = set(allowed)
     sums = _device_sums(sorted({m.size for m in submeshes}), max(allowed) - 1, N)
     out = []
     for start in range(L):
         for end in range(start + 1, L + 1):
+            if pins is not None and not pins.indices(start, end):
+                continue  # no pipeline obeying the pins has this layer range as a stage
             fewest = (start > 0) + (end < L)
             most = L - (end - start)
             for mesh in submeshes:
@@ -131,16 +178,22 @@ def infeasible_error(problem: InterOpProblem, oracle: StageOracle | None,
         )
     count = (f"exactly {problem.pinned_stages}" if problem.pinned_stages is not None
              else f"at most {allowed[-1]}")
+    pinned = problem.layer_stages
+    if pinned:
+        count += f" stages obeying the stage pins (layer_stages={list(pinned)})"
+    else:
+        count += " stages"
+    relax = ", or relax the stage pins" if pinned else ""
     if oracle is not None and oracle.over_budget:
         least = ("" if not math.isfinite(oracle.least_memory)
                  else f" (the smallest stage needs {format_bytes(oracle.least_memory)})")
         return InterOpInfeasibleError(
-            f"no pipeline of {L} layers in {count} stages on {cluster} devices fits "
+            f"no pipeline of {L} layers in {count} on {cluster} devices fits "
             f"{format_bytes(problem.memory_budget)} per device{least}; give more memory "
-            "(--memory-per-device), more devices, or allow more stages"
+            f"(--memory-per-device), more devices, or allow more stages{relax}"
         )
     return InterOpInfeasibleError(
-        f"no pipeline of {L} layers in {count} stages on {cluster} devices is feasible: "
-        "every stage that tiles the cluster was marked infeasible; "
-        "use more devices or allow a different number of stages"
+        f"no pipeline of {L} layers in {count} on {cluster} devices is feasible: "
+        f"every stage that tiles the cluster{' and obeys the pins' if pinned else ''} was marked infeasible; "
+        f"use more devices or allow a different number of stages{relax}"
     )
