@@ -21,7 +21,7 @@ from autoplan.errors import AutoplanError
 from autoplan.load import load_model_file, make_model_spec
 from autoplan.planner.api import make_options
 from autoplan.planner.front_door import plan_model
-from autoplan.planner.mesh_plan import _GraphView, offered_output_specs, plan_intra_op
+from autoplan.planner.mesh_plan import GraphView, offered_output_specs, plan_intra_op
 from autoplan.planner.options import PlanOptions
 from autoplan.planner.pins import PinKind, PinSet, parse_pin, pin_file_texts
 from autoplan.reports.summary import summary_text
@@ -139,7 +139,7 @@ def _random_pins(rng: random.Random, graph, view, mesh: tuple[int, ...], free) -
 def test_the_pinned_optimum_is_brute_force_under_the_pins_and_never_below_the_unpinned(
         example: str, kwargs: dict, mesh: tuple[int, ...], cases: int) -> None:
     graph = _graph(example, kwargs)
-    classes, view = find_classes(graph), _GraphView.of(graph)
+    classes, view = find_classes(graph), GraphView.of(graph)
     options = make_options(math.prod(mesh), "h100", mesh)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer)
     with warnings.catch_warnings():
@@ -303,3 +303,21 @@ def test_the_megatron_pinned_plan_runs_and_passes_the_check(tmp_path: Path) -> N
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["params"]["h.1.mlp.c_proj.weight"][1] == "S(1)"
     assert [p["pin"] for p in plan["pins"]] == list(MEGATRON)
+
+
+def test_stage_pins_keep_to_the_stage_counts_that_can_hold_them() -> None:
+    from autoplan.planner.pipeline.search import stage_pins_fit
+
+    assert stage_pins_fit(4, 2, ((0, 0), (3, 1)))
+    assert not stage_pins_fit(4, 3, ((3, 1),))  # no layer left for stage 2
+    assert stage_pins_fit(4, 3, ())
+
+
+def test_stage_pins_with_the_stage_count_left_to_the_search(tmp_path: Path) -> None:
+    model_file = tmp_path / "gpt4.py"
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\nfrom gpt import build, loss_fn\n"
+                          "model, example_inputs = build(layers=4)\n")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_model(load_model_file(str(model_file)), PlanOptions(4, "cpu", pins=("h.0-2=stage:0", "h.3=stage:1")))
+    assert [s.layers for s in plan.stages] == [["h.0", "h.1", "h.2"], ["h.3"]]

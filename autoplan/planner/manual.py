@@ -210,11 +210,21 @@ def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights
     return True
 
 
+@dataclass(frozen=True)
+class LastAxisTensorParallel:
+    """:func:`tensor_parallel_allows` on the last mesh axis, as a rule on placements (a plain
+    object, so that the options holding it pickle)."""
+
+    sharded_weights: frozenset[str]
+
+    def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
+        return tensor_parallel_allows(info, spec[-1], self.sharded_weights)
+
+
 def tensor_parallel_rule(graph: TracedGraph, tp: int) -> StorageRule:
     """The ``tp=N`` pin: Megatron tensor parallelism over the last mesh axis (of ``N``
     devices: :meth:`~autoplan.planner.pins.PinSet.mesh_allowed` keeps such meshes)."""
-    sharded_weights = _tensor_parallel_weights(graph, tp)
-    return StorageRule(lambda info, spec: tensor_parallel_allows(info, spec[-1], sharded_weights))
+    return StorageRule(LastAxisTensorParallel(_tensor_parallel_weights(graph, tp)))
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class IntraOpResult:
 
 
 @dataclass
-class _GraphView:
+class GraphView:
     """Read-only facts about the graph that every step below needs."""
 
     graph: TracedGraph
@@ -104,7 +104,7 @@ class _GraphView:
     loss_name: str
 
     @classmethod
-    def of(cls, graph: TracedGraph) -> _GraphView:
+    def of(cls, graph: TracedGraph) -> GraphView:
         fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
         inputs: dict[str, list[str]] = {}
         users: dict[str, list[str]] = {name: [] for name in fx_nodes}
@@ -185,7 +185,7 @@ def pinned_strategies(info: NodeInfo, strategies: list[Strategy], mesh_shape: tu
     return kept
 
 
-def offered_output_specs(view: _GraphView, name: str, mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
+def offered_output_specs(view: GraphView, name: str, mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
     """The output specs the strategies of node ``name`` offer on ``mesh_shape``, before any
     rule or pin (what a pin may choose from)."""
     info = view.graph.nodes[name]
@@ -201,7 +201,7 @@ def offered_output_specs(view: _GraphView, name: str, mesh_shape: tuple[int, ...
     return list(dict.fromkeys(s.output_specs[0] for s in strategies)) or [(R,) * len(mesh_shape)]
 
 
-def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
+def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], ctx: CostContext,
                       producer: ClassStrategies | None, warn: Callable[[str], None],
                       allow_storage: StorageRule | None = None, pins: PinSet | None = None) -> ClassStrategies:
     info = view.graph.nodes[name]
@@ -262,7 +262,7 @@ def _class_strategies(view: _GraphView, name: str, mesh_shape: tuple[int, ...], 
     return ClassStrategies(kind, strategies, costs)
 
 
-def _class_edges(view: _GraphView, classes: NodeClasses) -> dict[tuple[int, int, int], int]:
+def _class_edges(view: GraphView, classes: NodeClasses) -> dict[tuple[int, int, int], int]:
     """(producer class, consumer class, input position) -> how many graph edges it stands for."""
     edges: dict[tuple[int, int, int], int] = {}
     for name, input_names in view.inputs.items():
@@ -275,7 +275,7 @@ def _class_edges(view: _GraphView, classes: NodeClasses) -> dict[tuple[int, int,
     return edges
 
 
-def _consistent_producer(view: _GraphView, classes: NodeClasses, cls: int, pos: int) -> int | None:
+def _consistent_producer(view: GraphView, classes: NodeClasses, cls: int, pos: int) -> int | None:
     """The class feeding input ``pos`` of every member of ``cls``, if it is one class."""
     producers = {classes.class_of[view.inputs[m][pos]] for m in classes.members[cls] if len(view.inputs[m]) > pos}
     return producers.pop() if len(producers) == 1 else None
@@ -290,11 +290,11 @@ def writes_first_input(node: fx.Node) -> bool:
     return alias is not None and alias.is_write
 
 
-def _trained_parameter(view: _GraphView, name: str) -> bool:
+def _trained_parameter(view: GraphView, name: str) -> bool:
     return view.graph.nodes[name].kind == "parameter" and view.needs_grad[name]
 
 
-def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], gathered_storage: bool) -> Grouping:
+def _group(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], gathered_storage: bool) -> Grouping:
     n = classes.num_classes
     group_of = list(range(n))
     # sharded optimizer state (ZeRO-1/2) is a choice only beside gathered storage (or the only one)
@@ -377,7 +377,7 @@ def _group(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies],
     return Grouping([renumber[group_of[c]] for c in range(n)], choice_map, roots)
 
 
-def _build_problem(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
+def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
                    ctx: CostContext, memory_budget: float | None) -> IntraOpProblem:
     num_groups = len(grouping.roots)
     sizes = [len(grouping.choice_map[root]) for root in grouping.roots]
@@ -442,16 +442,16 @@ def parameter_kept(fx_nodes: Mapping[str, fx.Node], needs_grad: Mapping[str, boo
                                                ctx.cache.setdefault("saved inputs", {}))
 
 
-def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: _GraphView | None = None) -> CostContext:
+def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: GraphView | None = None) -> CostContext:
     """``ctx`` for ``graph``: with its number of parameter → consumer edges that carry a
     gradient (:attr:`CostContext.parameter_edges`, the bucket latency's denominator)."""
-    view = view or _GraphView.of(graph)
+    view = view or GraphView.of(graph)
     edges = sum(len(view.users[name]) for name, info in graph.nodes.items()
                 if info.kind == "parameter" and view.needs_grad.get(name))
     return ctx if edges == ctx.parameter_edges else replace(ctx, parameter_edges=edges)
 
 
-def _solve(view: _GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
+def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
            memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool
            ) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
     """The ILP, solved. Storing a trained parameter sharded and gathering it at use costs
@@ -492,7 +492,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     needed for a plan that runs, not for a cost estimate. ``pins`` (the user's, see
     :mod:`autoplan.planner.pins`) leave each node they hold only the strategies whose output
     they allow: constraints of the ILP, whose resharding the objective pays."""
-    view = _GraphView.of(graph)
+    view = GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     if ctx.recompute_regions:  # copies of a block share a strategy only where they are recomputed alike
         classes = split_classes(classes, lambda name: ctx.region_of(name) is not None)

@@ -13,7 +13,7 @@ import operator
 from dataclasses import replace
 
 from autoplan.errors import AutoplanError
-from autoplan.planner.mesh_plan import _GraphView, offered_output_specs
+from autoplan.planner.mesh_plan import GraphView, offered_output_specs
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pins import Pin, PinKind, PinSet
 from autoplan.planner.pipeline.schedules import INTERLEAVED
@@ -65,7 +65,7 @@ def matched_names(graph: TracedGraph, pins: PinSet) -> dict[str, list[str]]:
     return out
 
 
-def _mesh_problem(view: _GraphView, pins: PinSet, mesh: tuple[int, ...]) -> str | None:
+def _mesh_problem(view: GraphView, pins: PinSet, mesh: tuple[int, ...]) -> str | None:
     """Why the placement and fsdp pins cannot all hold on ``mesh`` (None: they can)."""
     if not pins.mesh_allowed(mesh):
         ndim = pins.mesh_ndim
@@ -124,7 +124,7 @@ def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]) 
     """``pins`` checked on ``graph`` (see the module docstring), with the ``meshes`` (of
     those the search may use) on which they all hold."""
     matched_names(graph, pins)
-    view = _GraphView.of(graph)
+    view = GraphView.of(graph)
     for pin in pins.of_kind(PinKind.PLACEMENT):
         for info in graph.nodes.values():
             if info.kind == "op" and view.fx_nodes[info.name].target is operator.getitem and pin.matches(info.name):

@@ -87,6 +87,12 @@ class Pin:
         return True
 
 
+def module_layers(pin: Pin, layers: list[Layer], graph: TracedGraph) -> list[int]:
+    """The indices of the layers that hold an op of a module ``pin`` matches."""
+    return [i for i, layer in enumerate(layers)
+            if any(pin.matches(graph.nodes[n].module) for n in layer.nodes if n in graph.nodes)]
+
+
 def pattern_regex(pattern: str) -> re.Pattern[str]:
     """The regular expression of a pin's glob (see the module docstring)."""
     out = []
@@ -250,11 +256,6 @@ class PinSet:
             return False
         return self.meshes is None or mesh in self.meshes
 
-    def module_layers(self, pin: Pin, layers: list[Layer], graph: TracedGraph) -> list[int]:
-        """The indices of the layers that hold an op of a module ``pin`` matches."""
-        return [i for i, layer in enumerate(layers)
-                if any(pin.matches(graph.nodes[n].module) for n in layer.nodes if n in graph.nodes)]
-
     def sign_layers(self, graph: TracedGraph, layers: list[Layer]) -> list[Layer]:
         """``layers`` with the pins that hold their values (and the parameters they read) in
         their signatures: layers of equal ops share costs only where they are pinned alike."""
@@ -285,7 +286,7 @@ class PinSet:
         different stages is refused in one line."""
         stage_of: dict[int, Pin] = {}
         for pin in self.of_kind(PinKind.STAGE):
-            for i in self.module_layers(pin, layers, graph):
+            for i in module_layers(pin, layers, graph):
                 other = stage_of.setdefault(i, pin)
                 if other.number != pin.number:
                     raise AutoplanError(f"pins {other.text!r} and {pin.text!r} put layer {layers[i].name} in two "
@@ -294,7 +295,7 @@ class PinSet:
 
     def checkpointed_layers(self, graph: TracedGraph, layers: list[Layer]) -> frozenset[int]:
         """The indices of the layers the checkpoint pins recompute."""
-        return frozenset(i for pin in self.of_kind(PinKind.CHECKPOINT) for i in self.module_layers(pin, layers, graph))
+        return frozenset(i for pin in self.of_kind(PinKind.CHECKPOINT) for i in module_layers(pin, layers, graph))
 
     def texts(self) -> list[str]:
         return [p.text for p in self.pins]

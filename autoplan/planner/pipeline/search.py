@@ -55,9 +55,11 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     budget = options.memory_budget
     tied = tied_layers(graph, layers)
     nodes, per_node = cluster_shape(options)
+    layer_stages = options.pins.layer_stages(graph, layers) if options.pins else ()
+    if not stage_pins_fit(len(layers), stages, layer_stages):
+        return []  # this many stages cannot hold the stage pins (e.g. too many after the last pinned layer)
     problem = InterOpProblem(len(layers), nodes, per_node, microbatches, budget, pinned_stages=stages,
-                             submeshes=(submesh,),
-                             layer_stages=options.pins.layer_stages(graph, layers) if options.pins else ())
+                             submeshes=(submesh,), layer_stages=layer_stages)
     found: list[PipelineCandidate] = []
     # with recomputation chosen under memory, the DP also runs without it: its estimates of
     # trimmed ranges run high where those of recomputed ranges do not (see _trimmed_rival)
@@ -102,6 +104,17 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             found.append(PipelineCandidate(microbatches, submesh, logical, cuts, step, graph, layers, schedule, costs,
                                            boundaries, recomputed, tied_mesh=tied_mesh))
     return found
+
+
+def stage_pins_fit(num_layers: int, stages: int, layer_stages: tuple[tuple[int, int], ...]) -> bool:
+    """Whether a pipeline of ``stages`` stages over ``num_layers`` layers can obey the stage pins."""
+    if not layer_stages:
+        return True
+    try:
+        InterOpProblem(num_layers, 1, 1, 1, pinned_stages=stages, layer_stages=layer_stages)
+    except ValueError:
+        return False
+    return True
 
 
 def cluster_shape(options: PlannerOptions) -> tuple[int, int]:
