@@ -321,3 +321,32 @@ def test_stage_pins_with_the_stage_count_left_to_the_search(tmp_path: Path) -> N
         warnings.simplefilter("ignore")
         plan = plan_model(load_model_file(str(model_file)), PlanOptions(4, "cpu", pins=("h.0-2=stage:0", "h.3=stage:1")))
     assert [s.layers for s in plan.stages] == [["h.0", "h.1", "h.2"], ["h.3"]]
+
+
+def test_stage_checkpoint_and_placement_pins_run_in_a_pipeline_and_pass_the_check(tmp_path: Path) -> None:
+    pins = ("model.layers.0=stage:0", "model.layers.1=stage:1", "model.layers.1=checkpoint",
+            "model.layers.*.mlp.up_proj.weight=[S(0)]")
+    result = subprocess.run([sys.executable, "-m", "autoplan.cli", str(ROOT / "tests" / "training_run_model.py"),
+                             "--devices", "4", "--cluster", "cpu", *[a for p in pins for a in ("--pin", p)],
+                             "--run", "--check", "--steps", "2", "--out", str(tmp_path)],
+                            capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "check: PASSED" in result.stdout
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert [s["layers"] for s in plan["stages"]] == [["model.layers.0"], ["model.layers.1"]]
+    assert [r["layer"] for r in plan["recompute"]] == ["model.layers.1"]
+    assert all(plan["params"][f"model.layers.{i}.mlp.up_proj.weight"] == ["S(0)"] for i in (0, 1))
+
+
+def test_the_python_api_takes_pins_as_a_dict() -> None:
+    import torch
+
+    import autoplan
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = autoplan.plan(model, (torch.randn(4, 8),), devices=2, cluster="cpu",
+                             pins={"0.weight": ["S(0)"], "mesh": "2"}, pipeline=False)
+    assert plan.params["0.weight"] == ["S(0)"]
+    assert plan.options["pins"] == ["0.weight=[S(0)]", "mesh=2"]
