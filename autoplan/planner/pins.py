@@ -27,6 +27,7 @@ solving and in one line, a pin that matches nothing or cannot hold.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 from collections.abc import Iterable, Mapping
@@ -273,7 +274,8 @@ class PinSet:
                 keys = [self.key(x) for x in (info, *read)]
                 if any(keys):
                     held.append((position, tuple(keys)))
-            signed.append(replace(layer, signature=f"{layer.signature}|pins {hash(tuple(held)):x}") if held else layer)
+            digest = hashlib.sha256(repr(held).encode()).hexdigest()[:16]  # the same in every process and run
+            signed.append(replace(layer, signature=f"{layer.signature}|pins {digest}") if held else layer)
         return signed
 
     @property
