@@ -315,11 +315,12 @@ def test_stage_pins_keep_to_the_stage_counts_that_can_hold_them() -> None:
 
 def test_stage_pins_with_the_stage_count_left_to_the_search(tmp_path: Path) -> None:
     model_file = tmp_path / "gpt4.py"
-    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\nfrom gpt import build, loss_fn\n"
-                          "model, example_inputs = build(layers=4)\n")
+    model_file.write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+                          "from gpt import build, loss_fn\nmodel, example_inputs = build(layers=4)\n")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        plan = plan_model(load_model_file(str(model_file)), PlanOptions(4, "cpu", pins=("h.0-2=stage:0", "h.3=stage:1")))
+        plan = plan_model(load_model_file(str(model_file)),
+                          PlanOptions(4, "cpu", pins=("h.0-2=stage:0", "h.3=stage:1")))
     assert [s.layers for s in plan.stages] == [["h.0", "h.1", "h.2"], ["h.3"]]
 
 

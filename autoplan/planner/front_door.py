@@ -3,11 +3,12 @@
 ``autoplan.plan(...)``, the ``autoplan`` command and ``autoplan.parallelize(...)`` without a
 saved plan all come here, so one model with one set of options gets one plan:
 
-trace → the pipeline search (:mod:`autoplan.planner.pipeline`, which plans one stage too) or,
-with ``pipeline=False``, the intra-op search over logical meshes (:mod:`autoplan.planner.api`)
+the user's pins checked on the traced model (:mod:`autoplan.planner.pin_check`) → the pipeline
+search (:mod:`autoplan.planner.pipeline`, which plans one stage too) or, with
+``pipeline=False``, the intra-op search over logical meshes (:mod:`autoplan.planner.api`)
 → hand-written ``manual`` plans costed beside it → every decision the program carries out
 (optimizer, precision, recomputed regions, parameter storage, the options themselves)
-written into the Plan.
+written into the Plan → with pins, the search run again without them, for what they cost.
 """
 
 from __future__ import annotations

@@ -147,9 +147,10 @@ def summary_section(plan: Plan) -> Section:
     blocks.append(Table(["stage", "layers", "devices", "mesh", "parameters", "latency per microbatch (fwd+bwd)"],
                         stage_rows, caption="pipeline stages" if len(plan.stages) > 1 else "the single stage"))
     if plan.pins:
-        blocks.append(Table(["pin (kept)", "holds"], [[r.pin, ", ".join(r.holds[:6]) + (" …" if len(r.holds) > 6 else "")
-                                                       if r.holds else "the plan's structure"] for r in plan.pins],
-                            caption="your pins; the planner chose everything else around them"))
+        rows = [[r.pin, ", ".join(r.holds[:6]) + (" …" if len(r.holds) > 6 else "") if r.holds
+                 else "the plan's structure"] for r in plan.pins]
+        blocks.append(Table(["pin (kept)", "holds"], rows, caption="your pins; the planner chose everything else "
+                                                                   "around them"))
         if pin_cost_text(plan):
             blocks.append(Text(pin_cost_text(plan) + "."))
     if plan.explanation:
