@@ -351,3 +351,9 @@ def test_the_python_api_takes_pins_as_a_dict() -> None:
                              pins={"0.weight": ["S(0)"], "mesh": "2"}, pipeline=False)
     assert plan.params["0.weight"] == ["S(0)"]
     assert plan.options["pins"] == ["0.weight=[S(0)]", "mesh=2"]
+
+
+@pytest.mark.parametrize("name", ["wte.weight", "lm_head.weight"])
+def test_a_pin_on_either_name_of_a_tied_weight_holds_it(name: str) -> None:
+    plan = _plan(f"{name}=[S(1)]", "mesh=4")
+    assert plan.params["wte.weight"] == plan.params["lm_head.weight"] == ["S(1)"]

@@ -124,6 +124,7 @@ def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]) 
     """``pins`` checked on ``graph`` (see the module docstring), with the ``meshes`` (of
     those the search may use) on which they all hold."""
     matched_names(graph, pins)
+    pins = replace(pins, tied=tuple(sorted(graph.tied.items())))
     view = GraphView.of(graph)
     for pin in pins.of_kind(PinKind.PLACEMENT):
         for info in graph.nodes.values():

@@ -181,10 +181,13 @@ def _toml_value(value: Any) -> str:
 @dataclass(frozen=True)
 class PinSet:
     """The pins of one planning run. ``meshes``: where :func:`check_pins` has run, the logical
-    meshes on which every placement pin can hold (None: not checked, every mesh)."""
+    meshes on which every placement pin can hold (None: not checked, every mesh). ``tied``:
+    the model's tied parameters (:attr:`TracedGraph.tied`, as pairs), so that a pin naming
+    either FQN of one tensor holds the placeholder the graph reads."""
 
     pins: tuple[Pin, ...] = ()
     meshes: frozenset[tuple[int, ...]] | None = None
+    tied: tuple[tuple[str, str], ...] = ()
 
     @classmethod
     def read(cls, texts: Iterable[str] | Mapping[str, Any]) -> PinSet:
@@ -235,9 +238,10 @@ class PinSet:
         if not self.pins:
             return []
         named = info.fqn if info.kind in ("parameter", "buffer") and info.fqn else info.name
+        names = [named, *(other for other, read in self.tied if read == named)]
         return [p for p in self.pins if (p.kind == PinKind.PLACEMENT or (p.kind == PinKind.FSDP and
                                                                           info.kind == "parameter"))
-                and p.matches(named)]
+                and any(p.matches(name) for name in names)]
 
     def allows(self, info: NodeInfo, spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> bool:
         return all(p.allows(spec, mesh_shape) for p in self.value_pins(info))
