@@ -357,3 +357,45 @@ def test_the_python_api_takes_pins_as_a_dict() -> None:
 def test_a_pin_on_either_name_of_a_tied_weight_holds_it(name: str) -> None:
     plan = _plan(f"{name}=[S(1)]", "mesh=4")
     assert plan.params["wte.weight"] == plan.params["lm_head.weight"] == ["S(1)"]
+
+
+# ------------------------------------------------------------------------------------------
+# --manual's words as pins
+# ------------------------------------------------------------------------------------------
+
+def test_manual_words_are_pins_too() -> None:
+    assert parse_pin("dp=2").kind == PinKind.DATA_PARALLEL
+    assert parse_pin("fsdp=4").kind == PinKind.SHARDED_DATA_PARALLEL and parse_pin("fsdp=4").number == 4
+    assert parse_pin("pp=2").kind == PinKind.STAGES
+    assert parse_pin("zero=2").number == 2 and parse_pin("ac=full").choice == "full"
+    assert PinSet.read(["dp=2", "tp=4"]).data_parallel_mesh == (2, 4)
+    assert PinSet.read(["fsdp=8"]).data_parallel_mesh == (8,)
+    for bad, message in (("zero=3", "zero=3 is fsdp=N"), ("ac=selective", "write ac=full")):
+        with pytest.raises(AutoplanError, match=message):
+            parse_pin(bad)
+    with pytest.raises(AutoplanError, match="HSDP"):
+        PlanOptions(8, "cpu", pins=("dp=2", "fsdp=4"))
+    with pytest.raises(AutoplanError, match="pin dp=2 or more too"):
+        PlanOptions(8, "cpu", pins=("zero=1",))
+    with pytest.raises(AutoplanError, match=r"the mesh of the dp/fsdp/tp pins \(2x2\) disagrees with mesh=4"):
+        PlanOptions(4, "cpu", mesh=(4,), pins=("dp=2", "tp=2"))
+    with pytest.raises(AutoplanError, match="disagrees with recompute=none"):
+        PlanOptions(4, "cpu", recompute="none", pins=("ac=full",))
+
+
+def test_dp_and_tp_pins_plan_no_slower_than_the_same_manual_plan() -> None:
+    plan = _plan("dp=2", "tp=2", manual=("dp=2,tp=2",))
+    assert plan.mesh == [2, 2] and plan.inputs["idx"][0] == "S(0)"
+    assert all(p[0] == "R" for p in plan.params.values())  # data parallel over axis 0
+    assert plan.params["h.0.mlp.c_fc.weight"][1].startswith("S(")  # tensor parallel over axis 1
+    manual = next(a for a in plan.alternatives if a.name.startswith("manual dp=2"))
+    assert manual.predicted is not None
+    assert plan.predicted.step_time_s <= manual.predicted.step_time_s * (1 + 1e-9)
+
+
+def test_pp_ac_and_zero_pins() -> None:
+    plan = _plan("pp=2", "ac=full")
+    assert len(plan.stages) == 2 and len(plan.recompute) == 2
+    zero = _plan("dp=4", "zero=1")
+    assert all(s.optimizer_state[0].startswith("S(") for name, s in zero.storage.items()
+               if name.endswith("c_fc.weight"))

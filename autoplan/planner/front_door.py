@@ -24,13 +24,15 @@ from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import ParamStorage, PinCost, PinRecord, Plan, PrecisionPlan
 from autoplan.planner.api import plan_spec
-from autoplan.planner.manual import cost_manual, parse_manual, tensor_parallel_rule
+from autoplan.planner.manual import ManualPlan, cost_manual, manual_rule, parse_manual, tensor_parallel_rule
+from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pin_check import check_layer_pins, check_pins, matched_names
-from autoplan.planner.pins import PinKind
+from autoplan.planner.pins import PinKind, PinSet
 from autoplan.planner.pipeline import plan_pipeline
 from autoplan.solvers import format_bytes
+from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.tracer import trace
@@ -86,9 +88,19 @@ def checked_pins(spec: ModelSpec, options: PlanOptions, planner_options: Planner
     if pins.of_kind(PinKind.STAGE, PinKind.CHECKPOINT):
         layers = make_layers(graph, find_classes(graph), options.layers)
         check_layer_pins(graph, layers, pins, options.stages, options.pipeline, options.schedule, options.recompute)
+    return replace(planner_options, pins=pins, allow_storage=degree_rule(graph, pins, planner_options)), \
+        matched_names(graph, pins)
+
+
+def degree_rule(graph: TracedGraph, pins: PinSet, options: PlannerOptions) -> StorageRule | None:
+    """The rule the degree pins ask for: ``--manual``'s (:func:`manual_rule`) with ``dp=`` or
+    ``fsdp=``, Megatron's on the last axis with ``tp=`` alone, else the options' own."""
     tp = pins.tensor_parallel()
-    rule = tensor_parallel_rule(graph, tp) if tp is not None else planner_options.allow_storage
-    return replace(planner_options, pins=pins, allow_storage=rule), matched_names(graph, pins)
+    if pins.data_parallel_mesh is not None:
+        manual = ManualPlan(dp=pins.degree(PinKind.DATA_PARALLEL) or 1, fsdp=pins.degree(PinKind.SHARDED_DATA_PARALLEL)
+                            or 1, tp=tp or 1, zero=pins.degree(PinKind.ZERO) or 0)
+        return manual_rule(graph, manual)
+    return tensor_parallel_rule(graph, tp) if tp is not None else options.allow_storage
 
 
 def pin_cost(spec: ModelSpec, options: PlanOptions, plan: Plan) -> PinCost:

@@ -72,7 +72,8 @@ class PlanOptions:
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
     ``pins`` (``"h.*.mlp.c_fc.weight=[R, S(0)]"``, ``"mesh=2x2"``, …, or a dict of pattern to
     value) fix decisions the planner then plans around (:mod:`autoplan.planner.pins`); a
-    structure pin (``mesh``, ``stages``, ``microbatches``) sets that option where it is not given.
+    structure pin (``mesh``, ``stages``/``pp``, ``microbatches``, ``ac``, and ``dp``/``fsdp``/``tp``
+    through the mesh) sets that option where it is not given, and refuses to contradict it.
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
     stage search runs in (default: one per core this process may use, shared with the node's
     other ranks under torchrun, one inside a process group); the plan is the same for any
@@ -102,10 +103,9 @@ class PlanOptions:
     jobs: int | None = None
     cluster_spec: ClusterSpec = field(init=False, repr=False, compare=False)
     pin_set: PinSet = field(init=False, repr=False, compare=False)
-    pinned_fields: tuple[str, ...] = field(init=False, repr=False, compare=False)  # set by structure pins
+    pinned_fields: tuple[tuple[str, Any], ...] = field(init=False, repr=False, compare=False)  # set by pins, as given
 
     def __post_init__(self) -> None:
-        self._read_pins()
         _positive_int("devices", self.devices)
         for name in ("stages", "microbatches", "layers", "devices_per_node", "jobs"):
             _positive_int(name, getattr(self, name))
@@ -114,6 +114,7 @@ class PlanOptions:
         if str(recompute).lower() not in tuple(RecomputePolicy):
             raise AutoplanError(f"recompute must be auto, all or none, got {self.recompute!r}")
         object.__setattr__(self, "recompute", str(recompute).lower())
+        self._read_pins()
         if self.time_limit_s is not None and not self.time_limit_s > 0:
             raise AutoplanError(f"the time limit must be a positive number of seconds, got {self.time_limit_s}")
         if self.optimizer.strip().lower() not in OPTIMIZER_NAMES:
@@ -159,29 +160,49 @@ class PlanOptions:
 
     def _read_pins(self) -> None:
         """Read the pins and set the options their structure pins fix (a disagreement with an
-        option given outright is refused)."""
+        option given outright is refused in one line)."""
         pins = PinSet.read(self.pins)
         object.__setattr__(self, "pins", tuple(pins.texts()))
         object.__setattr__(self, "pin_set", pins)
-        pinned = []
-        for kind, name in ((PinKind.MESH, "mesh"), (PinKind.STAGES, "stages"), (PinKind.MICROBATCHES, "microbatches")):
+        dp, fsdp = pins.degree(PinKind.DATA_PARALLEL), pins.degree(PinKind.SHARDED_DATA_PARALLEL)
+        if (dp or 1) > 1 and (fsdp or 1) > 1:
+            raise AutoplanError("pins dp= and fsdp= together (HSDP) shard the batch over two mesh axes, which a plan "
+                                "cannot express yet: pin one of them")
+        zero = pins.structure(PinKind.ZERO)
+        if zero is not None and (dp or 1) < 2:
+            raise AutoplanError(f"pin {zero.text!r} shards over the dp axis: pin dp=2 or more too")
+        mesh_pin = pins.structure(PinKind.MESH)
+        derived = pins.data_parallel_mesh
+        if mesh_pin is not None and derived is not None and mesh_pin.mesh != derived:
+            raise AutoplanError(f"pin {mesh_pin.text!r} disagrees with the dp/fsdp/tp pins, whose mesh is "
+                                f"{mesh_label(derived)}: keep one")
+        ac = pins.structure(PinKind.ACTIVATION_CHECKPOINTING)
+        wanted: list[tuple[str, Any, str]] = []  # (option, value, the pin that sets it)
+        if mesh_pin is not None or derived is not None:
+            wanted.append(("mesh", mesh_pin.mesh if mesh_pin else derived, f"pin {mesh_pin.text!r}" if mesh_pin
+                           else f"the mesh of the dp/fsdp/tp pins ({mesh_label(derived or ())})"))
+        for kind, name in ((PinKind.STAGES, "stages"), (PinKind.MICROBATCHES, "microbatches")):
             pin = pins.structure(kind)
-            if pin is None:
-                continue
-            value = pin.mesh if kind == PinKind.MESH else pin.number
+            if pin is not None:
+                wanted.append((name, pin.number, f"pin {pin.text!r}"))
+        if ac is not None:
+            wanted.append(("recompute", "all" if ac.choice == "full" else "none", f"pin {ac.text!r}"))
+        before = []
+        for name, value, source in wanted:
             given = getattr(self, name)
-            if given is not None and (tuple(given) if name == "mesh" else given) != value:
+            unset = given is None or (name == "recompute" and given == "auto")
+            if not unset and (tuple(given) if name == "mesh" else given) != value:
                 shown = mesh_label(given) if name == "mesh" else given
-                raise AutoplanError(f"pin {pin.text!r} disagrees with {name}={shown}: keep one")
-            if given is None:
+                raise AutoplanError(f"{source} disagrees with {name}={shown}: keep one")
+            if unset:
+                before.append((name, given))
                 object.__setattr__(self, name, value)
-                pinned.append(name)
-        object.__setattr__(self, "pinned_fields", tuple(pinned))
+        object.__setattr__(self, "pinned_fields", tuple(before))
 
     def without_pins(self) -> PlanOptions:
-        """These options with no pins (and none of the options the pins set): the unpinned
-        search whose optimum a pinned plan is measured against."""
-        return replace(self, pins=(), **{name: None for name in self.pinned_fields})
+        """These options with no pins (and the options the pins set as they were given): the
+        unpinned search whose optimum a pinned plan is measured against."""
+        return replace(self, pins=(), **dict(self.pinned_fields))
 
     def optimizer_plan(self) -> OptimizerPlan:
         """The optimizer with its hyper-parameters: torch's defaults where none was given."""

@@ -12,7 +12,12 @@ A pin is written ``PATTERN=VALUE``:
   backward (activation checkpointing);
 - ``mesh=2x4``, ``tp=8``, ``stages=2``, ``microbatches=32``: the plan's structure. ``tp=N``
   asks for a mesh whose last axis has ``N`` devices, over which every weight matrix that ``N``
-  divides is used in place (Megatron tensor parallelism, the rule of ``--manual tp=``).
+  divides is used in place (Megatron tensor parallelism, the rule of ``--manual tp=``);
+- ``--manual``'s words as pins: ``dp=N``, ``fsdp=N`` (with ``tp=``, the mesh of each stage is
+  their degrees above 1 in that order, and the rule of
+  :func:`~autoplan.planner.manual.manual_rule` holds on it), ``zero=1|2`` (over ``dp``),
+  ``pp=N`` (``stages=N``) and ``ac=full|none`` (``recompute`` all or none). The planner
+  finishes the rest: the layer cuts, and every placement the rule leaves free.
 
 PATTERN is a glob over dotted names: ``*`` matches any run of characters, ``?`` one, and a
 dotted component ``a-b`` any whole number from ``a`` to ``b`` (``h.0-7``). A pattern matches a
@@ -41,7 +46,8 @@ from autoplan.sharding import Placement, ShardingSpec, parse_placement
 from autoplan.trace.graph import NodeInfo, TracedGraph
 from autoplan.trace.layers import Layer
 
-STRUCTURE_KEYS = ("mesh", "tp", "stages", "microbatches")
+STRUCTURE_KEYS = ("mesh", "tp", "dp", "fsdp", "zero", "pp", "stages", "microbatches", "ac")
+DEGREE_KEYS = ("tp", "dp", "fsdp", "stages", "microbatches")
 
 
 class PinKind(str, Enum):
@@ -51,8 +57,16 @@ class PinKind(str, Enum):
     CHECKPOINT = "checkpoint"  # PATTERN=checkpoint
     MESH = "mesh"  # mesh=2x4
     TENSOR_PARALLEL = "tp"  # tp=8
-    STAGES = "stages"  # stages=2
+    STAGES = "stages"  # stages=2 (or pp=2)
     MICROBATCHES = "microbatches"  # microbatches=32
+    DATA_PARALLEL = "dp"  # dp=2
+    SHARDED_DATA_PARALLEL = "fsdp=N"  # fsdp=4
+    ZERO = "zero"  # zero=1
+    ACTIVATION_CHECKPOINTING = "ac"  # ac=full
+
+
+STRUCTURE_KINDS = (PinKind.MESH, PinKind.TENSOR_PARALLEL, PinKind.STAGES, PinKind.MICROBATCHES, PinKind.DATA_PARALLEL,
+                   PinKind.SHARDED_DATA_PARALLEL, PinKind.ZERO, PinKind.ACTIVATION_CHECKPOINTING)
 
 
 @dataclass(frozen=True)
@@ -63,13 +77,14 @@ class Pin:
     kind: PinKind
     pattern: str = ""
     placement: tuple[Placement | None, ...] = ()  # PLACEMENT: per mesh axis, None for "*"
-    number: int = 0  # STAGE: the stage; TENSOR_PARALLEL, STAGES, MICROBATCHES: the count
+    number: int = 0  # STAGE: the stage; a degree, a count or the ZeRO stage
     mesh: tuple[int, ...] = ()  # MESH
+    choice: str = ""  # ACTIVATION_CHECKPOINTING: full or none
     regex: re.Pattern[str] | None = field(default=None, compare=False, repr=False)
 
     @property
     def is_structure(self) -> bool:
-        return self.kind in (PinKind.MESH, PinKind.TENSOR_PARALLEL, PinKind.STAGES, PinKind.MICROBATCHES)
+        return self.kind in STRUCTURE_KINDS
 
     def matches(self, name: str) -> bool:
         """Whether the dotted ``name`` (or a module above it) is matched by the pattern."""
@@ -143,8 +158,20 @@ def parse_pin(text: str) -> Pin:
         from autoplan.planner.meshes import parse_mesh
 
         return Pin(text, PinKind.MESH, mesh=parse_mesh(value))
-    if pattern in ("tp", "stages", "microbatches"):
-        return Pin(text, PinKind(pattern), number=_count(pattern, value, text))
+    if pattern in DEGREE_KEYS:
+        kind = PinKind.SHARDED_DATA_PARALLEL if pattern == "fsdp" else PinKind(pattern)
+        return Pin(text, kind, number=_count(pattern, value, text))
+    if pattern == "pp":
+        return Pin(text, PinKind.STAGES, number=_count(pattern, value, text))
+    if pattern == "zero":
+        if value not in ("1", "2"):
+            raise AutoplanError(f"pin {text!r}: write zero=1 (optimizer state sharded over dp) or zero=2 (gradients "
+                                f"too); zero=3 is fsdp=N")
+        return Pin(text, PinKind.ZERO, number=int(value))
+    if pattern == "ac":
+        if value not in ("full", "none"):
+            raise AutoplanError(f"pin {text!r}: write ac=full (every layer recomputed) or ac=none")
+        return Pin(text, PinKind.ACTIVATION_CHECKPOINTING, choice=value)
     regex = pattern_regex(pattern)
     if value.startswith("[") and value.endswith("]"):
         return Pin(text, PinKind.PLACEMENT, pattern, placement=_placement(value, text), regex=regex)
@@ -231,6 +258,20 @@ class PinSet:
     def tensor_parallel(self) -> int | None:
         pin = self.structure(PinKind.TENSOR_PARALLEL)
         return pin.number if pin else None
+
+    def degree(self, kind: PinKind) -> int | None:
+        """The number a structure pin of ``kind`` gives (None: no such pin)."""
+        pin = self.structure(kind)
+        return pin.number if pin else None
+
+    @property
+    def data_parallel_mesh(self) -> tuple[int, ...] | None:
+        """With ``dp=`` or ``fsdp=`` pins: each stage's mesh, ``--manual``'s (the degrees above
+        1 of dp, fsdp and tp, in that order); None without them."""
+        dp, fsdp = self.degree(PinKind.DATA_PARALLEL), self.degree(PinKind.SHARDED_DATA_PARALLEL)
+        if dp is None and fsdp is None:
+            return None
+        return tuple(d for d in (dp or 1, fsdp or 1, self.tensor_parallel() or 1) if d > 1) or (1,)
 
     def value_pins(self, info: NodeInfo) -> list[Pin]:
         """The placement and fsdp pins that hold ``info``'s value: parameters and buffers by
