@@ -81,8 +81,8 @@ def pin_meshes(options: PlanOptions) -> list[tuple[int, ...]]:
 def checked_pins(spec: ModelSpec, options: PlanOptions, planner_options: PlannerOptions
                  ) -> tuple[PlannerOptions, dict[str, list[str]]]:
     """The planner's options with the pins checked on the traced model (:func:`check_pins`,
-    one line for a pin that cannot hold) and ``tp=N`` as its Megatron rule; and what each pin
-    holds."""
+    one line for a pin that cannot hold) and the rule of their degrees (:func:`degree_rule`);
+    and what each pin holds."""
     graph = trace(spec)
     pins = check_pins(graph, options.pin_set, pin_meshes(options))
     if pins.of_kind(PinKind.STAGE, PinKind.CHECKPOINT):
