@@ -28,7 +28,7 @@ from autoplan.planner.manual import ManualPlan, cost_manual, manual_rule, parse_
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.options import PlannerOptions, PlanOptions
-from autoplan.planner.pin_check import check_layer_pins, check_pins, matched_names
+from autoplan.planner.pin_check import check_layer_pins, check_pins
 from autoplan.planner.pins import PinKind, PinSet
 from autoplan.planner.pipeline import plan_pipeline
 from autoplan.solvers import format_bytes
@@ -84,18 +84,17 @@ def checked_pins(spec: ModelSpec, options: PlanOptions, planner_options: Planner
     one line for a pin that cannot hold) and the rule of their degrees (:func:`degree_rule`);
     and what each pin holds."""
     graph = trace(spec)
-    pins = check_pins(graph, options.pin_set, pin_meshes(options))
+    pins, holds = check_pins(graph, options.pin_set, pin_meshes(options))
     if pins.of_kind(PinKind.STAGE, PinKind.CHECKPOINT):
         layers = make_layers(graph, find_classes(graph), options.layers)
         check_layer_pins(graph, layers, pins, options.stages, options.pipeline, options.schedule, options.recompute)
-    return replace(planner_options, pins=pins, allow_storage=degree_rule(graph, pins, planner_options)), \
-        matched_names(graph, pins)
+    return replace(planner_options, pins=pins, allow_storage=degree_rule(graph, pins, planner_options)), holds
 
 
 def degree_rule(graph: TracedGraph, pins: PinSet, options: PlannerOptions) -> StorageRule | None:
     """The rule the degree pins ask for: ``--manual``'s (:func:`manual_rule`) with ``dp=`` or
     ``fsdp=``, Megatron's on the last axis with ``tp=`` alone, else the options' own."""
-    tp = pins.tensor_parallel()
+    tp = pins.degree(PinKind.TENSOR_PARALLEL)
     if pins.data_parallel_mesh is not None:
         manual = ManualPlan(dp=pins.degree(PinKind.DATA_PARALLEL) or 1, fsdp=pins.degree(PinKind.SHARDED_DATA_PARALLEL)
                             or 1, tp=tp or 1, zero=pins.degree(PinKind.ZERO) or 0)

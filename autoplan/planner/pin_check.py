@@ -69,7 +69,7 @@ def _mesh_problem(view: GraphView, pins: PinSet, mesh: tuple[int, ...]) -> str |
     """Why the placement and fsdp pins cannot all hold on ``mesh`` (None: they can)."""
     if not pins.mesh_allowed(mesh):
         ndim = pins.mesh_ndim
-        tp = pins.tensor_parallel()
+        tp = pins.degree(PinKind.TENSOR_PARALLEL)
         if tp is not None and mesh[-1] != tp:
             return f"pin 'tp={tp}' needs a last mesh axis of {tp}, and mesh {mesh_label(mesh)} has {mesh[-1]}"
         pin = pins.of_kind(PinKind.PLACEMENT)[0]
@@ -120,10 +120,12 @@ def check_layer_pins(graph: TracedGraph, layers: list[Layer], pins: PinSet, stag
                                 f"(running statistics, say) that recomputing would write twice: unpin it")
 
 
-def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]) -> PinSet:
+def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]
+               ) -> tuple[PinSet, dict[str, list[str]]]:
     """``pins`` checked on ``graph`` (see the module docstring), with the ``meshes`` (of
-    those the search may use) on which they all hold."""
-    matched_names(graph, pins)
+    those the search may use) on which they all hold; and what each pin holds
+    (:func:`matched_names`)."""
+    holds = matched_names(graph, pins)
     pins = replace(pins, tied=tuple(sorted(graph.tied.items())))
     view = GraphView.of(graph)
     for pin in pins.of_kind(PinKind.PLACEMENT):
@@ -139,4 +141,4 @@ def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]) 
         ndim = pins.mesh_ndim
         telling = sorted(problems.items(), key=lambda item: len(item[0]) != ndim)  # a mesh of the pins' axes first
         raise AutoplanError(f"{telling[0][1]}: change the pin, or the mesh (--mesh, --devices)")
-    return replace(pins, meshes=allowed)
+    return replace(pins, meshes=allowed), holds

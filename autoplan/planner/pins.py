@@ -255,10 +255,6 @@ class PinSet:
         mesh = self.structure(PinKind.MESH)
         return len(mesh.mesh) if mesh else None
 
-    def tensor_parallel(self) -> int | None:
-        pin = self.structure(PinKind.TENSOR_PARALLEL)
-        return pin.number if pin else None
-
     def degree(self, kind: PinKind) -> int | None:
         """The number a structure pin of ``kind`` gives (None: no such pin)."""
         pin = self.structure(kind)
@@ -271,7 +267,7 @@ class PinSet:
         dp, fsdp = self.degree(PinKind.DATA_PARALLEL), self.degree(PinKind.SHARDED_DATA_PARALLEL)
         if dp is None and fsdp is None:
             return None
-        return tuple(d for d in (dp or 1, fsdp or 1, self.tensor_parallel() or 1) if d > 1) or (1,)
+        return tuple(d for d in (dp or 1, fsdp or 1, self.degree(PinKind.TENSOR_PARALLEL) or 1) if d > 1) or (1,)
 
     def value_pins(self, info: NodeInfo) -> list[Pin]:
         """The placement and fsdp pins that hold ``info``'s value: parameters and buffers by
@@ -297,7 +293,7 @@ class PinSet:
         ndim = self.mesh_ndim if self.of_kind(PinKind.PLACEMENT) else None
         if ndim is not None and len(mesh) != ndim:
             return False
-        tp = self.tensor_parallel()
+        tp = self.degree(PinKind.TENSOR_PARALLEL)
         if tp is not None and mesh[-1] != tp:
             return False
         return self.meshes is None or mesh in self.meshes
