@@ -53,9 +53,10 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--optimizer", default="adamw", help=f"{', '.join(OPTIMIZER_NAMES)} (default adamw)")
     train.add_argument("--lr", type=float, default=None, help="learning rate (default: 1e-3 for Adam/AdamW, 1e-2 SGD)")
     train.add_argument("--weight-decay", type=float, default=None, help="weight decay (default: 0.01 AdamW, else 0)")
-    train.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
+    train.add_argument("--precision", default=None, choices=tuple(PRECISIONS),
                        help="fp32, or bf16 (bf16 compute under torch.autocast; fp32 master weights, gradient "
-                            "reductions and optimizer state)")
+                            "reductions and optimizer state); default: bf16 where the cluster's devices compute bf16 "
+                            "faster than fp32 (h100, h200, a100), fp32 elsewhere (cpu, v100)")
     train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
     train.add_argument("--recompute", nargs="?", const="all", default="auto", choices=("auto", "all", "none"),
                        help="activation checkpointing: auto (default: layers recomputed in the backward where "

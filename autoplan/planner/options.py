@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from autoplan.cost_models import ClusterSpec, OptimizerSpec, load_cluster, parse_memory_size
+from autoplan.cost_models import ClusterSpec, DeviceSpec, OptimizerSpec, load_cluster, parse_memory_size
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import OPTIMIZER_NAMES, OptimizerPlan, PrecisionPlan
 from autoplan.planner.mesh_plan import StorageRule
@@ -50,6 +50,14 @@ class PlannerOptions:
         return self.cluster.device.memory_bytes
 
 
+def default_precision(device: DeviceSpec) -> PrecisionName:
+    """The precision a plan for ``device`` takes when none is asked for: bf16 where the device
+    computes bf16 faster than fp32 (tensor cores: H100, H200, A100), as every large training
+    run does; fp32 elsewhere (CPUs, the V100, which has no bf16 tensor cores), where bf16 would
+    save memory but no time."""
+    return "bf16" if device.peak("bfloat16") > device.peak("float32") else "fp32"
+
+
 def _positive_int(name: str, value: int | None) -> None:
     if value is not None and (not isinstance(value, int) or value < 1):
         raise AutoplanError(f"{name} must be a whole number of at least 1, got {value!r}")
@@ -65,7 +73,9 @@ class PlanOptions:
     override the cluster's. ``optimizer`` (``adamw``, ``adam``, ``sgd``, ``sgd-momentum``) with
     ``lr``/``weight_decay``/``momentum`` is what the program steps with; ``precision``
     (``fp32``, ``bf16``: bf16 compute under ``torch.autocast`` with fp32 master weights,
-    gradients and optimizer state) is costed and run. ``recompute``: activation checkpointing,
+    gradients and optimizer state) is costed and run; ``None`` takes the cluster's default
+    (:func:`default_precision`: bf16 on the H100, H200 and A100 presets, fp32 on ``cpu`` and
+    ``v100-16g``). ``recompute``: activation checkpointing,
     ``"auto"`` (the planner recomputes layers in the backward where memory needs it),
     ``"all"`` (every layer that may be; also ``True``) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
@@ -88,7 +98,7 @@ class PlanOptions:
     lr: float | None = None
     weight_decay: float | None = None
     momentum: float | None = None
-    precision: PrecisionName = "fp32"
+    precision: PrecisionName | None = None
     recompute: str = "auto"
     solver: SolverName = "highs"
     time_limit_s: float | None = None
@@ -119,7 +129,8 @@ class PlanOptions:
             raise AutoplanError(f"the time limit must be a positive number of seconds, got {self.time_limit_s}")
         if self.optimizer.strip().lower() not in OPTIMIZER_NAMES:
             raise AutoplanError(f"unknown optimizer {self.optimizer!r}: use one of {', '.join(OPTIMIZER_NAMES)}")
-        PrecisionPlan.named(self.precision)
+        if self.precision is not None:
+            PrecisionPlan.named(self.precision)
         if self.schedule is not None:
             from autoplan.planner.pipeline import (
                 normalize_schedule,  # the pipeline pass imports this module
@@ -157,6 +168,8 @@ class PlanOptions:
         object.__setattr__(self, "cluster_spec", base.with_overrides(devices_per_node=self.devices_per_node,
                                                                      memory_per_device=memory))
         object.__setattr__(self, "manual", tuple(self.manual))
+        if self.precision is None:
+            object.__setattr__(self, "precision", default_precision(self.cluster_spec.device))
 
     def _read_pins(self) -> None:
         """Read the pins and set the options their structure pins fix (a disagreement with an
