@@ -42,6 +42,34 @@ def test_precision_policy_and_tolerances() -> None:
     assert _compare("output[0]", same, same.clone(), 0.0, 0.0).ok
 
 
+@pytest.mark.parametrize(("cluster", "default"), [("h100", "bf16"), ("h200", "bf16"), ("a100-40g", "bf16"),
+                                                   ("v100-16g", "fp32"), ("cpu", "fp32")])
+def test_the_default_precision_is_bf16_where_the_device_computes_it_faster(cluster: str, default: str) -> None:
+    assert PlanOptions(8, cluster).precision == default
+    other = {"bf16": "fp32", "fp32": "bf16"}[default]
+    assert PlanOptions(8, cluster, precision=other).precision == other  # asked for, it is kept
+    options = PlanOptions(8, cluster)
+    assert options.planner_options().optimizer.mixed_precision == (default == "bf16")  # and costed so
+
+
+def test_the_default_precision_is_planned_run_and_shown(tmp_path, capfd) -> None:
+    from autoplan.cli import run
+
+    plan_json = tmp_path / "out" / "plan.json"
+    code = run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--out", str(tmp_path / "out"),
+                "--run", "--check", "--steps", "1"])
+    printed = capfd.readouterr().out
+    assert code == 0, printed
+    assert "training: adamw (lr 0.001, weight decay 0.01); bf16: bfloat16 compute" in printed
+    assert "(bf16 under torch.autocast, the reference too)" in printed  # what --check compared
+    plan = Plan.from_json(plan_json.read_text())
+    assert plan.precision.name == "bf16"  # the h100 preset's default
+    assert plan.options["precision"] == "bf16"
+    code = run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--cluster", "cpu", "--out",
+                 str(tmp_path / "out")])
+    assert code == 0 and Plan.from_json(plan_json.read_text()).precision.name == "fp32"
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_programs_pass_check(world: int, tmp_path) -> None:
     cases = {

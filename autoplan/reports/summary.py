@@ -155,6 +155,14 @@ def _placement_rows(placements: dict[str, list[str]], pinned: set[str]) -> list[
     return [[k + (" *" if k in pinned else ""), "[" + ", ".join(v) + "]"] for k, v in placements.items()]
 
 
+def training_text(plan: Plan) -> str:
+    """The optimizer and the precision the program trains with, as the plan costs them."""
+    o, p = plan.optimizer, plan.precision
+    precision = "fp32 throughout" if p.compute_dtype == "float32" else \
+        (f"{p.compute_dtype} compute, {p.reduce_dtype} master weights, gradient reduction and optimizer state")
+    return f"{o.name} (lr {o.lr:g}, weight decay {o.weight_decay:g}); {p.name}: {precision}"
+
+
 def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     m = plan.predicted.memory_bytes
     budget = plan.cluster.get("device", {}).get("memory_bytes")
@@ -168,6 +176,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         + (f"; the backward's transients {format_bytes(m.transient)} more, at most "
            f"{format_bytes(m.peak_with_transient)} (not yet within the budget)" if m.transient else ""),
     ]
+    lines.append(f"training: {training_text(plan)}")
     if plan.solver:
         s = plan.solver
         gap = "" if s.status == "optimal" else f", gap {s.gap if s.gap is not None else 'unknown'}"
