@@ -80,6 +80,13 @@ def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+def test_stdout_holds_the_summary_and_no_solver_banner(tmp_path: Path) -> None:
+    result = _cli(str(ROOT / "examples" / "mlp.py"), "--devices", "8", "--out", str(tmp_path / "out"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("autoplan: MLPBlock on 8 x h100"), result.stdout[:300]
+    assert "HiGHS" not in result.stdout + result.stderr  # the stage search's workers solve too
+
+
 @pytest.mark.parametrize("args, needle", [
     (["missing.py", "--devices", "8"], "not found"),
     (["{mlp}", "--devices", "8", "--mesh", "3x3"], "holds 9 devices"),

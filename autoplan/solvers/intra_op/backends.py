@@ -9,6 +9,8 @@ so a solve is deterministic for a given build. A name is checked in one place,
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 import warnings
 from collections.abc import Iterator
 from typing import Literal, cast, get_args
@@ -44,6 +46,24 @@ def _cbc_deprecation_silenced() -> Iterator[None]:
         yield
 
 
+def _highs_banner_silenced() -> None:
+    """HiGHS prints its banner on stdout when a process creates its first solver, before pulp
+    can turn its output off (``msg=False``): create that first one here with stdout pointed at
+    the null device, so that the command's stdout holds only what it means to print. Later
+    creations print nothing."""
+    import highspy
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
 def solver_available(name: SolverName) -> bool:
     """Whether pulp can run ``name`` here (HiGHS needs highspy; CBC its bundled binary)."""
     if name == "highs":
@@ -72,6 +92,7 @@ def make_backend(name: SolverName, time_limit_s: float | None, mip_gap: float | 
     exact = exact_abs_gap is not None
     gap_rel = 0.0 if exact else (DEFAULT_MIP_GAP if mip_gap is None else mip_gap)
     if name == "highs":
+        _highs_banner_silenced()
         extra = {"primal_feasibility_tolerance": EXACT_FEASIBILITY_TOL} if exact else {}
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,
                           gapAbs=exact_abs_gap if exact else HIGHS_ABS_GAP, threads=1, **extra)
