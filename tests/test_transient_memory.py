@@ -62,3 +62,18 @@ def test_a_peak_over_the_budget_with_transients_is_named() -> None:
     assert len(note) == 1 and "\n" not in note[0] and "over the" in note[0]
     assert "the backward's transients" in summary_text(tight)
     assert not [w for w in _plan().warnings if "backward's transients" in w]
+
+
+def test_a_pipelined_plan_reports_the_largest_peak_with_transients_of_any_rank() -> None:
+    from autoplan.plan_schema import MemoryEstimate
+    from autoplan.planner.pipeline.assemble import per_rank, worst_rank
+
+    # four stages on two ranks (interleaved): rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
+    stages = [MemoryEstimate(1, 1, 1, 1, 4, transient=1), MemoryEstimate(1, 1, 1, 1, 4, transient=9),
+              MemoryEstimate(2, 2, 2, 2, 8, transient=3), MemoryEstimate(1, 1, 1, 1, 4, transient=2)]
+    ranks = per_rank(stages, 2)
+    assert [r.peak for r in ranks] == [12, 8]
+    assert [r.transient for r in ranks] == [3, 9]  # one backward at a time: the largest stage's
+    worst = worst_rank(ranks)
+    assert worst.peak == 12 and worst.params == 3  # the rank the budget binds
+    assert worst.peak_with_transient == 17  # rank 1's 8 + 9, above rank 0's 12 + 3

@@ -72,7 +72,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
                           if len(stage_plans) > 1 else (0.0, {}))
     scheduled = pipeline_time(latencies, candidate.microbatches, schedule)
     step = scheduled + after
-    worst = max(per_rank(memories, candidate.ranks), key=lambda m: m.peak)
+    worst = worst_rank(per_rank(memories, candidate.ranks))
     busiest = max(range(len(latencies)), key=lambda i: latencies[i])
     by_kind = dict(kinds[busiest])
     for kind, seconds in after_kinds.items():
@@ -98,13 +98,23 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
 def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:
     """Each pipeline rank's memory: the sum over the stages it holds (stage ``s`` on rank
     ``s % ranks``; several with the interleaved schedules). The sum of the peaks bounds the
-    rank's peak from above."""
+    rank's peak from above. The backward's transients are the largest of its stages': a rank
+    runs one stage's backward at a time."""
     out = []
     for rank in range(ranks):
         mine = memories[rank::ranks]
-        out.append(MemoryEstimate(*(sum(getattr(m, f) for m in mine)
-                                    for f in ("params", "grads", "optimizer", "activations", "peak", "transient"))))
+        kept = (sum(getattr(m, f) for m in mine) for f in ("params", "grads", "optimizer", "activations", "peak"))
+        out.append(MemoryEstimate(*kept, transient=max(m.transient for m in mine)))
     return out
+
+
+def worst_rank(ranks: list[MemoryEstimate]) -> MemoryEstimate:
+    """The memory a pipelined plan reports: that of the rank with the largest kept peak (what
+    the budget bounds), its transient raised where another rank's peak with transients is
+    larger, so that :attr:`MemoryEstimate.peak_with_transient` is the largest of any rank."""
+    worst = max(ranks, key=lambda m: m.peak)
+    highest = max(m.peak_with_transient for m in ranks)
+    return replace(worst, transient=highest - worst.peak)
 
 
 def after_schedule(graph: TracedGraph, stages: list[StagePlan], params: dict[str, list[str]],
