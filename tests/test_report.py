@@ -129,6 +129,8 @@ def test_numbers_in_the_report_are_the_plans(which: str, request: pytest.Fixture
     assert f"compute {format_seconds(p.compute_s)}" in summary["predicted step time"]
     assert summary["memory per device (peak)"].startswith(format_bytes(p.memory_bytes.peak) + " of ")
     assert f"params {format_bytes(p.memory_bytes.params)}" in summary["memory by kind"]
+    assert summary["training"].startswith(f"{plan.optimizer.name} (lr ")
+    assert f"; {plan.precision.name}: " in summary["training"]
     # the same figures in the Markdown, and every image it names is beside it
     md = (out / "report.md").read_text()
     assert f"| mesh (per stage) | {meshes_label([s.mesh for s in plan.stages] or [plan.mesh])} |" in md

@@ -37,6 +37,7 @@ from autoplan.reports.summary import (
     pinned_names,
     planning_time_text,
     ranges_label,
+    training_text,
 )
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -126,6 +127,7 @@ def summary_section(plan: Plan) -> Section:
         ["predicted step time", (f"{format_seconds(p.step_time_s)} (compute {format_seconds(p.compute_s)}, "
                                  f"communication {format_seconds(p.comm_s)}, bubble {format_seconds(p.bubble_s)})")],
         ["predicted MFU", f"{p.mfu:.1%} (the model's forward and backward FLOPs over the devices' peak)"],
+        ["training", training_text(plan)],
         ["activation checkpointing", f"{len(plan.recompute)} layers recomputed in the backward"
                                      if plan.recompute else "none"],
         ["memory per device (peak)", format_bytes(m.peak) + (f" of {format_bytes(budget)} "
