@@ -1,9 +1,10 @@
 """What common pins cost: each pin set planned beside the search without pins.
 
-    .venv/bin/python benchmarks/pin_cost.py [--devices 8] [--cluster h100] [--case NAME ...]
+    .venv/bin/python benchmarks/pin_cost.py [--devices 8] [--cluster h100] [--precision fp32|bf16] [--case NAME ...]
 
 The model is the nanoGPT of ``examples/gpt.py`` at GPT-2 124M's shape (hidden 768, 12 layers,
-sequence 1,024, batch 8), built on the meta device. Each row prints the pinned plan's predicted
+sequence 1,024, batch 8), built on the meta device, trained with AdamW in the cluster's
+default precision (bf16 on ``h100``) unless ``--precision`` names one. Each row prints the pinned plan's predicted
 step time, the unpinned optimum's, what the pins cost (``Plan.pin_cost``), the plan's shape
 and the planning time (both searches).
 """
@@ -41,19 +42,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--cluster", default="h100")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                        help="default: the cluster's (bf16 on h100)")
     parser.add_argument("--case", action="append", choices=sorted(CASES), default=None)
     args = parser.parse_args()
     import gpt
 
     model, inputs = gpt.build(**gpt.GPT_124M, device="meta")
     spec = make_model_spec(model, inputs, gpt.loss_fn)
-    print(f"GPT-2 124M shape on {args.devices} x {args.cluster}")
+    precision = PlanOptions(args.devices, args.cluster, precision=args.precision).precision
+    print(f"GPT-2 124M shape on {args.devices} x {args.cluster}, {precision}")
     print(f"{'pins':<16} {'pinned':>10} {'unpinned':>10} {'cost':>8}  plan; planning time")
     for name in args.case or list(CASES):
         start = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            plan = plan_model(spec, PlanOptions(args.devices, args.cluster, pins=CASES[name]))
+            plan = plan_model(spec, PlanOptions(args.devices, args.cluster, precision=precision, pins=CASES[name]))
         seconds = time.perf_counter() - start
         cost = plan.pin_cost
         assert cost is not None

@@ -1,6 +1,8 @@
 """Planning time, phase by phase, of real-size models built on the meta device (no weights).
 
-    .venv/bin/python benchmarks/planning_time.py [--case NAME ...] [--no-pipeline]
+    .venv/bin/python benchmarks/planning_time.py [--case NAME ...] [--no-pipeline] [--precision fp32|bf16]
+
+Plans are in the cluster's default precision (bf16 on ``h100``) unless ``--precision`` names one.
 
 Cases (targets on a 2-core machine: each under 10 s with the pipeline search):
 
@@ -78,6 +80,8 @@ def main() -> None:
                         help="run only this case (repeatable; default: all)")
     parser.add_argument("--cluster", default="h100")
     parser.add_argument("--no-pipeline", action="store_true", help="intra-op planning only")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default=None,
+                        help="default: the cluster's (bf16 on h100)")
     args = parser.parse_args()
     print(f"{'model':22s} {'devices':>7s} {'build':>7s} {'total':>8s}  phases{'':34s} plan")
     for key, name, devices, build, loss_fn in _cases():
@@ -87,12 +91,14 @@ def main() -> None:
         model, inputs = build()
         built = time.perf_counter() - start
         spec = make_model_spec(model, inputs, loss_fn, name=name)
-        plan = plan_model(spec, PlanOptions(devices, args.cluster, pipeline=not args.no_pipeline))
+        plan = plan_model(spec, PlanOptions(devices, args.cluster, pipeline=not args.no_pipeline,
+                                            precision=args.precision))
         phases = "  ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items() if k != "total")
         total = plan.timings_s["total"]
         verdict = "" if total <= TARGET_S else f"  (target {TARGET_S:.0f} s missed)"
         print(f"{name:22s} {devices:7d} {built:6.2f}s {total:7.2f}s  {phases:40s} {_shape(plan)}: "
-              f"{format_seconds(plan.predicted.step_time_s)} / {format_bytes(plan.predicted.memory_bytes.peak)}"
+              f"{format_seconds(plan.predicted.step_time_s)} / {format_bytes(plan.predicted.memory_bytes.peak)}, "
+              f"{plan.precision.name}"
               f"{verdict}", flush=True)
 
 
