@@ -62,7 +62,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                        help="activation checkpointing: auto (default: layers recomputed in the backward where "
                             "memory needs it), all (every layer; --recompute alone) or none")
     train.add_argument("--plan-only", action="store_true",
-                       help="allow what the emitted program cannot run yet (bf16): a plan to read")
+                       help="mark the plan as one to read, not to run (recorded in plan.json's options)")
     parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")
     parser.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per mesh")
     parser.add_argument("--jobs", type=int, default=None,
