@@ -29,6 +29,7 @@ from autoplan.planner.front_door import plan_model
 from autoplan.planner.meshes import mesh_label, parse_mesh
 from autoplan.planner.options import PlanOptions
 from autoplan.planner.pins import pin_file_texts
+from autoplan.stdout_redirect import stdout_fd_redirected
 from autoplan.reports.summary import summary_text
 from autoplan.reports.timeline import write_timeline
 from autoplan.solvers import SOLVER_NAMES
@@ -166,16 +167,8 @@ def _stdout_to_stderr(active: bool) -> Iterator[None]:
     if not active:
         yield
         return
-    sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        with contextlib.redirect_stdout(sys.stderr):
-            yield
-    finally:
-        sys.stdout.flush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    with stdout_fd_redirected(2), contextlib.redirect_stdout(sys.stderr):
+        yield
 
 
 def _show_warnings(caught: list[warnings.WarningMessage]) -> None:

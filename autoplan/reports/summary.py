@@ -159,7 +159,8 @@ def training_text(plan: Plan) -> str:
     """The optimizer and the precision the program trains with, as the plan costs them."""
     o, p = plan.optimizer, plan.precision
     precision = "fp32 throughout" if p.compute_dtype == "float32" else \
-        (f"{p.compute_dtype} compute, {p.reduce_dtype} master weights, gradient reduction and optimizer state")
+        (f"{p.compute_dtype} compute, float32 master weights and optimizer state, "
+         f"{p.reduce_dtype} gradient reduction")
     return f"{o.name} (lr {o.lr:g}, weight decay {o.weight_decay:g}); {p.name}: {precision}"
 
 

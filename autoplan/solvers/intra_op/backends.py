@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Literal, cast, get_args
@@ -18,6 +17,7 @@ from typing import Literal, cast, get_args
 import pulp
 
 from autoplan.errors import AutoplanError
+from autoplan.stdout_redirect import stdout_fd_redirected
 
 SolverName = Literal["highs", "cbc"]
 SOLVER_NAMES: tuple[SolverName, ...] = get_args(SolverName)
@@ -53,19 +53,8 @@ def _highs_banner_silenced() -> None:
     Later creations print nothing; one costs about 0.2 ms."""
     import highspy
 
-    sys.stdout.flush()
-    try:
-        saved = os.dup(1)
-    except OSError:  # no stdout to keep clean
+    with open(os.devnull, "w") as null, stdout_fd_redirected(null.fileno()):
         highspy.Highs()
-        return
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 1)
-            highspy.Highs()
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
 
 
 def solver_available(name: SolverName) -> bool:
