@@ -59,9 +59,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                             "reductions and optimizer state); default: bf16 where the cluster's devices compute bf16 "
                             "faster than fp32 (h100, h200, a100), fp32 elsewhere (cpu, v100)")
     train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
-    train.add_argument("--recompute", nargs="?", const="all", default="auto", choices=("auto", "all", "none"),
-                       help="activation checkpointing: auto (default: layers recomputed in the backward where "
-                            "memory needs it), all (every layer; --recompute alone) or none")
+    train.add_argument("--recompute", nargs="?", const="all", default="auto",
+                       choices=("auto", "all", "selective", "none"),
+                       help="activation checkpointing: auto (default: layers recomputed in the backward, fully or "
+                            "selectively, where memory needs it), all (every layer; --recompute alone), selective "
+                            "(every layer, its matrix products and attention kept) or none")
     train.add_argument("--plan-only", action="store_true",
                        help="mark the plan as one to read, not to run (recorded in plan.json's options)")
     parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")

@@ -86,14 +86,34 @@ class ParamStorage:
     optimizer_state: list[str]
 
 
+class RecomputeMode(StrEnum):
+    """How a layer is recomputed (:class:`RecomputedLayer`)."""
+
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+# the ops whose outputs a selectively recomputed layer keeps (ATen overload-packet names): the
+# graph's own (linear, matmul, scaled_dot_product_attention) and what they dispatch to at run time
+SELECTIVE_SAVED_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution", "conv1d", "conv2d", "conv3d",
+    "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention"})
+
+
 @dataclass
 class RecomputedLayer:
     """A layer whose activations the forward does not keep: the program runs its op nodes
     (graph order) under non-reentrant activation checkpointing, which keeps the values it
-    reads and runs them again in the backward, collectives included."""
+    reads and runs them again in the backward, collectives included. ``mode`` ``selective``
+    also keeps the outputs of its matrix products and attention
+    (:data:`autoplan.planner.recompute.SELECTIVE_SAVED_OPS`), which the backward then does not
+    compute again."""
 
     layer: str
     nodes: list[str]
+    mode: str = "full"
 
 
 @dataclass
@@ -323,7 +343,8 @@ class Plan:
                 explanation=str(data.get("explanation", "")),
                 optimizer=OptimizerPlan(**data["optimizer"]),
                 precision=PrecisionPlan(**data["precision"]),
-                recompute=[RecomputedLayer(r["layer"], list(r["nodes"])) for r in data["recompute"]],
+                recompute=[RecomputedLayer(r["layer"], list(r["nodes"]), r.get("mode", "full"))
+                           for r in data["recompute"]],
                 storage={k: ParamStorage(**v) for k, v in data["storage"].items()},
                 options=dict(data.get("options", {})),
                 batch_coupling=[BatchCouplingPlan(c["node"], c["description"], CouplingHandling(c["handling"]))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -89,6 +90,7 @@ BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_
 MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_fsdp": ("residual_blocks", "fsdp={world}", "fsdp"),
     "blocks_fsdp_checkpointed": ("residual_blocks", "fsdp={world},ac=full", "fsdp"),
+    "blocks_fsdp_selective": ("residual_blocks", "fsdp={world},ac=selective", "fsdp"),
     "blocks_fsdp_bf16": ("residual_blocks", "fsdp={world},ac=full,precision=bf16", "fsdp"),
     "blocks_ddp_checkpointed": ("residual_blocks", "dp={world},ac=full", "ddp"),
     # FSDP with gradient accumulation: the interpreter's schedule
@@ -114,15 +116,30 @@ def _manual_plan(spec, text: str, world: int) -> Plan:
     return with_decisions(plan_manual(spec, options.planner_options(), manual), options)
 
 
-def _calls_per_step(pm, module_name: str, inputs) -> tuple[int, str]:
+class _MatmulCounter(TorchDispatchMode):
+    """Counts the matrix products that run (those a selective checkpoint returns from its
+    cache do not reach this mode)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+        return func(*args, **(kwargs or {}))
+
+
+def _calls_per_step(pm, module_name: str, inputs) -> tuple[int, str, int]:
     """How often ``module_name`` of the program's model runs in one forward and backward
-    (twice where its layer is recomputed), and the dtype of its output (bf16 under autocast)."""
+    (twice where its layer is recomputed), the dtype of its output (bf16 under autocast), and
+    how many matrix products the step runs."""
     calls: list[str] = []
     handle = pm.program.user_module.get_submodule(module_name).register_forward_hook(
         lambda module, args, output: calls.append(str(output.dtype)))
-    pm.forward_backward(*inputs)
+    with _MatmulCounter() as counter:
+        pm.forward_backward(*inputs)
     handle.remove()
-    return len(calls), calls[0]
+    return len(calls), calls[0], counter.count
 
 
 def run_case(name: str, world: int) -> dict:
@@ -147,8 +164,8 @@ def run_case(name: str, world: int) -> dict:
     rtol, atol = check_tolerances(plan.precision)
     report = check_against_single_device(spec, pm, steps=2, rtol=rtol, atol=atol)
     native = isinstance(program, NativeProgram)
-    block_calls, block_dtype = _calls_per_step(pm, "blocks.0.up", inputs) \
-        if native and module_name == "residual_blocks" else (0, "")
+    block_calls, block_dtype, matmuls = _calls_per_step(pm, "blocks.0.up", inputs) \
+        if native and module_name == "residual_blocks" else (0, "", 0)
     observable = ({p: program.observable_collectives(p) for p in ("forward", "backward")}
                   if isinstance(program, NativeProgram) else report.planned)
     return {
@@ -171,6 +188,8 @@ def run_case(name: str, world: int) -> dict:
         "collective_map": [[m.planned, m.native, m.observable] for m in getattr(program, "collective_map", [])],
         "module_untouched": untouched,
         "recomputed_layers": [r.layer for r in plan.recompute],
+        "recompute_modes": [r.mode for r in plan.recompute],
+        "matmuls_per_step": matmuls,
         "precision": plan.precision.name,
         "fsdp_groups": getattr(program, "fsdp_groups", 0),
         "token_mean": getattr(program, "token_mean", False),

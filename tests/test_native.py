@@ -94,7 +94,8 @@ def test_two_dimensional_plan_is_not_recognised():
     assert found.kind == "none" and "not 1-D" in found.reason
 
 
-@pytest.mark.parametrize("name", ["blocks_fsdp", "blocks_fsdp_checkpointed", "blocks_fsdp_bf16"])
+@pytest.mark.parametrize("name", ["blocks_fsdp", "blocks_fsdp_checkpointed", "blocks_fsdp_selective",
+                                  "blocks_fsdp_bf16"])
 def test_fsdp_plans_run_fully_shard_per_block_with_the_plans_collectives(results, name):
     res = _case(results, name)[0]
     assert res["program"] == "fsdp" and res["fsdp_groups"] == 4  # three blocks and the root
@@ -106,11 +107,19 @@ def test_fsdp_plans_run_fully_shard_per_block_with_the_plans_collectives(results
 
 
 @pytest.mark.parametrize("name, calls", [("blocks_fsdp", 1), ("blocks_fsdp_checkpointed", 2),
+                                         ("blocks_fsdp_selective", 2),
                                          ("blocks_ddp_checkpointed", 2), ("blocks_single_checkpointed", 2)])
 def test_recomputed_layers_run_again_in_the_backward(results, name, calls):
     res = _case(results, name)[0]
     assert bool(res["recomputed_layers"]) == (calls == 2)
     assert res["block_calls_per_step"] == calls
+
+
+def test_selective_checkpointing_runs_no_matrix_product_again(results):
+    plain, full, selective = (_case(results, name)[0] for name in
+                              ("blocks_fsdp", "blocks_fsdp_checkpointed", "blocks_fsdp_selective"))
+    assert set(selective["recompute_modes"]) == {"selective"} and set(full["recompute_modes"]) == {"full"}
+    assert selective["matmuls_per_step"] == plain["matmuls_per_step"] < full["matmuls_per_step"]
 
 
 @pytest.mark.parametrize("name", ["blocks_fsdp_bf16", "blocks_single_bf16"])

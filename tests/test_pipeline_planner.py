@@ -124,8 +124,14 @@ def test_manual_plans_are_costed_or_explained(small_gpt) -> None:
     assert checkpointed.name.endswith(",ac=full")
     assert checkpointed.predicted.compute_s > ok.predicted.compute_s
     assert checkpointed.predicted.memory_bytes.activations < ok.predicted.memory_bytes.activations
-    with pytest.raises(AutoplanError, match="selective checkpointing is not costed yet"):
-        parse_manual("dp=2,ac=selective")
+    # selective: the matrix products' outputs kept, the cheap ops recomputed: between the two
+    selective = cost_manual(small_gpt, options, parse_manual("dp=2,tp=2,ac=selective"))
+    assert selective.name.endswith(",ac=selective")
+    assert ok.predicted.compute_s < selective.predicted.compute_s < checkpointed.predicted.compute_s
+    assert checkpointed.predicted.memory_bytes.activations < selective.predicted.memory_bytes.activations \
+        < ok.predicted.memory_bytes.activations
+    with pytest.raises(AutoplanError, match="ac=selective"):
+        parse_manual("dp=2,ac=some")
 
 
 def test_cli_shows_manual_plans_and_writes_a_timeline(tmp_path: Path) -> None:

@@ -6,11 +6,14 @@ cannot meet makes the search recompute layers; the programs (1-D, 2x2, pipelined
 
 from __future__ import annotations
 
+import collections
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.errors import MemoryInfeasibleError
@@ -78,6 +81,63 @@ def test_recomputing_costs_a_forward_and_frees_activations() -> None:
     assert again.predicted.compute_s > kept.predicted.compute_s
 
 
+def test_selective_region_keeps_matrix_products_and_gives_the_same_gradients() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    gm = torch.fx.symbolic_trace(model)
+    ops = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    x = torch.randn(4, 8)
+    results = []
+    for mode in (None, "full", "selective"):
+        recomputed = [RecomputedLayer("middle", ops[1:4], mode)] if mode else []
+        model.zero_grad()
+        loss = _walk(gm, x, CheckpointedRegions(recomputed, gm.graph.nodes)).sum()
+        with _OpCounter() as counter:
+            loss.backward()
+        results.append((counter.counts, [p.grad.clone() for p in model.parameters()]))
+    (plain, grads), (full, grads_full), (selective, grads_selective) = results
+    # the layer (tanh, linear, tanh) again; selectively without its product
+    assert full["addmm"] == plain["addmm"] + 1 and full["tanh"] == plain["tanh"] + 2
+    assert selective["addmm"] == plain["addmm"] and selective["tanh"] == plain["tanh"] + 2
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(grads, grads_full, grads_selective))
+
+
+class _OpCounter(TorchDispatchMode):
+    """Counts the ATen ops that run, by overload-packet name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter[str] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_selective_recomputation_costs_less_and_frees_less() -> None:
+    spec = _spec("gpt2")
+    by_policy = {policy: plan_model(spec, PlanOptions(2, "cpu", pipeline=False, mesh=(2,), recompute=policy))
+                 for policy in ("none", "selective", "all")}
+    kept, selective, full = (by_policy[p].predicted for p in ("none", "selective", "all"))
+    assert {r.mode for r in by_policy["selective"].recompute} == {"selective"}
+    assert kept.compute_s < selective.compute_s < full.compute_s
+    assert full.memory_bytes.activations < selective.memory_bytes.activations < kept.memory_bytes.activations
+    assert "1 selectively" not in summary_text(by_policy["selective"])
+    assert "all selectively" in summary_text(by_policy["selective"])
+
+
+def test_search_recomputes_selectively_first_and_fully_where_that_is_not_enough() -> None:
+    spec = _spec("llama")
+    one_stage = {"stages": 1, "microbatches": 1}
+    peaks = {policy: plan_model(spec, PlanOptions(2, "cpu", recompute=policy, **one_stage)).predicted.memory_bytes.peak
+             for policy in ("selective", "all")}
+    loose = plan_model(spec, PlanOptions(2, "cpu", memory_per_device=1.05 * peaks["selective"], **one_stage))
+    assert loose.predicted.memory_bytes.peak <= 1.05 * peaks["selective"]
+    assert "selective" in {r.mode for r in loose.recompute}
+    tight = plan_model(spec, PlanOptions(2, "cpu", memory_per_device=1.01 * peaks["all"], **one_stage))
+    assert tight.recompute and {r.mode for r in tight.recompute} == {"full"}
+
+
 def _beyond_sharding(name: str) -> tuple[Plan, float]:
     """The largest budget (a share of what the fastest plan needs) that no plan of the whole
     batch on one stage meets without recomputation, and the search's one-stage, whole-batch
@@ -112,8 +172,13 @@ def test_recomputing_programs_pass_check_on_2_processes(chosen: tuple[Plan, floa
         "llama all": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=1, recompute=True))),
         "gpt2 all": ("gpt2", plan_model(_spec("gpt2"), PlanOptions(2, "cpu", stages=1, recompute=True))),
         "llama 2 stages": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=2, recompute=True))),
+        "gpt2 selective": ("gpt2", plan_model(_spec("gpt2"), PlanOptions(2, "cpu", stages=1, recompute="selective"))),
+        "llama 2 stages selective": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=2,
+                                                                                      recompute="selective"))),
     }
     assert all(plan.recompute for _, plan in plans.values())
+    assert all(r.mode == "selective" for name, (_, plan) in plans.items() if name.endswith("selective")
+               for r in plan.recompute)
     write_check_cases(tmp_path, plans)
     assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=600), plans)
 
@@ -122,8 +187,11 @@ def test_recomputing_programs_pass_check_on_4_processes(tmp_path) -> None:
     options = PlanOptions(4, "cpu", stages=1, microbatches=1, mesh=(2, 2), recompute=True, memory_per_device="1.2MB")
     mesh_2x2 = plan_model(_spec("gpt2"), options)
     assert any(c.where.endswith("(recomputed)") for c in mesh_2x2.collectives)  # sharded inside a layer
+    selective_2x2 = plan_model(_spec("gpt2"), replace(options, recompute="selective", memory_per_device="1.4MB"))
+    assert any(c.where.endswith("(recomputed)") for c in selective_2x2.collectives)
     plans = {
         "gpt2 2x2": ("gpt2", mesh_2x2),
+        "gpt2 2x2 selective": ("gpt2", selective_2x2),
         "llama 2 stages x 2": ("llama", plan_model(_spec("llama"), PlanOptions(4, "cpu", stages=2, mesh=(2,),
                                                                                 recompute=True))),
     }

@@ -7,7 +7,10 @@ forward keeps only the values the layer reads from outside; the backward runs th
 again (its redistributions, and so its collectives, included; no early stop) before its
 gradients. The layer's
 other nodes then take the values it produced; the values only the layer itself reads are not
-kept at all.
+kept at all. A layer recomputed selectively runs under torch's selective activation
+checkpointing with a policy that must save the outputs of the plan's
+:data:`~autoplan.plan_schema.SELECTIVE_SAVED_OPS` (matrix products, attention) and recomputes
+everything else, its redistributions included.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoplan.errors import AutoplanError
-from autoplan.plan_schema import RecomputedLayer
+from autoplan.plan_schema import SELECTIVE_SAVED_OPS, RecomputedLayer, RecomputeMode
 
 NodeRunner = Callable[[torch.fx.Node, dict[torch.fx.Node, Any]], Any]
 
@@ -36,6 +39,7 @@ class Region:
     nodes: tuple[torch.fx.Node, ...]
     inputs: tuple[torch.fx.Node, ...]
     outputs: tuple[torch.fx.Node, ...]
+    selective: bool = False  # the outputs of SELECTIVE_SAVED_OPS kept, the rest recomputed
 
 
 def _region(layer: RecomputedLayer, by_name: Mapping[str, torch.fx.Node], order: Mapping[torch.fx.Node, int]
@@ -50,7 +54,7 @@ def _region(layer: RecomputedLayer, by_name: Mapping[str, torch.fx.Node], order:
         raise AutoplanError(f"layer {layer.layer} reads {late[0]}, which the graph computes inside it: "
                             f"the layer cannot be recomputed; plan again without recomputing it")
     outputs = tuple(n for n in nodes if any(u not in inside for u in n.users))
-    return Region(layer.layer, tuple(nodes), tuple(inputs), outputs)
+    return Region(layer.layer, tuple(nodes), tuple(inputs), outputs, layer.mode == RecomputeMode.SELECTIVE)
 
 
 class CheckpointedRegions:
@@ -98,5 +102,19 @@ def run_checkpointed(region: Region, inputs: list[Any], run_node: NodeRunner,
 
     # early_stop=False: the whole region runs again, its last collectives included, as planned
     # (torch's early stop would end the recomputation at the last tensor the backward needs)
-    results = checkpoint(body, *inputs, use_reentrant=False, preserve_rng_state=True, early_stop=False)
+    extra = {"context_fn": selective_contexts} if region.selective else {}
+    results = checkpoint(body, *inputs, use_reentrant=False, preserve_rng_state=True, early_stop=False, **extra)
     return dict(zip(region.outputs, results))
+
+
+def keeps_selectively(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective checkpointing's policy: keep what :data:`SELECTIVE_SAVED_OPS` compute,
+    recompute the rest."""
+    packet = getattr(func, "overloadpacket", None)
+    return CheckpointPolicy.MUST_SAVE if packet is not None and packet.__name__ in SELECTIVE_SAVED_OPS \
+        else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:
+    """The forward's and the recomputation's contexts of selective checkpointing."""
+    return create_selective_checkpoint_contexts(keeps_selectively)

@@ -41,7 +41,9 @@ stores, and such plans run on the interpreter.
 Each of the three checkpoints the plan's recomputed layers
 (:attr:`~autoplan.plan_schema.Plan.recompute`), which must name modules, with
 ``torch.distributed._composable.checkpoint`` (non-reentrant, the module's parameter names
-unchanged): the backward runs the module's forward again. The plan's layer may hold ops outside
+unchanged): the backward runs the module's forward again, keeping the outputs of its matrix
+products and attention where the layer is recomputed selectively
+(:func:`~autoplan.codegen.checkpointing.selective_contexts`). The plan's layer may hold ops outside
 that module (the embedding before the first block, the head and the loss after the last); those
 run once and keep their outputs, so the loss's count is not all-reduced again in the backward
 as the plan lists for a recomputed loss. The plan's precision is the ``torch.autocast`` that
@@ -100,12 +102,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
+from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Plan, PlannedCollective
+from autoplan.plan_schema import Plan, PlannedCollective, RecomputeMode
 from autoplan.trace.graph import TracedGraph
 
 __all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise", "sharded_blocks"]
@@ -353,7 +356,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     elif found.kind in ("single", "ddp"):  # a whole copy on every rank, by design
         materialise_whole(module, mesh.device_type, spec.init_weights)
     for layer in plan.recompute:
-        checkpoint(module.get_submodule(layer.layer))
+        selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else {}
+        checkpoint(module.get_submodule(layer.layer), **selective)
     if found.kind == "single":
         return NativeProgram("single", module, spec, graph, plan, mesh, {})
     if found.kind == "fsdp":

@@ -36,7 +36,9 @@ Activation checkpointing. A recomputed node (in a layer the plan recomputes,
 ``recompute_regions``) runs its forward once more in the backward, and so does every
 resharding on its inputs (the recomputed forward redistributes again). It keeps its output
 for the backward only where a node outside its region reads it (the next region's saved
-input).
+input). In a selectively recomputed layer the matrix products and attention
+(``recompute_saved``) keep their outputs and do not run again; the resharding of their inputs
+does, as in a fully recomputed one.
 
 Per edge (producer spec → consumer spec): the forward resharding, plus the backward one that
 carries the gradient the other way. The consumer leaves an input's gradient as partial sums on
@@ -120,6 +122,7 @@ class CostContext:
     microbatches: int = 1  # per-microbatch work (compute, activation traffic) runs this many times a step
     activations_in_flight: int = 1  # microbatches whose activations a stage holds at once (the schedule's)
     recompute_regions: Mapping[str, str] = field(default_factory=dict)  # op node -> its recomputed layer
+    recompute_saved: frozenset[str] = frozenset()  # op nodes of those layers whose outputs are kept
     # parameter → consumer edges of the graph being planned (that carry a gradient): each bucketed
     # gradient reduction pays this share of one collective's latency (see steps_seconds)
     parameter_edges: int = 0
@@ -129,6 +132,10 @@ class CostContext:
     def region_of(self, name: str) -> str | None:
         """The recomputed region holding op node ``name`` (None: its activations are kept)."""
         return self.recompute_regions.get(name)
+
+    def recomputes(self, name: str) -> bool:
+        """Whether op node ``name`` runs its forward again in the backward."""
+        return name in self.recompute_regions and name not in self.recompute_saved
 
 
 HALF_PRECISION = "bfloat16"

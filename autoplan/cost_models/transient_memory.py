@@ -87,7 +87,7 @@ def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strat
     worst = max(kept_ops) + sum(returned.values()) if kept_ops else 0.0
     for members in regions.values():
         inside = set(members)
-        values = sum(out_bytes(name) for name in members if moved_bytes(nodes[name]) > 0)
+        values = sum(out_bytes(name) for name in members if moved_bytes(nodes[name]) > 0 and ctx.recomputes(name))
         alive = sum(b for name, b in returned.items() if name not in inside)
         worst = max(worst, values + max(gradients[name] for name in members) + alive)
     return worst

@@ -22,7 +22,8 @@ from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pins import PinKind
-from autoplan.planner.recompute import RecomputePolicy, recomputable, recomputed_layers, regions
+from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, policy_mode, recomputable,
+    recomputed_layers, regions, saved_outputs)
 from autoplan.solvers import explain, format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
@@ -41,9 +42,10 @@ class MeshOutcome:
 
 
 def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...], options: PlannerOptions,
-                canonical: bool = True, recomputed: Sequence[Layer] = ()) -> MeshOutcome:
+                canonical: bool = True, recomputed: Sequence[Layer] = (), selective: Sequence[Layer] = ()
+                ) -> MeshOutcome:
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer,
-                      recompute_regions=regions(recomputed))
+                      recompute_regions=regions(recomputed), recompute_saved=saved_outputs(graph, selective))
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
                                options.time_limit_s, options.pick, options.allow_storage, canonical, options.pins)
@@ -65,16 +67,19 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
     if options.pins:  # the meshes on which the user's pins hold
         meshes = [m for m in meshes if options.pins.mesh_allowed(m)]
     recomputed: list[Layer] = []
+    selective: list[Layer] = []
     pinned = options.pins.of_kind(PinKind.CHECKPOINT) if options.pins else []
-    if options.recompute == RecomputePolicy.ALL or pinned:  # every layer that may be, or the pinned ones
+    every = options.recompute in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
+    if every or pinned:  # every layer that may be, or the pinned ones (fully)
         layers = make_layers(graph, classes)
-        chosen = recomputable(graph, layers) if options.recompute == RecomputePolicy.ALL else frozenset()
-        if pinned:
-            chosen |= options.pins.checkpointed_layers(graph, layers)
-        recomputed = [layers[i] for i in sorted(chosen)]
+        chosen = recomputable(graph, layers) if every else frozenset()
+        fully = options.pins.checkpointed_layers(graph, layers) if pinned else frozenset()
+        recomputed = [layers[i] for i in sorted(chosen | fully)]
+        if policy_mode(options.recompute) == RecomputeMode.SELECTIVE:
+            selective = [layers[i] for i in sorted(chosen - fully)]
     # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically
-    outcomes = [_solve_mesh(graph, classes, mesh, options, options.canonical and len(meshes) == 1, recomputed)
-                for mesh in meshes]
+    outcomes = [_solve_mesh(graph, classes, mesh, options, options.canonical and len(meshes) == 1, recomputed,
+                            selective) for mesh in meshes]
     feasible = [o for o in outcomes if o.result is not None]
     if not feasible:
         least = min(o.least_memory for o in outcomes if o.least_memory is not None)
@@ -85,7 +90,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
     predictions = {o.mesh: predict(graph, classes, o.result, o.ctx) for o in feasible}
     best = min(feasible, key=lambda o: predictions[o.mesh][0].step_time_s)
     if options.canonical and len(meshes) > 1:
-        canonical = _solve_mesh(graph, classes, best.mesh, options, recomputed=recomputed)
+        canonical = _solve_mesh(graph, classes, best.mesh, options, recomputed=recomputed, selective=selective)
         if canonical.result is not None:
             canonical.result.solution.solve_time_s += best.result.solution.solve_time_s
             outcomes[outcomes.index(best)] = best = canonical
@@ -127,7 +132,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         model=model_name,
         explanation=explain(result.problem, result.solution, top=8),
         batch_coupling=coupling_plans(graph, 1),
-        recompute=recomputed_layers(recomputed),
+        recompute=recomputed_layers(recomputed, selective),
     )
 
 

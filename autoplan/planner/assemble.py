@@ -52,7 +52,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes, f"{where_v} (optimizer state)",
                  "parameter")
         if result.needs_grad.get(name):
-            again = [("backward", f"{where_v} (recomputed)")] if ctx.region_of(name) is not None else []
+            again = [("backward", f"{where_v} (recomputed)")] if ctx.recomputes(name) else []
             for step in count_reduction_steps(graph.nodes[name], strategy):
                 for phase, where in [("forward", where_v), *again]:
                     seconds += steps_seconds([step], ctx) * ctx.microbatches

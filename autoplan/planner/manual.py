@@ -42,7 +42,7 @@ from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 
 _KEYS = ("dp", "fsdp", "tp", "pp", "microbatches", "schedule", "ac", "precision", "zero")
-_CHECKPOINTING = ("full", "none")  # ac=: every layer recomputed in the backward, or none
+_CHECKPOINTING = ("full", "selective", "none")  # ac=: every layer recomputed in the backward (so), or none
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,8 +104,8 @@ def parse_manual(text: str) -> ManualPlan:
             values[key] = value.lower()
         elif key == "ac":
             if value.lower() not in _CHECKPOINTING:
-                raise AutoplanError(f"--manual ac={value}: use ac=full (every layer recomputed) or ac=none"
-                                    + (" (selective checkpointing is not costed yet)" if value == "selective" else ""))
+                raise AutoplanError(f"--manual ac={value}: use ac=full (every layer recomputed), ac=selective "
+                                    "(every layer recomputed but its matrix products and attention) or ac=none")
             values[key] = value.lower()
         elif key == "zero":
             if value not in ("1", "2"):
@@ -266,10 +266,12 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    recomputed = recomputable(graph, layers) if manual.ac == "full" or options.recompute == RecomputePolicy.ALL \
-        else frozenset()
+    every = options.recompute in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
+    recomputed = recomputable(graph, layers) if manual.ac != "none" or every else frozenset()
+    selective = recomputed if manual.ac == "selective" or (
+        manual.ac == "none" and options.recompute == RecomputePolicy.SELECTIVE) else frozenset()
     candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)),
-                                  math.inf, graph, layers, recomputed=recomputed)
+                                  math.inf, graph, layers, recomputed=recomputed, selective=selective)
     return assemble_pipeline(spec, candidate, opts, manual.schedule, {})
 
 

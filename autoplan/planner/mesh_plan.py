@@ -232,7 +232,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     input_infos = [view.graph.nodes[i] for i in input_names]
     grad_inputs = [view.needs_grad[i] for i in input_names]
     region = ctx.region_of(name)  # recomputed: kept only where read outside its region (or graph)
-    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS and (region is None or any(
+    saves = view.needs_grad[name] and op_name(node) not in VIEW_OPS and (not ctx.recomputes(name) or any(
         view.graph.nodes[u].kind != "op" or ctx.region_of(u) != region for u in view.users[name]))
     if node.target is operator.getitem and producer is not None:
         index = node.args[1]
@@ -257,7 +257,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
         if not strategies:
             strategies = [replicated_strategy(len(input_names), len(imap.outputs), len(mesh_shape))]
     strategies = pinned_strategies(info, strategies, mesh_shape, pins)
-    costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx, region is not None)
+    costs = [op_cost(info, s, input_infos, grad_inputs, view.needs_grad[name], saves, ctx, ctx.recomputes(name))
              for s in strategies]
     return ClassStrategies(kind, strategies, costs)
 
@@ -495,7 +495,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     view = GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     if ctx.recompute_regions:  # copies of a block share a strategy only where they are recomputed alike
-        classes = split_classes(classes, lambda name: ctx.region_of(name) is not None)
+        classes = split_classes(classes, lambda name: (ctx.region_of(name) is not None, ctx.recomputes(name)))
     if pins:  # copies of a block share a strategy only where they are pinned alike
         classes = split_classes(classes, lambda name: pins.key(graph.nodes[name]))
     messages: list[str] = []
@@ -531,12 +531,15 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
                          len(graph.nodes), view.inputs, view.needs_grad, messages)
 
 
-def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) -> tuple[float, float]:
+def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext,
+                     kept: frozenset[str] = frozenset()) -> tuple[float, float]:
     """(seconds added, bytes freed) per step by recomputing every op of ``graph`` in the
     backward under ``result``'s strategies (as one region, costed as
     :func:`~autoplan.cost_models.step_costs.op_cost` and :func:`edge_cost` cost a recomputed
     node): each op's forward and the forward resharding of its inputs run once more; the
-    outputs of ops that only the graph itself reads are no longer kept."""
+    outputs of ops that only the graph itself reads are no longer kept. The ops in ``kept``
+    (selective recomputation: :func:`~autoplan.planner.recompute.saved_outputs`) keep their
+    outputs and do not run again; their inputs' resharding does."""
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     mixed = ctx.optimizer.mixed_precision
     added = freed = 0.0
@@ -544,9 +547,10 @@ def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext
         info = graph.nodes[name]
         if info.kind != "op":
             continue
-        added += cost.compute_s / (1.0 + (ctx.backward_factor if result.needs_grad[name] else 0.0))
-        if not any(user.op == "output" for user in fx_nodes[name].users):
-            freed += cost.memory.activations
+        if name not in kept:
+            added += cost.compute_s / (1.0 + (ctx.backward_factor if result.needs_grad[name] else 0.0))
+            if not any(user.op == "output" for user in fx_nodes[name].users):
+                freed += cost.memory.activations
         if fx_nodes[name].target is operator.getitem:
             continue
         strategy = result.chosen[name]

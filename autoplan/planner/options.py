@@ -76,8 +76,9 @@ class PlanOptions:
     gradients and optimizer state) is costed and run; ``None`` takes the cluster's default
     (:func:`default_precision`: bf16 on the H100, H200 and A100 presets, fp32 on ``cpu`` and
     ``v100-16g``). ``recompute``: activation checkpointing,
-    ``"auto"`` (the planner recomputes layers in the backward where memory needs it),
-    ``"all"`` (every layer that may be; also ``True``) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
+    ``"auto"`` (the planner recomputes layers in the backward where memory needs it, fully or
+    selectively), ``"all"`` (every layer that may be; also ``True``), ``"selective"`` (every
+    layer that may be, keeping its matrix products' and attention's outputs) or ``"none"``. ``pipeline=False`` plans intra-op only; ``stages``,
     ``microbatches``, ``schedule`` and ``layers`` pin pipeline choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.
     ``pins`` (``"h.*.mlp.c_fc.weight=[R, S(0)]"``, ``"mesh=2x2"``, …, or a dict of pattern to
@@ -122,7 +123,7 @@ class PlanOptions:
         check_solver_name(self.solver)
         recompute = {True: "all", False: "auto"}.get(self.recompute, self.recompute)  # type: ignore[call-overload]
         if str(recompute).lower() not in tuple(RecomputePolicy):
-            raise AutoplanError(f"recompute must be auto, all or none, got {self.recompute!r}")
+            raise AutoplanError(f"recompute must be auto, all, selective or none, got {self.recompute!r}")
         object.__setattr__(self, "recompute", str(recompute).lower())
         self._read_pins()
         if self.time_limit_s is not None and not self.time_limit_s > 0:
@@ -199,7 +200,7 @@ class PlanOptions:
             if pin is not None:
                 wanted.append((name, pin.number, f"pin {pin.text!r}"))
         if ac is not None:
-            wanted.append(("recompute", "all" if ac.choice == "full" else "none", f"pin {ac.text!r}"))
+            wanted.append(("recompute", {"full": "all"}.get(ac.choice, ac.choice), f"pin {ac.text!r}"))
         before = []
         for name, value, source in wanted:
             given = getattr(self, name)

@@ -37,6 +37,7 @@ from autoplan.reports.summary import (
     pinned_names,
     planning_time_text,
     ranges_label,
+    recompute_modes_text,
     training_text,
 )
 from autoplan.solvers import format_bytes, format_seconds
@@ -129,7 +130,7 @@ def summary_section(plan: Plan) -> Section:
         ["predicted MFU", f"{p.mfu:.1%} (the model's forward and backward FLOPs over the devices' peak)"],
         ["training", training_text(plan)],
         ["activation checkpointing", f"{len(plan.recompute)} layers recomputed in the backward"
-                                     if plan.recompute else "none"],
+                                     f"{recompute_modes_text(plan)}" if plan.recompute else "none"],
         ["memory per device (peak)", format_bytes(m.peak) + (f" of {format_bytes(budget)} "
                                                                f"({_percent(m.peak, budget)} of the budget)"
                                                                if budget else "")],

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoplan.plan_schema import Alternative, Plan, Prediction
+from autoplan.plan_schema import Alternative, Plan, Prediction, RecomputeMode
 from autoplan.planner.meshes import mesh_label, stage_meshes_text
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -56,7 +56,18 @@ def _recompute_lines(plan: Plan) -> list[str]:
         return []
     count = len(plan.recompute)
     return ["", f"activation checkpointing: {count} layer{'s' if count > 1 else ''} recomputed in the backward "
-                f"({layers_label([r.layer for r in plan.recompute])})"]
+                f"({layers_label([r.layer for r in plan.recompute])}){recompute_modes_text(plan)}"]
+
+
+def recompute_modes_text(plan: Plan) -> str:
+    """How many recomputed layers are recomputed selectively (their matrix products and
+    attention kept), where any is."""
+    selective = sum(r.mode == RecomputeMode.SELECTIVE for r in plan.recompute)
+    if not selective:
+        return ""
+    every = selective == len(plan.recompute)
+    return (f", {'all' if every else selective} selectively (matrix products and attention kept, the rest "
+            f"recomputed)")
 
 
 def _gathered_lines(plan: Plan) -> list[str]:

@@ -92,7 +92,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         storage=storage, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name, batch_coupling=coupling,
-        recompute=recomputed_layers(layers[i] for i in sorted(candidate.recomputed)))
+        recompute=recomputed_layers((layers[i] for i in sorted(candidate.recomputed)),
+                                    (layers[i] for i in candidate.selective)))
 
 
 def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:

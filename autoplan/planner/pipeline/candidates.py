@@ -38,6 +38,7 @@ class PipelineCandidate:
     costs: dict[tuple[int, ...], LayerCosts] | None = None  # the layer ILPs per logical mesh, for a second search
     boundaries: bool = False  # whether the search costed the boundaries inside stages
     recomputed: frozenset[int] = frozenset()  # the layers recomputed in the backward (indices into layers)
+    selective: frozenset[int] = frozenset()  # those of them recomputed selectively (the others fully)
 
     @property
     def ranks(self) -> int:

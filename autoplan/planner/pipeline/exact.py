@@ -13,7 +13,7 @@ from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.range_costs import RangeTable, layer_inputs
 from autoplan.planner.pipeline.schedules import activations_in_flight
-from autoplan.planner.recompute import regions
+from autoplan.planner.recompute import regions, saved_outputs
 from autoplan.sharding import ShardingSpec
 from autoplan.solvers import format_bytes
 from autoplan.trace.graph import NodeInfo, TracedGraph
@@ -84,17 +84,19 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
+    selective = tuple(i for i in recomputed if start + i in candidate.selective)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
                       options.optimizer, microbatches=candidate.microbatches,
                       activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
-                      recompute_regions=regions(candidate.layers[start + i] for i in recomputed))
+                      recompute_regions=regions(candidate.layers[start + i] for i in recomputed),
+                      recompute_saved=saved_outputs(sub, (candidate.layers[start + i] for i in selective)))
     pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
                           if fqn in stored))
     if any(len(spec) != len(mesh) for _, spec in pinned):
         raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
                             "the stages holding it must share one")
     key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-           end == len(candidate.layers), pinned, mesh, budget, recomputed)
+           end == len(candidate.layers), pinned, mesh, budget, recomputed, selective)
     result = renamed(*solved[key], sub) if key in solved else None
     if result is None:
         result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,

@@ -12,7 +12,7 @@ from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import plan_intra_op, recompute_change
-from autoplan.planner.recompute import RecomputePolicy, recomputable
+from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, policy_mode, recomputable, saved_outputs
 from autoplan.solvers import evaluate, trim_memory_together
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
@@ -35,7 +35,8 @@ class LayerCosts:
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
-    changes: dict[str, tuple[float, float]] = field(default_factory=dict)  # recomputing a fastest plan
+    # recomputing a fastest plan, by (signature, mode)
+    changes: dict[tuple[str, RecomputeMode], tuple[float, float]] = field(default_factory=dict)
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
@@ -64,16 +65,19 @@ class LayerCosts:
                                    pins=self.options.pins)
                 self.problems[layer.signature] = result.problem
                 self.fast_choices[layer.signature] = result.solution.choices
-                self.changes[layer.signature] = recompute_change(sub, result, self.ctx)
+                self.changes[layer.signature, RecomputeMode.FULL] = recompute_change(sub, result, self.ctx)
+                self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
+                    sub, result, self.ctx, saved_outputs(sub, [layer]))
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
-    def recomputed(self, graph: TracedGraph, layer: Layer) -> tuple[float, float]:
+    def recomputed(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode = RecomputeMode.FULL
+                   ) -> tuple[float, float]:
         """(seconds per step, bytes per device) of one layer's fastest plan recomputed in the
-        backward, the same strategies (:func:`~autoplan.planner.mesh_plan.recompute_change`:
-        no ILP)."""
+        backward in ``mode``, the same strategies
+        (:func:`~autoplan.planner.mesh_plan.recompute_change`: no ILP)."""
         seconds, memory = self.cost(graph, layer)
-        added, freed = self.changes[layer.signature]
+        added, freed = self.changes[layer.signature, mode]
         return seconds + added, memory - freed
 
     def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float) -> tuple[float, float] | None:
@@ -179,6 +183,7 @@ class RangePlan:
     seconds: float
     memory: float
     recomputed: frozenset[int] = frozenset()
+    selective: frozenset[int] = frozenset()  # those of them recomputed selectively (the others fully)
 
 
 class RangeTable:
@@ -263,17 +268,18 @@ class RangeTable:
 
     def _plan(self, start: int, end: int, budget: float | None) -> RangePlan:
         pinned = frozenset(i for i in range(start, end) if i in self.pinned_recompute)
+        policy = self.policy
+        every = policy in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
         if pinned:  # checkpoint pins: those layers recomputed, more where the policy and memory ask
-            plan = self._recomputed(start, end, budget if self.policy != RecomputePolicy.NONE else None,
-                                    every=self.policy == RecomputePolicy.ALL, pinned=pinned)
+            plan = self._recomputed(start, end, budget if policy != RecomputePolicy.NONE else None,
+                                    every=every, pinned=pinned, mode=policy_mode(policy) if every else None)
             assert plan is not None
             return plan
         seconds, memory = self._range(FAST, start, end)
         fastest = RangePlan(seconds + self.joins[end - 1] - self.joins[start], memory - self.counted_apart(start, end))
         fits = budget is None or fastest.memory <= budget
-        policy = self.policy
-        if policy == RecomputePolicy.ALL:
-            return self._recomputed(start, end, budget, every=True) or (
+        if every:
+            return self._recomputed(start, end, budget, every=True, mode=policy_mode(policy)) or (
                 fastest if fits else self._sharded(start, end, budget))
         if fits:
             return fastest
@@ -296,13 +302,16 @@ class RangeTable:
         return RangePlan(trimmed[0] + joins, trimmed[1] - excess)
 
     def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False,
-                    pinned: frozenset[int] = frozenset()) -> RangePlan | None:
+                    pinned: frozenset[int] = frozenset(), mode: RecomputeMode | None = None) -> RangePlan | None:
         """Recompute layers in the backward until the range fits ``budget`` (all that may be,
-        with ``every``): the ``pinned`` ones first, then at each step, in its fastest plan, the
-        layer that frees the most bytes per second it adds (:meth:`LayerCosts.recomputed`), a
-        quick estimate like the trimming. Where recomputing every layer of the range is not
-        enough, its layers are also trimmed (see below). None where no layer of the range may
-        be recomputed."""
+        with ``every``, in ``mode``): the ``pinned`` ones first, fully; then, where ``mode`` is
+        None, the layers selectively, at each step, in its fastest plan, the layer that frees
+        the most bytes per second it adds (:meth:`LayerCosts.recomputed`, a quick estimate like
+        the trimming), and where that is not enough the selective ones fully, by the same
+        measure (selective recomputation adds the cheap ops only, so it usually frees more
+        bytes per second); with a ``mode``, the layers in that mode only. Where recomputing
+        every layer of the range is not enough, its layers are also trimmed (see below). None
+        where no layer of the range may be recomputed."""
         if self.may_recompute is None:
             self.may_recompute = recomputable(self.graph, self.layers)
         candidates = [i for i in range(start, end) if i in self.may_recompute]
@@ -312,31 +321,46 @@ class RangeTable:
         joins = self.joins[end - 1] - self.joins[start]
         seconds, memory = self._range(FAST, start, end)
         memory -= excess
+        applied: dict[int, tuple[RecomputeMode, float, float]] = {}  # layer -> (mode, seconds added, bytes freed)
 
-        def change(i: int) -> tuple[float, float]:  # (seconds added, bytes freed)
+        def change(i: int, how: RecomputeMode) -> tuple[float, float]:  # (seconds added, bytes freed) beyond now
             layer = self.layers[i]
-            plain, again = self.costs.cost(self.graph, layer), self.costs.recomputed(self.graph, layer)
-            return again[0] - plain[0], plain[1] - again[1]
+            plain, again = self.costs.cost(self.graph, layer), self.costs.recomputed(self.graph, layer, how)
+            _, added, freed = applied.get(i, (how, 0.0, 0.0))
+            return again[0] - plain[0] - added, plain[1] - again[1] - freed
 
-        changes = {i: change(i) for i in candidates}
-        order = sorted((i for i in candidates if every or changes[i][1] > 0 or i in pinned),
-                       key=lambda i: (i not in pinned,
-                                      changes[i][0] / changes[i][1] if changes[i][1] > 0 else math.inf, i))
-        chosen: set[int] = set()
-        for i in order:
-            if i not in pinned and not every and (budget is None or memory <= budget):
-                break
-            chosen.add(i)
-            seconds, memory = seconds + changes[i][0], memory - changes[i][1]
-        if budget is not None and memory > budget and len(chosen) == end - start:
+        def apply(i: int, how: RecomputeMode) -> None:
+            nonlocal seconds, memory
+            added, freed = change(i, how)
+            _, before_s, before_b = applied.get(i, (how, 0.0, 0.0))
+            applied[i] = (how, before_s + added, before_b + freed)
+            seconds, memory = seconds + added, memory - freed
+
+        for i in sorted(pinned):
+            apply(i, RecomputeMode.FULL)
+        others = [i for i in candidates if i not in pinned]
+        phases = [mode] if mode is not None else [RecomputeMode.SELECTIVE, RecomputeMode.FULL]
+        for how in phases:
+            steps = {i: change(i, how) for i in others}
+            order = sorted((i for i in others if every or steps[i][1] > 0),
+                           key=lambda i: (steps[i][0] / steps[i][1] if steps[i][1] > 0 else math.inf, i))
+            for i in order:
+                if not every and (budget is None or memory <= budget):
+                    break
+                apply(i, how)
+        if budget is not None and memory > budget and len(applied) == end - start:
             # every layer recomputed and still too large: trim as well, counting on a share 1/n of
             # the bytes recomputing frees (a trimmed plan keeps fewer activations to free; n the
             # mesh's size), and charging the fastest plans' recomputation
-            freed = sum(changes[i][1] for i in chosen) / math.prod(self.costs.ctx.mesh_shape)
+            freed = sum(b for _, _, b in applied.values()) / math.prod(self.costs.ctx.mesh_shape)
             trimmed = self._sharded(start, end, budget + freed)
-            return RangePlan(trimmed.seconds + sum(changes[i][0] for i in chosen), trimmed.memory - freed,
-                             frozenset(chosen))
-        return RangePlan(seconds + joins, memory, frozenset(chosen))
+            return RangePlan(trimmed.seconds + sum(a for _, a, _ in applied.values()), trimmed.memory - freed,
+                             frozenset(applied), _selective(applied))
+        return RangePlan(seconds + joins, memory, frozenset(applied), _selective(applied))
+
+
+def _selective(applied: dict[int, tuple[RecomputeMode, float, float]]) -> frozenset[int]:
+    return frozenset(i for i, (how, _, _) in applied.items() if how == RecomputeMode.SELECTIVE)
 
 
 def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False

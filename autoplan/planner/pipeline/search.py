@@ -94,15 +94,17 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             except InterOpInfeasibleError:
                 continue
             latencies = [s.cost.latency_s for s in solution.stages]
-            recomputed = frozenset().union(*(tables[s.cost.logical_mesh].plan(s.start, s.end, budget).recomputed
-                                             for s in solution.stages))
+            ranges = [tables[s.cost.logical_mesh].plan(s.start, s.end, budget) for s in solution.stages]
+            recomputed = frozenset().union(*(r.recomputed for r in ranges))
+            selective = frozenset().union(*(r.selective for r in ranges))
             cuts = [(s.start, s.end) for s in solution.stages]
             logical = [s.cost.logical_mesh for s in solution.stages]
-            if any(c.cuts == cuts and c.meshes == logical and c.recomputed == recomputed for c in found):
+            if any(c.cuts == cuts and c.meshes == logical and c.recomputed == recomputed and c.selective == selective
+                   for c in found):
                 continue  # the run without recomputation found it too
             step = pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule)
             found.append(PipelineCandidate(microbatches, submesh, logical, cuts, step, graph, layers, schedule, costs,
-                                           boundaries, recomputed, tied_mesh=tied_mesh))
+                                           boundaries, recomputed, selective, tied_mesh=tied_mesh))
     return found
 
 
@@ -342,7 +344,8 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
                                tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
         if again:
             candidates[i] = again[0]
-    unique = {(c.microbatches, c.submesh, tuple(c.meshes), tuple(c.cuts), c.recomputed, c.schedule, c.tied_mesh): c
+    unique = {(c.microbatches, c.submesh, tuple(c.meshes), tuple(c.cuts), c.recomputed, c.selective, c.schedule,
+               c.tied_mesh): c
               for c in sorted(candidates, key=lambda c: c.step_time_s, reverse=True)}  # the fastest of equals kept
     return sorted(unique.values(), key=lambda c: c.step_time_s)
 
