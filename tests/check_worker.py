@@ -43,7 +43,7 @@ def run_case(case: dict) -> dict:
     spec = make_model_spec(model, inputs, loss_fn, name=case["name"])
     pm = build_parallel_module(spec, Plan.load(case["plan"]))
     report = check_against_single_device(spec, pm, steps=2)
-    return {"ok": report.ok, "text": report.text()}
+    return {"ok": report.ok, "text": report.text(), "moved": report.moved}
 
 
 def main(out_dir: Path) -> None:

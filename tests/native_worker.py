@@ -182,6 +182,7 @@ def run_case(name: str, world: int) -> dict:
         "num_model_parameters": len(list(model.parameters())),
         "bad": [[c.name, c.max_abs_diff, c.allowed] for c in report.comparisons if not c.ok],
         "executed": report.executed,
+        "moved": report.moved,
         "planned": report.planned,  # what check.py expects the program to run
         "planned_by_plan": {p: planned_collectives(plan, p) for p in ("forward", "backward")},
         "observable": observable,

@@ -127,6 +127,9 @@ def test_bf16_plans_run_natively_under_autocast(results, name):
     res = _case(results, name)[0]
     assert res["precision"] == "bf16" and res["recognised"] == res["program"]
     assert res["block_output_dtype"] == "torch.bfloat16"  # the linear computed in bf16
+    if name == "blocks_fsdp_bf16":  # FSDP2's MixedPrecisionPolicy: gathered in bf16, reduced in fp32
+        assert res["moved"]["forward"]["all_gather"] == ["bfloat16"] == res["moved"]["backward"]["all_gather"]
+        assert res["moved"]["backward"]["reduce_scatter"] == ["float32"]
 
 
 def test_accumulating_fsdp_plans_run_on_the_interpreter(results):

@@ -70,6 +70,19 @@ def test_the_default_precision_is_planned_run_and_shown(tmp_path, capfd) -> None
     assert code == 0 and Plan.from_json(plan_json.read_text()).precision.name == "fp32"
 
 
+def test_bf16_gathers_parameters_in_bf16_and_reduces_gradients_in_fp32() -> None:
+    def moved(plan: Plan, kind: str, tensor: str | None = None) -> float:
+        return sum(c.bytes * c.count for c in plan.collectives
+                   if c.kind == kind and (tensor is None or c.tensor == tensor))
+
+    options = PlanOptions(2, "cpu", precision="fp32")
+    fp32 = with_decisions(plan_manual(_spec("nanogpt"), options.planner_options(), parse_manual("fsdp=2")), options)
+    bf16 = _bf16("nanogpt", "fsdp=2", 2)
+    assert moved(fp32, "all_gather", "parameter") > 0
+    assert moved(bf16, "all_gather", "parameter") == moved(fp32, "all_gather", "parameter") / 2
+    assert moved(bf16, "reduce_scatter", "gradient") == moved(fp32, "reduce_scatter", "gradient") > 0
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_bf16_programs_pass_check(world: int, tmp_path) -> None:
     cases = {
@@ -89,3 +102,8 @@ def test_bf16_programs_pass_check(world: int, tmp_path) -> None:
     assert_checks_passed(results, plans)
     for label in plans:
         assert "(bf16 under torch.autocast, the reference too)" in results[0][label]["text"]
+    if world == 2:  # FSDP: parameters gathered in bf16 (the backward's gathers are all re-gathers of
+        # parameters; the forward's also gather activations and token ids), gradients reduced in fp32
+        moved = results[0]["nanogpt fsdp bf16"]["moved"]
+        assert "bfloat16" in moved["forward"]["all_gather"] and moved["backward"]["all_gather"] == ["bfloat16"]
+        assert moved["backward"]["reduce_scatter"] == ["float32"]

@@ -57,6 +57,7 @@ class CheckReport:
     planned: dict[str, dict[str, int]] = field(default_factory=dict)
     pipelined: bool = False  # phases are "step, rank r": a pipeline's collectives, per rank
     precision: str = "fp32"  # the plan's, under which program and reference ran
+    moved: dict[str, dict[str, list[str]]] = field(default_factory=dict)  # phase -> kind -> dtypes moved
 
     @property
     def worst(self) -> Comparison:
@@ -97,7 +98,8 @@ class CheckReport:
             for kind in kinds:
                 p, e = self.planned.get(phase, {}).get(kind, 0), self.executed.get(phase, {}).get(kind, 0)
                 mark = "" if p == e else "   <- differs"
-                lines.append(f"check:   {phase:8s} {kind:15s} {p:8d}  {e:8d}{mark}")
+                moved = ", ".join(self.moved.get(phase, {}).get(kind, []))
+                lines.append(f"check:   {phase:8s} {kind:15s} {p:8d}  {e:8d}{mark}" + (f"   ({moved})" if moved else ""))
         lines.append("check: PASSED" if self.ok else "check: FAILED")
         return "\n".join(lines)
 
@@ -320,6 +322,8 @@ def check_against_single_device(spec: ModelSpec, pm: ParallelModule | PipelinedM
     with CollectiveCounter() as backward_count:
         out.loss.backward()
     report.executed = {"forward": dict(forward_count.counts), "backward": dict(backward_count.counts)}
+    report.moved = {phase: {kind: sorted(dtypes) for kind, dtypes in counter.dtypes.items()}
+                    for phase, counter in (("forward", forward_count), ("backward", backward_count))}
     report.planned = {phase: expected_collectives(pm, phase) for phase in ("forward", "backward")}
 
     report.comparisons.append(_compare("loss", _full(out.loss), ref_loss, rtol, atol))

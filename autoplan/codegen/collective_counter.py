@@ -37,11 +37,13 @@ def _is_collective(func: Any) -> bool:
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """``with CollectiveCounter() as counter: ...`` then ``counter.counts`` (kind → calls)."""
+    """``with CollectiveCounter() as counter: ...`` then ``counter.counts`` (kind → calls) and
+    ``counter.dtypes`` (kind → the dtypes of the tensors its calls moved)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.counts: Counter[str] = Counter()
+        self.dtypes: dict[str, set[str]] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -51,5 +53,18 @@ class CollectiveCounter(TorchDispatchMode):
             return NotImplemented  # let DTensor desugar into the collectives it runs, then count those
         out = func(*args, **kwargs)
         if _is_collective(func):
-            self.counts[collective_kind(func._overloadpacket.__name__)] += 1
+            kind = collective_kind(func._overloadpacket.__name__)
+            self.counts[kind] += 1
+            self.dtypes.setdefault(kind, set()).update(str(t.dtype).replace("torch.", "") for t in _tensors(args))
         return out
+
+
+def _tensors(args: Any) -> list[torch.Tensor]:
+    """The tensors among a collective's arguments (lists of them included)."""
+    out: list[torch.Tensor] = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            out.append(a)
+        elif isinstance(a, (list, tuple)):
+            out.extend(t for t in a if isinstance(t, torch.Tensor))
+    return out

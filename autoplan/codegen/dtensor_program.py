@@ -48,6 +48,7 @@ from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
+from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
     to_dtensor_placements, unmask_partial)
 from autoplan.codegen.sharded_state import gradient_placements
@@ -134,7 +135,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
         arrived = {}
         for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
             before = self.env[a]
-            after = redistribute(before, specs, mesh, self.program.gradient_targets.get(a.name))
+            after = redistribute(before, specs, mesh, self.program.gradient_targets.get(a.name),
+                                 self.program.gathered.param_dtype)
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", spec_text(before.placements), spec_text(after.placements)))
@@ -213,7 +215,7 @@ class ShardedProgram(torch.nn.Module):
         self.deferred_gradients: set[str] = set()
         self.gradient_buckets: BucketedReduction | None = None
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
-        self.gathered = GatheredParameters()
+        self.gathered = GatheredParameters(gathered_dtype(plan.precision))
         # parameters (placeholder names) whose edges reduce the gradient into the placements
         # the plan stores it in rather than the parameter's (ZeRO-2)
         # (``gradient_placements``: the same by ``id(parameter)``, for the gradient hooks)

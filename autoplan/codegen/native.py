@@ -36,7 +36,9 @@ a group's parameters are all-gathered before its forward, freed after it, gather
 its backward, and its gradients reduce-scattered (averaged over the ranks, as DDP averages).
 The plan gathers and reduce-scatters per parameter; FSDP2 does it per group: the same bytes in
 fewer calls. A parameter stored sharded on another dim (``S(1)``) is not what ``fully_shard``
-stores, and such plans run on the interpreter.
+stores, and such plans run on the interpreter. Under a bf16 plan every group has the plan's
+``MixedPrecisionPolicy``: parameters gathered and computed with in bf16, gradients reduced in
+fp32 into the fp32 shards (the optimizer's master weights), as the plan costs the gathers.
 
 Each of the three checkpoints the plan's recomputed layers
 (:attr:`~autoplan.plan_schema.Plan.recompute`), which must name modules, with
@@ -47,8 +49,8 @@ products and attention where the layer is recomputed selectively
 that module (the embedding before the first block, the head and the loss after the last); those
 run once and keep their outputs, so the loss's count is not all-reduced again in the backward
 as the plan lists for a recomputed loss. The plan's precision is the ``torch.autocast`` that
-:class:`~autoplan.codegen.runtime.ParallelModule` runs every program under: parameters and
-their gathers stay fp32, as the interpreter keeps them.
+:class:`~autoplan.codegen.runtime.ParallelModule` runs every program under: parameters stay
+fp32 (FSDP's gather in bf16 under its policy, above).
 
 ``"tensor_parallel"`` — Megatron tensor parallelism. The non-replicated parameters are exactly
 those of ``nn.Linear`` modules in adjacent pairs: a column-parallel linear (weight ``S(0)``,
@@ -97,18 +99,19 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.checkpointing import selective_contexts
+from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Plan, PlannedCollective, RecomputeMode
+from autoplan.plan_schema import Plan, PlannedCollective, PrecisionPlan, RecomputeMode
 from autoplan.trace.graph import TracedGraph
 
 __all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise", "sharded_blocks"]
@@ -364,11 +367,12 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         # every group re-gathers in the backward what it freed after the forward, the root too:
         # the plan re-gathers every weight a backward reads
         blocks = sharded_blocks(module, plan)
+        policy = mixed_precision_policy(plan.precision)
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True)
+            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         root_group = any(id(p) not in in_blocks for p in module.parameters())
-        fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         if meta:
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
         return NativeProgram("fsdp", module, spec, graph, plan, mesh, {}, fsdp_groups=len(blocks) + root_group,
@@ -403,3 +407,11 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     if meta:
         materialise_whole(module, mesh.device_type, spec.init_weights)
     return NativeProgram("tensor_parallel", module, spec, graph, plan, mesh, found.styles)
+
+
+def mixed_precision_policy(precision: PrecisionPlan) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the plan's precision: parameters gathered in its parameter dtype
+    (bf16), gradients reduced in its reduction dtype (fp32); module inputs are left to
+    ``torch.autocast``, which the program runs under."""
+    return MixedPrecisionPolicy(param_dtype=gathered_dtype(precision), reduce_dtype=getattr(torch, precision.reduce_dtype),
+                                cast_forward_inputs=False)

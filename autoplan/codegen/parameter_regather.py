@@ -66,7 +66,8 @@ def _local(t: DTensor) -> torch.Tensor:
 class GatheredParameters:
     """The gathered parameters of one forward, by storage, and the hooks that re-gather them."""
 
-    def __init__(self) -> None:
+    def __init__(self, param_dtype: torch.dtype | None = None) -> None:
+        self.param_dtype = param_dtype  # what a parameter's gather moves (the plan's bf16), as in the forward
         self._gathered: dict[StorageWeakRef, tuple[DTensor, list[str]]] = {}
         self._by_grad_fn: dict[Any, tuple[DTensor, list[str]]] = {}  # autograd node of a gathered one
 
@@ -115,7 +116,7 @@ class GatheredParameters:
             return packed
         mesh = packed.param.device_mesh
         with torch.no_grad():
-            full = _local(redistribute(packed.param, packed.specs, mesh))
+            full = _local(redistribute(packed.param, packed.specs, mesh, param_dtype=self.param_dtype))
             if packed.dtype is not None:
                 full = full.to(packed.dtype)
         local = full.as_strided(packed.local_size, packed.local_stride, packed.local_offset)

@@ -81,7 +81,7 @@ from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
-from autoplan.codegen.precision import compute_precision
+from autoplan.codegen.precision import compute_precision, gathered_dtype
 from autoplan.codegen.redistribution import reduce_gradient_on_edge, redistribute, to_dtensor_placements
 from autoplan.codegen.sharded_state import gradient_placements
 from autoplan.errors import AutoplanError
@@ -108,7 +108,8 @@ class _StageModule(torch.nn.Module):
                  constants: dict[str, torch.Tensor], graph_module: torch.fx.GraphModule,
                  recomputed: Sequence[RecomputedLayer] = (),
                  precision: Callable[[], AbstractContextManager] = nullcontext,
-                 gradient_targets: dict[int, tuple[Placement, ...]] | None = None) -> None:
+                 gradient_targets: dict[int, tuple[Placement, ...]] | None = None,
+                 param_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
@@ -139,7 +140,7 @@ class _StageModule(torch.nn.Module):
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
         self.redistributions: list[tuple[str, str, str]] = []
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
-        self.gathered = GatheredParameters()
+        self.gathered = GatheredParameters(param_dtype)
 
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_nodes):
@@ -191,7 +192,7 @@ class _StageModule(torch.nn.Module):
                                     f"{len(tensor_inputs)}: the plan is not for this graph")
             for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
                 target = self.gradient_targets.get(id(env[a])) if a in self._locals else None
-                arrived[a] = redistribute(env[a], specs, self.mesh, target)
+                arrived[a] = redistribute(env[a], specs, self.mesh, target, self.gathered.param_dtype)
                 if a in self._locals:  # a parameter's partial gradient is reduced after the schedule
                     if regathers_for(n):
                         self.gathered.remember(arrived[a], env[a], specs)
@@ -302,7 +303,7 @@ class PipelineProgram(torch.nn.Module):
         self.stage_modules = torch.nn.ModuleList(
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
-                         self.gradient_targets)
+                         self.gradient_targets, gathered_dtype(plan.precision))
             for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):

@@ -6,8 +6,11 @@ parallelism without FSDP): matrix products, linear layers and attention compute 
 casts of their inputs, the ops autocast keeps in fp32 (losses, norms on GPUs) stay in fp32, and
 element-wise ops follow their inputs. The parameters stay fp32 (the master weights); each cast's
 backward turns its bf16 gradient back into fp32, so gradients are reduced in fp32 and the
-optimizer steps fp32 state. A parameter gathered for its consumer is gathered in fp32 and cast
-there (the re-gather in the backward too, :mod:`autoplan.codegen.parameter_regather`).
+optimizer steps fp32 state. A parameter gathered for its consumer moves as bf16, as FSDP2's
+``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)`` gathers it:
+its shard is cast to bf16, gathered, and cast back to fp32 for the consumer, whose autocast
+cast of it is then what the single-device model's is (the re-gather in the backward too,
+:mod:`autoplan.codegen.parameter_regather`); its gradient goes back in fp32.
 
 ``--check`` runs the single-device reference under the same policy, so the two differ by the
 rounding of bf16 products summed in another order (a sharded contraction adds partial bf16
@@ -40,6 +43,12 @@ def compute_precision(precision: PrecisionPlan, device_type: str) -> AbstractCon
     if dtype == torch.float32:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device_type, dtype=dtype)
+
+
+def gathered_dtype(precision: PrecisionPlan) -> torch.dtype | None:
+    """The dtype a parameter's gather moves under ``precision`` (None: its own)."""
+    dtype = getattr(torch, precision.param_dtype)
+    return None if dtype == torch.float32 else dtype
 
 
 def check_tolerances(precision: PrecisionPlan) -> tuple[float, float]:

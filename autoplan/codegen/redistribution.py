@@ -49,13 +49,28 @@ def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
 
 
 def redistribute(value: Any, specs: list[str] | None, mesh: DeviceMesh,
-                 grad_target: tuple[DPlacement, ...] | None = None) -> Any:
+                 grad_target: tuple[DPlacement, ...] | None = None, param_dtype: torch.dtype | None = None) -> Any:
     """Bring one op input to the placements the plan chose for it; in the backward, bring its
     gradient to the producer's placement, or to ``grad_target`` (a parameter whose gradient
-    the plan stores sharded, ZeRO-2) (:class:`_PlannedRedistribute`)."""
+    the plan stores sharded, ZeRO-2) (:class:`_PlannedRedistribute`). A parameter moves as
+    ``param_dtype`` where given (the plan's bf16: :func:`_moved_as`), its gradient in its own."""
     if isinstance(value, DTensor) and value.requires_grad and specs is not None and _changes(value, specs):
-        return _PlannedRedistribute.apply(value, specs, mesh, grad_target)
-    return _redistribute_value(value, specs, mesh)
+        return _PlannedRedistribute.apply(value, specs, mesh, grad_target, param_dtype)
+    return _moved_as(value, specs, mesh, param_dtype)
+
+
+def _moved_as(value: Any, specs: list[str] | None, mesh: DeviceMesh, param_dtype: torch.dtype | None) -> Any:
+    """``value`` redistributed to ``specs``; a floating-point parameter's elements moved as
+    ``param_dtype`` (cast before its collectives, as FSDP2's ``MixedPrecisionPolicy`` gathers
+    bf16 parameters, and back to the parameter's own dtype after, so the consumer computes as
+    the single-device model does under ``torch.autocast``: its bf16 cast of the parameter is
+    the same). Only a resharding that moves the parameter's shards (a gather, an all-to-all)
+    casts: cutting a replicated one moves nothing."""
+    if param_dtype is None or not isinstance(value, torch.nn.Parameter) or not isinstance(value, DTensor) \
+            or value.dtype == param_dtype or not value.dtype.is_floating_point or specs is None \
+            or not any(isinstance(c, Shard) and t != c for c, t in zip(value.placements, _target(specs))):
+        return _redistribute_value(value, specs, mesh)
+    return _redistribute_value(value.to(param_dtype), specs, mesh).to(value.dtype)
 
 
 def _changes(value: DTensor, specs: list[str]) -> bool:
@@ -79,19 +94,19 @@ class _PlannedRedistribute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh,  # type: ignore[override]
-                grad_target: tuple[DPlacement, ...] | None) -> DTensor:
+                grad_target: tuple[DPlacement, ...] | None, param_dtype: torch.dtype | None) -> DTensor:
         ctx.target = grad_target or tuple(Replicate() if p.is_partial() else p for p in value.placements)
         ctx.mesh = mesh
-        return _redistribute_value(value, specs, mesh)
+        return _moved_as(value, specs, mesh, param_dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None, None, None, None]:  # type: ignore[override]
         if isinstance(grad, DTensor) and tuple(grad.placements) != ctx.target:
             # Redistribute gives the gradient's GLOBAL stride to the contiguous LOCAL result of
             # its collective: gradients of transposed values must be made contiguous first
             grad = _contiguous(grad) if not grad.is_contiguous() else grad
             grad = grad.redistribute(ctx.mesh, ctx.target)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def reduce_gradient_on_edge(before: Any, after: Any, target: tuple[DPlacement, ...] | None = None) -> Any:

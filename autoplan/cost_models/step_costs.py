@@ -147,11 +147,21 @@ def value_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
     under ``torch.autocast``, where matrix products compute in bf16 and the values computed
     from them follow (a value mixing a bf16 result with an fp32 one, such as a residual sum,
     stays fp32 in the program: the cost model's approximation). A parameter keeps its own
-    size: it is the float32 master, gathered in float32 and cast at its consumer, and its
-    gradients are reduced in float32."""
+    size: it is the float32 master, and its gradients are reduced in float32 (its forward
+    resharding moves bf16: :func:`resharded_itemsize`)."""
     if mixed_precision and info.kind != "parameter" and info.dtype.replace("torch.", "") == "float32":
         return 2
     return info.itemsize
+
+
+def resharded_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
+    """Bytes per element of a value's forward resharding. Under mixed precision a float32
+    parameter moves as bfloat16: the program casts the master's shard to bf16 before it gathers
+    it (and again for the backward's re-gather), as FSDP2's ``MixedPrecisionPolicy(param_dtype=
+    bfloat16)`` does; the gradient goes back in float32 (:func:`value_itemsize`)."""
+    if mixed_precision and info.kind == "parameter" and info.dtype.replace("torch.", "") == "float32":
+        return 2
+    return value_itemsize(info, mixed_precision)
 
 
 def compute_dtype(info: NodeInfo, mixed_precision: bool) -> str:
@@ -262,7 +272,8 @@ def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
 
 def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
                ctx: CostContext, partial_axes: frozenset[int] = frozenset(), whole_axes: frozenset[int] = frozenset(),
-               grad_src: ShardingSpec | None = None) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
+               grad_src: ShardingSpec | None = None, forward_itemsize: int | None = None
+               ) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
     """Forward and backward collectives of an edge whose producer emits ``src`` and whose
     consumer reads ``dst``. The consumer's backward leaves the gradient as partial sums on
     ``partial_axes`` (:attr:`Strategy.partial_grads`); carrying it back into the producer's
@@ -270,8 +281,10 @@ def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], ite
     into a sharded one (as DTensor's backward does). On ``whole_axes`` the consumer's backward
     gives the gradient replicated (:attr:`Strategy.whole_grad_axes`). A parameter whose
     gradient is stored in ``grad_src`` (ZeRO-2) has it reduced into that placement instead:
-    a reduce-scatter where the parameter's would be an all-reduce."""
-    forward = reshard_steps(src, dst, shape, itemsize, ctx.mesh_shape) if src != dst else []
+    a reduce-scatter where the parameter's would be an all-reduce. The forward moves
+    ``forward_itemsize`` bytes per element where given (:func:`resharded_itemsize`), the
+    backward ``itemsize``."""
+    forward = reshard_steps(src, dst, shape, forward_itemsize or itemsize, ctx.mesh_shape) if src != dst else []
     backward: list[CollectiveStep] = []
     if carries_grad:
         g_dst = tuple(P if axis in partial_axes else R if axis in whole_axes else p
@@ -315,22 +328,22 @@ def regather_runs(from_parameter: bool, recomputed: bool, kept: bool) -> int:
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
               whole_axes: frozenset[int] = frozenset(), recomputed: bool = False, kept: bool = False,
-              grad_src: ShardingSpec | None = None) -> float:
+              grad_src: ShardingSpec | None = None, forward_itemsize: int | None = None) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
     microbatch (twice where the consumer is ``recomputed``); the backward every microbatch,
     except for the gradient of a parameter read as it is stored, which is reduced once per
     step (bucketed, no latency per parameter). A parameter read in another placement is
     resharded every microbatch, and its gradient goes back through that resharding each time;
     where its consumer ``kept`` it for the backward, the backward gathers it again
-    (:func:`regather_runs`). ``grad_src``: see :func:`edge_steps`."""
+    (:func:`regather_runs`). ``grad_src``, ``forward_itemsize``: see :func:`edge_steps`."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes,
-           ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src)
+           ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src, forward_itemsize)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
-                                       grad_src)
+                                       grad_src, forward_itemsize)
         if from_parameter and src == dst:
             cached = steps_seconds(backward, ctx, bucketed=True)
         else:

@@ -10,7 +10,7 @@ from torch import fx
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
                                              edge_steps, model_flops_utilization, regather_runs,
-                                             sharded_state_steps, steps_seconds, value_itemsize)
+                                             resharded_itemsize, sharded_state_steps, steps_seconds, value_itemsize)
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
     StagePlan)
@@ -68,7 +68,8 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), itemsize,
                                            result.needs_grad[inp], ctx, strategy.partial_axes(pos),
-                                           strategy.whole_grad_axes, src_strategy.grad_spec)
+                                           strategy.whole_grad_axes, src_strategy.grad_spec,
+                                           resharded_itemsize(info, ctx.optimizer.mixed_precision))
             where = f"{_shown(graph, classes.representative(classes.class_of[inp]))} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
             seconds += steps_seconds(forward, ctx) * ctx.microbatches

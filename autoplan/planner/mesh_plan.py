@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
-    edge_steps, steps_seconds, storage_cost, value_itemsize)
+    edge_steps, resharded_itemsize, steps_seconds, storage_cost, value_itemsize)
 from autoplan.errors import AutoplanError
 from autoplan.planner.pins import PinSet
 from autoplan.sharding import R, ShardingSpec, spec_to_json
@@ -394,6 +394,7 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
     for (u, v, pos), count in _class_edges(view, classes).items():
         src_info = view.graph.nodes[classes.representative(u)]
         shape, itemsize = src_info.shape or (), value_itemsize(src_info, ctx.optimizer.mixed_precision)
+        moved = resharded_itemsize(src_info, ctx.optimizer.mixed_precision)
         grad = view.needs_grad[classes.representative(u)]
         gu, gv = grouping.group_of[u], grouping.group_of[v]
         from_parameter = src_info.kind == "parameter"
@@ -404,7 +405,7 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
         recomputed = ctx.region_of(classes.representative(v)) is not None
         kept = from_parameter and grad and parameter_kept(view.fx_nodes, view.needs_grad, classes.representative(v),
                                                           src_info.name, ctx)
-        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter, recomputed, kept)
+        matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter, recomputed, kept, moved)
         if any(any(row) for row in matrix):
             edges.append(Edge(gu, gv, [[count * c for c in row] for row in matrix]))
     names = [classes.representative(root) for root in grouping.roots]
@@ -416,17 +417,18 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
 def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...],
                  reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
                  shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool,
-                 recomputed: bool = False, kept: bool = False) -> list[list[float]]:
+                 recomputed: bool = False, kept: bool = False, forward_itemsize: int | None = None
+                 ) -> list[list[float]]:
     """Seconds of one edge for every producer (its spec, and its gradient's where stored
     unlike it) × consumer read (its spec, partial and whole gradient axes), memoised whole in
     ``ctx.cache``: the edges between ops of one kind repeat within a layer and across the
     layers planned on one mesh."""
     key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
-           ctx.parameter_edges if from_parameter else -1, recomputed, kept)
+           ctx.parameter_edges if from_parameter else -1, recomputed, kept, forward_itemsize)
     matrix = ctx.cache.get(key)
     if matrix is None:
         matrix = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
-                                                     whole, recomputed, kept, grad_src)
+                                                     whole, recomputed, kept, grad_src, forward_itemsize)
                    for dst, partial, whole in reads] for src, grad_src in src_specs]
         ctx.cache[key] = matrix
     return matrix
@@ -563,7 +565,7 @@ def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext
             if source_info.kind == "parameter" and result.needs_grad[source] and \
                     parameter_kept(fx_nodes, result.needs_grad, name, source, ctx):
                 continue  # gathered again in the backward already
-            forward, _ = edge_steps(produced[0], dst, source_info.shape or (), value_itemsize(source_info, mixed),
+            forward, _ = edge_steps(produced[0], dst, source_info.shape or (), resharded_itemsize(source_info, mixed),
                                     False, ctx)
             added += steps_seconds(forward, ctx) * ctx.microbatches
     return added, freed
