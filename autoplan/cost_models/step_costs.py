@@ -20,7 +20,9 @@ program keeps the stored shard instead and gathers it again in the backward (FSD
 ``reshard_after_forward``), and the backward's resharding reduce-scatters its gradient. Memory
 counts the stored shard (parameter, gradient, optimizer state) only: one gathered parameter is
 alive at a time, transiently, and is not counted. The gathers run when the consumer needs them
-(no prefetch): nothing overlaps with compute, as in every other collective here.
+(no prefetch): nothing overlaps with compute, as in every other collective here. Under mixed
+precision a gather moves bf16 (:func:`resharded_itemsize`, FSDP2's ``MixedPrecisionPolicy``),
+the gradient's reduce-scatter fp32.
 
 Optimizer state sharded under a whole parameter (ZeRO-1/2). A trained parameter's storage
 strategy may keep its placement ``p`` and store its optimizer state in ``s``, ``p`` with one
