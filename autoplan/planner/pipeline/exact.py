@@ -22,6 +22,7 @@ from autoplan.trace.subgraph import extract
 
 BUDGET_RETRIES = 2  # times a rank's stages are planned again when one's memory share proves too small
 RERANK_MARGIN = 0.05  # of those, the ones within 5% of the search's best are planned exactly; the fastest wins
+SECOND_ROUND = 3  # then up to this many more whose estimates beat the fastest exact plan
 TRIMMED_MARGIN = 0.5  # and the best that recomputes nothing, within 50%, where all of those recompute
 
 
