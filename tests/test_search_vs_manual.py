@@ -35,7 +35,7 @@ def _draw(rng: random.Random, devices: int) -> ManualPlan:
     fsdp = data if rng.random() < 0.5 else 1
     microbatches = rng.choice([1, 2]) if pp == 1 else rng.choice([pp, 2 * pp])
     return ManualPlan(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, microbatches=microbatches,
-                      ac=rng.choice(["none", "full"]))
+                      ac=rng.choice(["none", "full", "selective"]))
 
 
 def _spec(name: str):
@@ -64,3 +64,16 @@ def test_no_drawn_manual_plan_is_predicted_faster_than_the_found_one(name: str) 
                     f"{cluster}, {devices} devices: {manual.label} predicted {alternative.predicted.step_time_s} s, " \
                     f"the found plan {found} s"
     assert costed >= 12  # most draws are feasible plans
+
+
+def test_no_drawn_manual_plan_is_predicted_faster_under_a_memory_budget() -> None:
+    spec = _spec("llama")
+    peak = plan_model(spec, PlanOptions(4, "cpu")).predicted.memory_bytes.peak
+    options = PlanOptions(4, "cpu", memory_per_device=0.6 * peak)  # the fastest plan does not fit
+    found = plan_model(spec, options).predicted.step_time_s
+    rng = random.Random("budget")
+    feasible = [alt for alt in (cost_manual(spec, options.planner_options(), _draw(rng, 4)) for _ in range(2 * DRAWS))
+                if alt.predicted is not None]
+    assert feasible
+    for alternative in feasible:
+        assert found <= alternative.predicted.step_time_s * (1 + 1e-6), (alternative.name, found)

@@ -454,8 +454,8 @@ def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: GraphView |
 
 
 def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
-           memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool
-           ) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
+           memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool,
+           gathered_storage: bool = False) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
     """The ILP, solved. Storing a trained parameter sharded and gathering it at use costs
     gathers and saves memory (its optimizer step shrinks too, on GPU clusters by less than
     the gathers cost), so it is searched where memory needs it: the fastest plan with every
@@ -464,7 +464,14 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     choices (:func:`_group`), and with it the parameters' sharded optimizer state (ZeRO-1/2:
     one all-gather per step, a reduce-scatter for an all-reduce). A plan that fits without
     them may be beaten by one that shards for the optimizer's sake alone (a ZeRO-2 step can
-    cost less than a replicated one); that plan is not searched."""
+    cost less than a replicated one); that plan is not searched. With ``gathered_storage``
+    they are among the choices from the start (the stage search's layer costs, whose
+    problems are trimmed to fit memory later)."""
+    if gathered_storage:
+        grouping = _group(view, classes, strat, gathered_storage=True)
+        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
+        return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s,
+                                                 canonical=canonical)
     grouping = _group(view, classes, strat, gathered_storage=False)
     problem = _build_problem(view, classes, strat, grouping, ctx, None)
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
@@ -481,7 +488,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
                   memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
                   pick: Callable[[int, list[str]], int] | None = None,
                   allow_storage: StorageRule | None = None, canonical: bool = True,
-                  pins: PinSet | None = None) -> IntraOpResult:
+                  pins: PinSet | None = None, gathered_storage: bool = False) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
@@ -493,7 +500,8 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     canonically (:mod:`autoplan.solvers.intra_op.canonical`), at the price of a second solve:
     needed for a plan that runs, not for a cost estimate. ``pins`` (the user's, see
     :mod:`autoplan.planner.pins`) leave each node they hold only the strategies whose output
-    they allow: constraints of the ILP, whose resharding the objective pays."""
+    they allow: constraints of the ILP, whose resharding the objective pays.
+    ``gathered_storage``: see :func:`_solve`."""
     view = GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     if ctx.recompute_regions:  # copies of a block share a strategy only where they are recomputed alike
@@ -515,7 +523,8 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
             producer = strat[classes.class_of[node.args[0].name]]
         strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage, pins))
     if pick is None:
-        grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical)
+        grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
+                                             gathered_storage)
     else:
         grouping = _group(view, classes, strat, gathered_storage=True)
         problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)

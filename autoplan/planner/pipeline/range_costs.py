@@ -31,6 +31,8 @@ class LayerCosts:
     options: PlannerOptions
     ctx: CostContext
     cache: dict[tuple[str, str], tuple[float, float]] = field(default_factory=dict)
+    # the layers' ILPs with gathered storage among the choices (FSDP, ZeRO-1/2) and their
+    # fastest answers: what trimming and the least-memory plans choose from
     problems: dict[str, IntraOpProblem] = field(default_factory=dict)
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
@@ -48,12 +50,12 @@ class LayerCosts:
 
     def cost(self, graph: TracedGraph, layer: Layer, mode: str = FAST) -> tuple[float, float]:
         """(seconds per step, bytes per device) of one layer, by ``mode``: its fastest plan
-        (``FAST``, its own ILP) or its least-memory plan (``LEAN``)."""
+        (``FAST``, its own ILP, parameters stored as read) or its least-memory plan (``LEAN``,
+        gathered storage among the choices)."""
         key = (layer.signature, mode)
         if key not in self.cache:
             if mode == LEAN:  # the least-memory choice of every group (cheapest among equals): no ILP
-                self.cost(graph, layer)
-                problem = self.problems[layer.signature]
+                problem = self.storage_problem(graph, layer)
                 choices = [min(range(len(m)), key=lambda i, m=m, c=c: (m[i], c[i]))
                            for m, c in zip(problem.memory, problem.costs)]
                 self.cache[key] = evaluate(problem, choices)
@@ -63,13 +65,26 @@ class LayerCosts:
                                        self.options.solver, self.options.time_limit_s,
                                        allow_storage=self.options.allow_storage, canonical=False,
                                    pins=self.options.pins)
-                self.problems[layer.signature] = result.problem
-                self.fast_choices[layer.signature] = result.solution.choices
                 self.changes[layer.signature, RecomputeMode.FULL] = recompute_change(sub, result, self.ctx)
                 self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
                     sub, result, self.ctx, saved_outputs(sub, [layer]))
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
+
+    def storage_problem(self, graph: TracedGraph, layer: Layer) -> IntraOpProblem:
+        """One layer's ILP with gathered storage among the choices, solved without a budget
+        once (its fastest answer is where trimming starts): a layer that does not fit sheds
+        parameter, gradient and optimizer-state memory through FSDP and ZeRO-1/2 as well as
+        through tensor parallelism."""
+        if layer.signature not in self.problems:
+            sub = extract(graph, list(layer.nodes))
+            result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
+                                   self.options.solver, self.options.time_limit_s,
+                                   allow_storage=self.options.allow_storage, canonical=False,
+                                   pins=self.options.pins, gathered_storage=True)
+            self.problems[layer.signature] = result.problem
+            self.fast_choices[layer.signature] = result.solution.choices
+        return self.problems[layer.signature]
 
     def recomputed(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode = RecomputeMode.FULL
                    ) -> tuple[float, float]:
@@ -90,7 +105,7 @@ class LayerCosts:
         key = (tuple(sorted(counts.items())), budget)
         if key not in self.trims:
             for layer in layers:
-                self.cost(graph, layer)
+                self.storage_problem(graph, layer)
             signatures = sorted(counts)
             problems = [self.problems[sig] for sig in signatures]
             choices = trim_memory_together(problems, [counts[sig] for sig in signatures],
@@ -310,8 +325,10 @@ class RangeTable:
         the trimming), and where that is not enough the selective ones fully, by the same
         measure (selective recomputation adds the cheap ops only, so it usually frees more
         bytes per second); with a ``mode``, the layers in that mode only. Where recomputing
-        every layer of the range is not enough, its layers are also trimmed (see below). None
-        where no layer of the range may be recomputed."""
+        every layer of the range in a mode is not enough, its layers are also trimmed (see
+        below), and the fastest answer that fits wins: every layer selectively and trimmed
+        (FSDP with selective checkpointing) may beat every layer fully. None where no layer of
+        the range may be recomputed."""
         if self.may_recompute is None:
             self.may_recompute = recomputable(self.graph, self.layers)
         candidates = [i for i in range(start, end) if i in self.may_recompute]
@@ -336,10 +353,32 @@ class RangeTable:
             applied[i] = (how, before_s + added, before_b + freed)
             seconds, memory = seconds + added, memory - freed
 
+        def as_now() -> RangePlan:
+            return RangePlan(seconds + joins, memory, frozenset(applied), _selective(applied))
+
+        def trimmed_now() -> RangePlan:
+            # every layer recomputed and still too large: trim as well, counting on a share 1/n of
+            # the bytes recomputing frees (a trimmed plan may keep fewer activations to free, where
+            # it shards them; n the mesh's size), else, where that does not fit, on all of them (a
+            # plan that trims parameters and optimizer state only, as FSDP does, frees as many);
+            # and charging the fastest plans' recomputation
+            added = sum(a for _, a, _ in applied.values())
+            freed = sum(b for _, _, b in applied.values())
+            plan = None
+            for share in (freed / math.prod(self.costs.ctx.mesh_shape), freed):
+                trimmed = self._sharded(start, end, budget + share)
+                plan = RangePlan(trimmed.seconds + added, trimmed.memory - share, frozenset(applied),
+                                 _selective(applied))
+                if plan.memory <= budget:
+                    break
+            assert plan is not None
+            return plan
+
         for i in sorted(pinned):
             apply(i, RecomputeMode.FULL)
         others = [i for i in candidates if i not in pinned]
         phases = [mode] if mode is not None else [RecomputeMode.SELECTIVE, RecomputeMode.FULL]
+        found: list[RangePlan] = []  # each phase's answer: fitting, or every layer recomputed so and trimmed
         for how in phases:
             steps = {i: change(i, how) for i in others}
             order = sorted((i for i in others if every or steps[i][1] > 0),
@@ -348,15 +387,15 @@ class RangeTable:
                 if not every and (budget is None or memory <= budget):
                     break
                 apply(i, how)
-        if budget is not None and memory > budget and len(applied) == end - start:
-            # every layer recomputed and still too large: trim as well, counting on a share 1/n of
-            # the bytes recomputing frees (a trimmed plan keeps fewer activations to free; n the
-            # mesh's size), and charging the fastest plans' recomputation
-            freed = sum(b for _, _, b in applied.values()) / math.prod(self.costs.ctx.mesh_shape)
-            trimmed = self._sharded(start, end, budget + freed)
-            return RangePlan(trimmed.seconds + sum(a for _, a, _ in applied.values()), trimmed.memory - freed,
-                             frozenset(applied), _selective(applied))
-        return RangePlan(seconds + joins, memory, frozenset(applied), _selective(applied))
+            if budget is None or memory <= budget:
+                found.append(as_now())
+                break
+            if len(applied) == end - start:
+                found.append(trimmed_now())
+        fitting = [plan for plan in found if budget is None or plan.memory <= budget]
+        if fitting:  # selectively and trimmed may beat fully recomputed (FSDP with selective checkpointing)
+            return min(fitting, key=lambda plan: plan.seconds)
+        return min(found, key=lambda plan: plan.memory) if found else as_now()
 
 
 def _selective(applied: dict[int, tuple[RecomputeMode, float, float]]) -> frozenset[int]:
