@@ -52,14 +52,20 @@ def _walk(gm: torch.fx.GraphModule, x: torch.Tensor, regions: CheckpointedRegion
     raise AssertionError("no output")
 
 
-def test_checkpointed_region_keeps_fewer_tensors_and_gives_the_same_gradients() -> None:
+def _three_linears() -> tuple[nn.Module, torch.fx.GraphModule, list[str], torch.Tensor]:
+    """A model of three linears with tanh between them, its graph, the op nodes of its middle
+    (tanh, linear, tanh) and an input."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
     gm = torch.fx.symbolic_trace(model)
     ops = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    x = torch.randn(4, 8)
+    return model, gm, ops[1:4], torch.randn(4, 8)
+
+
+def test_checkpointed_region_keeps_fewer_tensors_and_gives_the_same_gradients() -> None:
+    model, gm, middle, x = _three_linears()
     results = []
-    for recomputed in ([], [RecomputedLayer("middle", ops[1:4])]):
+    for recomputed in ([], [RecomputedLayer("middle", middle)]):
         saved = []
         model.zero_grad()
         with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
@@ -82,14 +88,10 @@ def test_recomputing_costs_a_forward_and_frees_activations() -> None:
 
 
 def test_selective_region_keeps_matrix_products_and_gives_the_same_gradients() -> None:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
-    gm = torch.fx.symbolic_trace(model)
-    ops = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    x = torch.randn(4, 8)
+    model, gm, middle, x = _three_linears()
     results = []
     for mode in (None, "full", "selective"):
-        recomputed = [RecomputedLayer("middle", ops[1:4], mode)] if mode else []
+        recomputed = [RecomputedLayer("middle", middle, mode)] if mode else []
         model.zero_grad()
         loss = _walk(gm, x, CheckpointedRegions(recomputed, gm.graph.nodes)).sum()
         with _OpCounter() as counter:
