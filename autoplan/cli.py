@@ -29,10 +29,10 @@ from autoplan.planner.front_door import plan_model
 from autoplan.planner.meshes import mesh_label, parse_mesh
 from autoplan.planner.options import PlanOptions
 from autoplan.planner.pins import pin_file_texts
-from autoplan.stdout_redirect import stdout_fd_redirected
 from autoplan.reports.summary import summary_text
 from autoplan.reports.timeline import write_timeline
 from autoplan.solvers import SOLVER_NAMES
+from autoplan.stdout_redirect import stdout_fd_redirected
 
 SUBCOMMANDS = ("plan", "calibrate")
 

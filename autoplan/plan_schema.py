@@ -107,9 +107,8 @@ class RecomputedLayer:
     """A layer whose activations the forward does not keep: the program runs its op nodes
     (graph order) under non-reentrant activation checkpointing, which keeps the values it
     reads and runs them again in the backward, collectives included. ``mode`` ``selective``
-    also keeps the outputs of its matrix products and attention
-    (:data:`autoplan.planner.recompute.SELECTIVE_SAVED_OPS`), which the backward then does not
-    compute again."""
+    also keeps the outputs of its matrix products and attention (:data:`SELECTIVE_SAVED_OPS`),
+    which the backward then does not compute again."""
 
     layer: str
     nodes: list[str]

@@ -98,8 +98,9 @@ class CheckReport:
             for kind in kinds:
                 p, e = self.planned.get(phase, {}).get(kind, 0), self.executed.get(phase, {}).get(kind, 0)
                 mark = "" if p == e else "   <- differs"
-                moved = ", ".join(self.moved.get(phase, {}).get(kind, []))
-                lines.append(f"check:   {phase:8s} {kind:15s} {p:8d}  {e:8d}{mark}" + (f"   ({moved})" if moved else ""))
+                moved = ", ".join(self.moved.get(phase, {}).get(kind, []))  # the dtypes it moved
+                lines.append(f"check:   {phase:8s} {kind:15s} {p:8d}  {e:8d}{mark}"
+                             + (f"   ({moved})" if moved else ""))
         lines.append("check: PASSED" if self.ok else "check: FAILED")
         return "\n".join(lines)
 

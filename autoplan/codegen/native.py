@@ -105,9 +105,9 @@ from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.checkpointing import selective_contexts
-from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
+from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
 from autoplan.load import ModelSpec
@@ -413,5 +413,5 @@ def mixed_precision_policy(precision: PrecisionPlan) -> MixedPrecisionPolicy:
     """FSDP2's policy for the plan's precision: parameters gathered in its parameter dtype
     (bf16), gradients reduced in its reduction dtype (fp32); module inputs are left to
     ``torch.autocast``, which the program runs under."""
-    return MixedPrecisionPolicy(param_dtype=gathered_dtype(precision), reduce_dtype=getattr(torch, precision.reduce_dtype),
-                                cast_forward_inputs=False)
+    return MixedPrecisionPolicy(param_dtype=gathered_dtype(precision),
+                                reduce_dtype=getattr(torch, precision.reduce_dtype), cast_forward_inputs=False)

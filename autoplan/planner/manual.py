@@ -42,7 +42,7 @@ from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 
 _KEYS = ("dp", "fsdp", "tp", "pp", "microbatches", "schedule", "ac", "precision", "zero")
-_CHECKPOINTING = ("full", "selective", "none")  # ac=: every layer recomputed in the backward (so), or none
+_CHECKPOINTING = ("full", "selective", "none")  # ac=: every layer recomputed in the backward so, or none
 
 
 @dataclass(frozen=True, kw_only=True)
