@@ -93,8 +93,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--no-pipeline", action="store_true", help="intra-op parallelism only (one stage)")
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
                       help="also cost this hand-written plan and show it beside the found one (repeatable); "
-                           "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, ac=full|none, "
-                           "precision=fp32|bf16, zero=1|2 (optimizer state, and gradients, sharded over dp)")
+                           "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, "
+                           "ac=full|selective|none, precision=fp32|bf16, zero=1|2 (optimizer state, and gradients, "
+                           "sharded over dp)")
     pins = parser.add_argument_group("pins: decisions you fix, which the planner plans around")
     pins.add_argument("--pin", action="append", default=[], metavar="PATTERN=VALUE",
                       help="pin part of the plan (repeatable): h.*.mlp.c_fc.weight=[R, S(0)] (a placement, * leaves an "
