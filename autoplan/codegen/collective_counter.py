@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 #: A collective op's name (lower case) contains one of these; the value is its kind.
 COLLECTIVE_NAMES = {
@@ -55,16 +56,6 @@ class CollectiveCounter(TorchDispatchMode):
         if _is_collective(func):
             kind = collective_kind(func._overloadpacket.__name__)
             self.counts[kind] += 1
-            self.dtypes.setdefault(kind, set()).update(str(t.dtype).replace("torch.", "") for t in _tensors(args))
+            self.dtypes.setdefault(kind, set()).update(str(t.dtype).replace("torch.", "")
+                                                       for t in tree_leaves(args) if isinstance(t, torch.Tensor))
         return out
-
-
-def _tensors(args: Any) -> list[torch.Tensor]:
-    """The tensors among a collective's arguments (lists of them included)."""
-    out: list[torch.Tensor] = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            out.append(a)
-        elif isinstance(a, (list, tuple)):
-            out.extend(t for t in a if isinstance(t, torch.Tensor))
-    return out

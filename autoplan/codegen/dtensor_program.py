@@ -136,7 +136,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
             before = self.env[a]
             after = redistribute(before, specs, mesh, self.program.gradient_targets.get(a.name),
-                                 self.program.gathered.param_dtype)
+                                 self.program.param_dtype)
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", spec_text(before.placements), spec_text(after.placements)))
@@ -215,7 +215,8 @@ class ShardedProgram(torch.nn.Module):
         self.deferred_gradients: set[str] = set()
         self.gradient_buckets: BucketedReduction | None = None
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
-        self.gathered = GatheredParameters(gathered_dtype(plan.precision))
+        self.param_dtype = gathered_dtype(plan.precision)  # what a parameter's gathers move
+        self.gathered = GatheredParameters(self.param_dtype)
         # parameters (placeholder names) whose edges reduce the gradient into the placements
         # the plan stores it in rather than the parameter's (ZeRO-2)
         # (``gradient_placements``: the same by ``id(parameter)``, for the gradient hooks)

@@ -99,7 +99,7 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
@@ -107,11 +107,11 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
-from autoplan.codegen.precision import gathered_dtype
+from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Plan, PlannedCollective, PrecisionPlan, RecomputeMode
+from autoplan.plan_schema import Plan, PlannedCollective, RecomputeMode
 from autoplan.trace.graph import TracedGraph
 
 __all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise", "sharded_blocks"]
@@ -408,10 +408,3 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         materialise_whole(module, mesh.device_type, spec.init_weights)
     return NativeProgram("tensor_parallel", module, spec, graph, plan, mesh, found.styles)
 
-
-def mixed_precision_policy(precision: PrecisionPlan) -> MixedPrecisionPolicy:
-    """FSDP2's policy for the plan's precision: parameters gathered in its parameter dtype
-    (bf16), gradients reduced in its reduction dtype (fp32); module inputs are left to
-    ``torch.autocast``, which the program runs under."""
-    return MixedPrecisionPolicy(param_dtype=gathered_dtype(precision),
-                                reduce_dtype=getattr(torch, precision.reduce_dtype), cast_forward_inputs=False)

@@ -140,6 +140,7 @@ class _StageModule(torch.nn.Module):
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
         self.redistributions: list[tuple[str, str, str]] = []
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
+        self.param_dtype = param_dtype  # what a parameter's gathers move
         self.gathered = GatheredParameters(param_dtype)
 
     def forward(self, *args: torch.Tensor) -> Any:
@@ -192,7 +193,7 @@ class _StageModule(torch.nn.Module):
                                     f"{len(tensor_inputs)}: the plan is not for this graph")
             for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
                 target = self.gradient_targets.get(id(env[a])) if a in self._locals else None
-                arrived[a] = redistribute(env[a], specs, self.mesh, target, self.gathered.param_dtype)
+                arrived[a] = redistribute(env[a], specs, self.mesh, target, self.param_dtype)
                 if a in self._locals:  # a parameter's partial gradient is reduced after the schedule
                     if regathers_for(n):
                         self.gathered.remember(arrived[a], env[a], specs)

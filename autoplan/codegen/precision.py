@@ -23,6 +23,7 @@ import contextlib
 from contextlib import AbstractContextManager
 
 import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from autoplan.plan_schema import PrecisionPlan
 
@@ -54,3 +55,11 @@ def gathered_dtype(precision: PrecisionPlan) -> torch.dtype | None:
 def check_tolerances(precision: PrecisionPlan) -> tuple[float, float]:
     """(rtol, atol) of ``--check`` for a plan in ``precision``."""
     return FP32_TOLERANCES if compute_dtype(precision) == torch.float32 else BF16_TOLERANCES
+
+
+def mixed_precision_policy(precision: PrecisionPlan) -> MixedPrecisionPolicy:
+    """FSDP2's policy for the plan's precision: parameters gathered in its parameter dtype
+    (bf16), gradients reduced in its reduction dtype (fp32); module inputs are left to
+    ``torch.autocast``, which the program runs under."""
+    return MixedPrecisionPolicy(param_dtype=gathered_dtype(precision),
+                                reduce_dtype=getattr(torch, precision.reduce_dtype), cast_forward_inputs=False)

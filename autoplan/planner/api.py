@@ -22,8 +22,8 @@ from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pins import PinKind
-from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, policy_mode, recomputable,
-    recomputed_layers, regions, saved_outputs)
+from autoplan.planner.recompute import (RecomputeMode, every_layer, policy_mode, recomputable, recomputed_layers,
+    regions, saved_outputs)
 from autoplan.solvers import explain, format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
@@ -69,7 +69,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
     recomputed: list[Layer] = []
     selective: list[Layer] = []
     pinned = options.pins.of_kind(PinKind.CHECKPOINT) if options.pins else []
-    every = options.recompute in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
+    every = every_layer(options.recompute)
     if every or pinned:  # every layer that may be, or the pinned ones (fully)
         layers = make_layers(graph, classes)
         chosen = recomputable(graph, layers) if every else frozenset()

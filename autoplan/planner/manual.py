@@ -25,7 +25,7 @@ from autoplan.load import ModelSpec
 from autoplan.plan_schema import PRECISIONS, Alternative, Plan
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import StorageRule
-from autoplan.planner.recompute import RecomputePolicy, recomputable
+from autoplan.planner.recompute import RecomputePolicy, every_layer, recomputable
 from autoplan.planner.pipeline import (
     PipelineCandidate,
     PipelineOptions,
@@ -266,7 +266,7 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    every = options.recompute in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
+    every = every_layer(options.recompute)
     recomputed = recomputable(graph, layers) if manual.ac != "none" or every else frozenset()
     selective = recomputed if manual.ac == "selective" or (
         manual.ac == "none" and options.recompute == RecomputePolicy.SELECTIVE) else frozenset()

@@ -40,6 +40,11 @@ class RecomputePolicy(StrEnum):
     NONE = "none"
 
 
+def every_layer(policy: RecomputePolicy | str) -> bool:
+    """Whether ``policy`` recomputes every layer that may be (fully or selectively)."""
+    return policy in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
+
+
 def policy_mode(policy: RecomputePolicy | str) -> RecomputeMode:
     """The mode in which a policy that recomputes every layer recomputes them."""
     return RecomputeMode.SELECTIVE if policy == RecomputePolicy.SELECTIVE else RecomputeMode.FULL

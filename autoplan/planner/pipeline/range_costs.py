@@ -12,7 +12,8 @@ from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import plan_intra_op, recompute_change
-from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, policy_mode, recomputable, saved_outputs
+from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
+    saved_outputs)
 from autoplan.solvers import evaluate, trim_memory_together
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
@@ -284,7 +285,7 @@ class RangeTable:
     def _plan(self, start: int, end: int, budget: float | None) -> RangePlan:
         pinned = frozenset(i for i in range(start, end) if i in self.pinned_recompute)
         policy = self.policy
-        every = policy in (RecomputePolicy.ALL, RecomputePolicy.SELECTIVE)
+        every = every_layer(policy)
         if pinned:  # checkpoint pins: those layers recomputed, more where the policy and memory ask
             plan = self._recomputed(start, end, budget if policy != RecomputePolicy.NONE else None,
                                     every=every, pinned=pinned, mode=policy_mode(policy) if every else None)
