@@ -8,7 +8,7 @@ One module per job:
 
 * :mod:`.problem`: the data, its validation, the exact cost ``f(x)`` and memory of an assignment;
 * :mod:`.preprocess`: (P1)-(P5), a smaller model with the same answer;
-* :mod:`.ilp`: the pulp model, equations (0)-(4) (and the tie-break row (5));
+* :mod:`.ilp`: the pulp model, equations (0)-(4) and (6) (and the tie-break row (5));
 * :mod:`.backends`: solver names, availability and fallback, solver settings;
 * :mod:`.run`: running a solver, its status and bound, the choices it made;
 * :mod:`.solve`: :func:`solve_intra_op`, from problem to solution;
@@ -23,8 +23,8 @@ from autoplan.solvers.intra_op.brute_force import BRUTE_FORCE_LIMIT, brute_force
 from autoplan.solvers.intra_op.explain import explain
 from autoplan.solvers.intra_op.ilp import IlpModel, build_model
 from autoplan.solvers.intra_op.preprocess import SEPARABLE_RTOL, ReducedProblem, reduce_problem
-from autoplan.solvers.intra_op.problem import (Edge, IntraOpProblem, IntraOpSolution, check_memory_feasible,
-    evaluate, least_memory)
+from autoplan.solvers.intra_op.problem import (Edge, IntraOpProblem, IntraOpSolution, PeakRow, check_memory_feasible,
+    evaluate, least_memory, transient)
 from autoplan.solvers.intra_op.run import parse_cbc_bound
 from autoplan.solvers.intra_op.solve import SolverTimeoutError, relative_gap, solution_status, solve_intra_op
 from autoplan.solvers.intra_op.trimming import trim_memory, trim_memory_together
@@ -39,6 +39,7 @@ __all__ = [
     "IlpModel",
     "IntraOpProblem",
     "IntraOpSolution",
+    "PeakRow",
     "ReducedProblem",
     "SolverFallbackWarning",
     "SolverName",
@@ -57,6 +58,7 @@ __all__ = [
     "solution_status",
     "solve_intra_op",
     "solver_available",
+    "transient",
     "trim_memory",
     "trim_memory_together",
 ]

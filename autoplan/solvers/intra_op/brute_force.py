@@ -1,7 +1,7 @@
 """The canonical optimum by enumeration (tests, tiny problems).
 
 The rule of :mod:`~autoplan.solvers.intra_op.tie_break`, over every assignment: the least
-cost ``f*`` under the budget; among the assignments within the tie tolerance of ``f*`` that
+cost ``f*`` under the budget (peak rows included); among the assignments within the tie tolerance of ``f*`` that
 fit the budget, the least weight ``W``.
 """
 
@@ -12,9 +12,11 @@ import time
 
 import numpy as np
 
-from autoplan.solvers.intra_op.problem import IntraOpProblem, IntraOpSolution, check_memory_feasible
+from autoplan.errors import MemoryInfeasibleError
+from autoplan.solvers.intra_op.problem import IntraOpProblem, IntraOpSolution, check_memory_feasible, least_memory
 from autoplan.solvers.intra_op.solve import solution_of
 from autoplan.solvers.intra_op.tie_break import objective_tolerance, tie_break_weights
+from autoplan.solvers.units import format_bytes
 
 BRUTE_FORCE_LIMIT = 1_000_000  # most assignments brute_force enumerates
 
@@ -45,6 +47,17 @@ def _cost_and_memory_tensors(problem: IntraOpProblem) -> tuple[np.ndarray, np.nd
     return cost, memory
 
 
+def _transient_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:
+    """``trans(x)`` of every assignment: the largest peak row, 0 without rows."""
+    out = np.zeros(shape)
+    for row in problem.peaks:
+        value = np.full(shape, row.constant)
+        for g, terms in row.terms.items():
+            value = value + _along(shape, g, np.asarray(terms, dtype=float))
+        out = np.maximum(out, value)
+    return out
+
+
 def _weight_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:
     weights = np.zeros(shape, dtype=np.int64)
     for g, row in enumerate(tie_break_weights(problem)):
@@ -67,7 +80,10 @@ def brute_force(problem: IntraOpProblem) -> IntraOpSolution:
     cost, memory = _cost_and_memory_tensors(problem)
     fits = np.ones(cost.shape, dtype=bool)
     if problem.memory_budget is not None:
-        fits = memory <= problem.memory_budget
+        fits = memory + _transient_tensor(problem, cost.shape) <= problem.memory_budget
+    if not fits.any():
+        raise MemoryInfeasibleError(f"no assignment fits {format_bytes(problem.memory_budget or 0.0)} per device "
+                                    "with its peak rows", least_memory(problem))
     best = float(cost[fits].min())
     tied = fits & (cost <= best + objective_tolerance(best))
     weights = np.where(tied, _weight_tensor(problem, cost.shape), np.iinfo(np.int64).max)

@@ -33,7 +33,7 @@ import pulp
 from autoplan.solvers.intra_op.backends import SolverName
 from autoplan.solvers.intra_op.ilp import IlpModel, bound_objective, minimise_weights
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
-from autoplan.solvers.intra_op.problem import IntraOpProblem, evaluate
+from autoplan.solvers.intra_op.problem import IntraOpProblem, evaluate, transient
 from autoplan.solvers.intra_op.run import extract_choices, run_model
 from autoplan.solvers.intra_op.tie_break import objective_tolerance, tie_break_weights
 
@@ -51,7 +51,7 @@ class Canonical:
 def _accept(problem: IntraOpProblem, choices: list[int], most_seconds: float,
             most_memory: float | None) -> bool:
     cost, memory = evaluate(problem, choices)
-    return cost <= most_seconds and (most_memory is None or memory <= most_memory)
+    return cost <= most_seconds and (most_memory is None or memory + transient(problem, choices) <= most_memory)
 
 
 def canonicalize(problem: IntraOpProblem, reduced: ReducedProblem, model: IlpModel,
@@ -65,6 +65,7 @@ def canonicalize(problem: IntraOpProblem, reduced: ReducedProblem, model: IlpMod
     if all(weights[g][choices[g]] == min(weights[g]) for g in reduced.active):
         return Canonical(choices, 0.0)
     f0, mem0 = evaluate(problem, choices)
+    mem0 += transient(problem, choices)
     budget = problem.memory_budget
     bound_objective(model, reduced, f0, objective_tolerance(f0))
     minimise_weights(model, weights)

@@ -4,6 +4,7 @@ Variables
 ---------
 ``s[g,i] in {0, 1}``   group ``g`` picks choice ``i``                      (binary)
 ``e[uv,i,j] >= 0``     edge ``(u, v)`` sees the pair ``(i, j)``             (continuous)
+``t >= 0``             the transient above the kept memory (with peak rows)  (continuous)
 
 Model
 -----
@@ -13,10 +14,15 @@ Model
     subject to  sum_i s[g,i] = 1                  for every group g                      (1)
                 sum_j e[uv,i,j] = s[u,i]          for every edge (u,v), every i          (2)
                 sum_i e[uv,i,j] = s[v,j]          for every edge (u,v), every j          (3)
-                sum_g sum_i m[g,i] s[g,i] <= M    when a budget is given                 (4)
+                sum_g sum_i m[g,i] s[g,i] + t <= M    when a budget is given             (4)
+                p0[r] + sum_g sum_i p[r,g,i] s[g,i] <= t    for every peak row r          (6)
+
+(4) and (6) bound the step's peak, ``mem(x) + max(0, max_r p_r(x))``
+(:mod:`~autoplan.solvers.intra_op.problem`): ``t`` is at least every row, so at least their
+maximum, and nothing gains from a larger ``t``; without peak rows ``t`` is left out.
 
 Each family is built by one function: (0) :func:`_set_objective`, (1)
-:func:`_add_onehot_constraints`, (2)-(3) :func:`_add_edge_marginal_constraints`, (4)
+:func:`_add_onehot_constraints`, (2)-(3) :func:`_add_edge_marginal_constraints`, (4) and (6)
 :func:`_add_memory_constraint`; :func:`build_model` puts them together over the groups
 preprocessing (:mod:`~autoplan.solvers.intra_op.preprocess`) left undecided. The canonical
 tie-break (:mod:`~autoplan.solvers.intra_op.canonical`) re-solves the same model with row
@@ -32,7 +38,8 @@ entry ``j`` equals ``s[v,j]``, so ``e[uv,i*,j*] = 1`` and every other entry is 0
 solution in 120 s, the marginal form solved in 1.5 s (``benchmarks/ilp_scaling.py``).
 
 Numerics (P5): the objective is divided by its largest coefficient (costs in seconds are tiny
-next to solver tolerances) and row (4) by ``M`` (its tolerance becomes relative).
+next to solver tolerances) and rows (4) and (6) by ``M`` (their tolerance becomes relative;
+``t`` is in units of ``M``).
 """
 
 from __future__ import annotations
@@ -118,12 +125,21 @@ def _fixed_memory(problem: IntraOpProblem, reduced: ReducedProblem) -> float:
 def _add_memory_constraint(
     lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, problem: IntraOpProblem
 ) -> None:
-    """Equation (4), divided by M: sum over active groups of (m/M) s <= 1 - fixed memory / M."""
+    """Equation (4), divided by M: sum over active groups of (m/M) s + t/M <= 1 - fixed memory / M;
+    and (6), divided by M, for every peak row left by preprocessing (P6)."""
     if not reduced.budget_binding:
         return
     budget = problem.memory_budget
     fixed = _fixed_memory(problem, reduced)
-    expr = pulp.LpAffineExpression(_memory_terms(s, problem, budget))
+    terms = _memory_terms(s, problem, budget)
+    if reduced.peaks:
+        t = _new_variable(lp, "transient", pulp.LpContinuous)
+        terms.append((t, 1.0))
+        for r, row in enumerate(reduced.peaks):  # (6)
+            held = [(x, values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(s[g]) if values[i]]
+            expr = pulp.LpAffineExpression(held + [(t, -1.0)])
+            lp.addConstraint(expr <= -row.constant / budget, f"peak_{r}")
+    expr = pulp.LpAffineExpression(terms)
     lp.addConstraint(expr <= (budget - fixed) / budget, "memory_budget")
 
 
@@ -139,7 +155,7 @@ def _set_objective(lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, edge_te
 
 
 def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
-    """The pulp model of equations (0)-(4) over the groups (P4) left undecided."""
+    """The pulp model of equations (0)-(4) and (6) over the groups (P4) left undecided."""
     lp = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = _onehot_variables(lp, reduced)
     _add_onehot_constraints(lp, s, problem)

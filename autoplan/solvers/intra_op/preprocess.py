@@ -12,15 +12,18 @@
 (P5) Numerics: each group's costs are shifted by their minimum (a constant, since exactly one
      choice is taken); the ILP divides its objective by its largest coefficient and the memory
      row by ``M`` (:mod:`~autoplan.solvers.intra_op.ilp`). A budget that even the
-     largest-memory assignment meets drops the memory row.
+     largest-memory assignment meets (its largest peak row included) drops the memory row.
+(P6) Peak rows: a fixed group's term joins the row's constant; a row whose most is no more
+     than the largest least of any row can never be the largest and is dropped (the row of
+     that least is kept), and so are rows equal to one kept.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from autoplan.solvers.intra_op.problem import IntraOpProblem
+from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow
 from autoplan.solvers.intra_op.tie_break import preferred_choice
 
 SEPARABLE_RTOL = 1e-12  # (P3) residual allowed, relative to the matrix's largest entry
@@ -36,6 +39,7 @@ class ReducedProblem:
     fixed: dict[int, int]  # groups decided before the ILP -> their choice
     active: list[int]  # groups that get binary variables, ascending
     budget_binding: bool  # the memory row is needed
+    peaks: list[PeakRow] = field(default_factory=list)  # (P6): over active groups, when the budget binds
 
 
 def _merge_edges(problem: IntraOpProblem, node_costs: list[list[float]]) -> dict:
@@ -99,7 +103,22 @@ def _budget_binding(problem: IntraOpProblem) -> bool:
     """(P5) the memory row is needed unless even the largest-memory assignment meets the budget."""
     if problem.memory_budget is None:
         return False
-    return math.fsum(max(m) for m in problem.memory) > problem.memory_budget
+    most = math.fsum(max(m) for m in problem.memory) + max((row.most() for row in problem.peaks), default=0.0)
+    return most > problem.memory_budget
+
+
+def _reduced_peaks(problem: IntraOpProblem, fixed: dict[int, int]) -> list[PeakRow]:
+    """(P6) the peak rows over the active groups, the dominated and repeated ones dropped."""
+    rows: dict[tuple, PeakRow] = {}
+    for row in problem.peaks:
+        constant = row.constant + math.fsum(t[fixed[g]] for g, t in row.terms.items() if g in fixed)
+        terms = {g: list(t) for g, t in sorted(row.terms.items()) if g not in fixed}
+        reduced = PeakRow(terms, constant)
+        rows.setdefault((constant, tuple((g, tuple(t)) for g, t in terms.items())), reduced)
+    if not rows:
+        return []
+    highest = max(rows.values(), key=PeakRow.least)  # the transient is never below its least
+    return [row for row in rows.values() if row is highest or row.most() > highest.least()]
 
 
 def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges: dict,
@@ -124,4 +143,5 @@ def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
     fixed = _fixed_groups(problem, node_costs, edges, binding)  # before (P5): real magnitudes
     constant = _shift_node_costs(node_costs)
     active = [g for g in range(problem.num_groups) if g not in fixed]
-    return ReducedProblem(node_costs, constant, edges, fixed, active, binding)
+    peaks = _reduced_peaks(problem, fixed) if binding else []
+    return ReducedProblem(node_costs, constant, edges, fixed, active, binding, peaks)

@@ -7,14 +7,23 @@ memory budget per device (optional). An assignment ``x`` (one choice per group) 
 
     f(x) = sum_g c[g, x_g] + sum_(u,v) R[uv][x_u, x_v]        mem(x) = sum_g m[g, x_g]
 
-Memory is separable, so the least memory any assignment needs is ``sum_g min_i m[g,i]``.
+``mem(x)`` is what a device keeps through the step. Peak rows ``r`` add what it holds for a
+moment above that (the backward's working set at one op: gradients, recomputed values, the
+returned outputs), each a separable sum ``p_r(x) = p0[r] + sum_g p[r,g,x_g]``. The budget
+bounds the peak::
+
+    trans(x) = max(0, max_r p_r(x))        peak(x) = mem(x) + trans(x) <= M
+
+Without peak rows memory is separable, so the least memory any assignment needs is
+``sum_g min_i m[g,i]``; with them ``sum_g min_i m[g,i] + max(0, max_r min_x p_r(x))`` is a
+lower bound (each row's least need not come from the same assignment).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autoplan.errors import MemoryInfeasibleError
 from autoplan.solvers.units import format_bytes
@@ -27,6 +36,24 @@ class Edge:
     src: int
     dst: int
     cost: list[list[float]]
+
+
+@dataclass
+class PeakRow:
+    """One moment's memory above the kept values: ``constant + sum_g terms[g][x_g]`` bytes per
+    device (``terms`` maps a group to its bytes per choice; groups not named add nothing)."""
+
+    terms: dict[int, list[float]]
+    constant: float = 0.0
+
+    def value(self, choices: list[int]) -> float:
+        return self.constant + math.fsum(t[choices[g]] for g, t in self.terms.items())
+
+    def least(self) -> float:
+        return self.constant + math.fsum(min(t) for t in self.terms.values())
+
+    def most(self) -> float:
+        return self.constant + math.fsum(max(t) for t in self.terms.values())
 
 
 @dataclass
@@ -43,6 +70,7 @@ class IntraOpProblem:
     memory_budget: float | None = None
     names: list[str] | None = None
     choice_names: list[list[str]] | None = None
+    peaks: list[PeakRow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -69,11 +97,14 @@ class IntraOpProblem:
             _validate_edge(k, edge, self.costs)
         _validate_budget(self.memory_budget)
         _validate_names(self.names, self.choice_names, self.costs)
+        for r, row in enumerate(self.peaks):
+            _validate_peak(r, row, self.costs)
 
 
 @dataclass
 class IntraOpSolution:
-    """The chosen index per group, with the exact cost and memory of that choice."""
+    """The chosen index per group, with the exact cost, kept memory and transient (the largest
+    peak row, 0 without rows) of that choice."""
 
     choices: list[int]
     objective: float
@@ -84,6 +115,12 @@ class IntraOpSolution:
     solve_time_s: float
     num_variables: int
     num_constraints: int
+    transient: float = 0.0
+
+    @property
+    def peak(self) -> float:
+        """Bytes per device at the step's peak: kept memory plus the transient."""
+        return self.memory + self.transient
 
 
 def _check_finite(values: list[float], what: str, nonnegative: bool = False) -> None:
@@ -153,6 +190,16 @@ def _validate_names(
             raise ValueError(f"choice_names[{g}] has {len(cn)} names for {len(c)} choices")
 
 
+def _validate_peak(r: int, row: PeakRow, costs: list[list[float]]) -> None:
+    for g, terms in row.terms.items():
+        if not isinstance(g, int) or not 0 <= g < len(costs):
+            raise ValueError(f"peak row {r} names group {g!r}, outside 0..{len(costs) - 1}")
+        if len(terms) != len(costs[g]):
+            raise ValueError(f"peak row {r} has {len(terms)} entries for group {g}'s {len(costs[g])} choices")
+        _check_finite(terms, f"peak row {r}, group {g}", nonnegative=True)
+    _check_finite([row.constant], f"peak row {r}'s constant", nonnegative=True)
+
+
 def evaluate(problem: IntraOpProblem, choices: list[int]) -> tuple[float, float]:
     """(f(x), mem(x)): seconds (node costs plus every edge term) and bytes per device."""
     if len(choices) != problem.num_groups:
@@ -166,9 +213,15 @@ def evaluate(problem: IntraOpProblem, choices: list[int]) -> tuple[float, float]
     return cost, memory
 
 
+def transient(problem: IntraOpProblem, choices: list[int]) -> float:
+    """``trans(x)``: the largest peak row of ``choices`` (bytes per device), 0 without rows."""
+    return max((row.value(choices) for row in problem.peaks), default=0.0)
+
+
 def least_memory(problem: IntraOpProblem) -> float:
-    """The least memory any assignment needs: memory is separable, so sum of group minima."""
-    return math.fsum(min(m) for m in problem.memory)
+    """The least peak memory any assignment needs: the sum of group minima (exact without peak
+    rows: memory is separable) plus the largest row's least (a lower bound)."""
+    return math.fsum(min(m) for m in problem.memory) + max((row.least() for row in problem.peaks), default=0.0)
 
 
 def check_memory_feasible(problem: IntraOpProblem) -> None:

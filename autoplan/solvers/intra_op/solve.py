@@ -10,12 +10,14 @@ import math
 
 import pulp
 
-from autoplan.errors import AutoplanError
+from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.solvers.intra_op.backends import pick_solver
 from autoplan.solvers.intra_op.canonical import canonicalize
 from autoplan.solvers.intra_op.ilp import IlpModel, build_model
 from autoplan.solvers.intra_op.preprocess import ReducedProblem, reduce_problem
-from autoplan.solvers.intra_op.problem import IntraOpProblem, IntraOpSolution, check_memory_feasible, evaluate
+from autoplan.solvers.intra_op.problem import (IntraOpProblem, IntraOpSolution, check_memory_feasible, evaluate,
+    least_memory, transient)
+from autoplan.solvers.units import format_bytes
 from autoplan.solvers.intra_op.run import SolverRun, extract_choices, run_model
 
 
@@ -75,10 +77,20 @@ def _reported_gap(status: str, objective: float, run: SolverRun, model: IlpModel
 def solution_of(problem: IntraOpProblem, choices: list[int], status: str, gap: float | None,
                 solver: str, seconds: float, num_variables: int, num_constraints: int
                 ) -> IntraOpSolution:
-    """An IntraOpSolution whose objective and memory are evaluated exactly from ``choices``."""
+    """An IntraOpSolution whose objective, memory and transient are evaluated exactly from ``choices``."""
     objective, memory = evaluate(problem, choices)
     return IntraOpSolution(choices, objective, memory, status, gap, solver, seconds,
-                           num_variables, num_constraints)
+                           num_variables, num_constraints, transient(problem, choices))
+
+
+def _no_peak_fits(problem: IntraOpProblem) -> MemoryInfeasibleError:
+    """The budget is infeasible with the peak rows (the lower bound of
+    :func:`~autoplan.solvers.intra_op.problem.check_memory_feasible` did not show it)."""
+    least = least_memory(problem)
+    return MemoryInfeasibleError(
+        f"no plan fits {format_bytes(problem.memory_budget or 0.0)} per device with the backward's transients "
+        f"(at least {format_bytes(least)}, likely more); give more memory (--memory-per-device), more devices "
+        "or more microbatches", least)
 
 
 def solve_intra_op(
@@ -109,6 +121,8 @@ def solve_intra_op(
     model = build_model(problem, reduced)
     num_variables, num_constraints = len(model.lp.variables()), model.lp.numConstraints()
     run = run_model(model, chosen_solver, time_limit_s, mip_gap)
+    if model.lp.status == pulp.LpStatusInfeasible and problem.peaks and reduced.budget_binding:
+        raise _no_peak_fits(problem)
     status = solution_status(run.sol_status, time_limit_s)
     choices = extract_choices(model, reduced, problem.num_groups)
     objective, _ = evaluate(problem, choices)

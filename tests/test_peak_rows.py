@@ -1,0 +1,83 @@
+"""Peak rows of the intra-op ILP (autoplan/solvers/intra_op/ilp.py, rows (4) and (6)): the
+budget bounds the kept memory plus the largest row, the moment the backward holds the most."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autoplan.errors import MemoryInfeasibleError
+from autoplan.solvers.intra_op import (IntraOpProblem, PeakRow, brute_force, evaluate, least_memory, reduce_problem,
+    solve_intra_op, transient)
+from test_intra_op_ilp import assert_same_optimum, random_problem
+
+
+def with_peaks(seed: int, budget_share: float) -> IntraOpProblem:
+    """A random problem with 1-4 integral peak rows over random groups, its budget at a
+    half-integer between the least and the most any assignment's peak could need."""
+    problem = random_problem(seed)
+    rng = random.Random(seed + 1)
+    groups = range(problem.num_groups)
+    problem.peaks = [PeakRow({g: [float(rng.randint(0, 40)) for _ in problem.costs[g]]
+                              for g in rng.sample(groups, rng.randint(1, problem.num_groups))},
+                             float(rng.randint(0, 5)))
+                     for _ in range(rng.randint(1, 4))]
+    least = least_memory(problem)
+    most = math.fsum(max(m) for m in problem.memory) + max(row.most() for row in problem.peaks)
+    problem.memory_budget = math.floor(least + budget_share * (most - least)) + 0.5
+    return problem
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), budget_share=st.floats(0.0, 1.0))
+def test_the_ilp_with_peak_rows_matches_brute_force(seed: int, budget_share: float) -> None:
+    problem = with_peaks(seed, budget_share)
+    try:
+        exact = brute_force(problem)
+    except MemoryInfeasibleError:
+        for solver in ("highs", "cbc"):
+            with pytest.raises(MemoryInfeasibleError, match="per device"):
+                solve_intra_op(problem, solver=solver)
+        return
+    for solver in ("highs", "cbc"):
+        sol = solve_intra_op(problem, solver=solver)
+        assert_same_optimum(sol.objective, exact.objective)
+        assert sol.choices == exact.choices
+        assert sol.transient == transient(problem, sol.choices) == max(row.value(sol.choices) for row in problem.peaks)
+        assert sol.peak == pytest.approx(evaluate(problem, sol.choices)[1] + sol.transient)
+        assert sol.peak <= problem.memory_budget
+
+
+def test_a_peak_row_makes_the_solver_give_up_speed_for_a_smaller_moment() -> None:
+    # group 0: fast (1 byte kept) or slow (2 bytes kept); the fast choice holds 10 bytes at a moment
+    problem = IntraOpProblem([[1.0, 2.0]], [[1.0, 2.0]], [], memory_budget=None,
+                             peaks=[PeakRow({0: [10.0, 3.0]})])
+    assert solve_intra_op(problem).choices == [0]  # no budget: the rows do not bind
+    problem.memory_budget = 8.0
+    sol = solve_intra_op(problem)
+    assert sol.choices == [1] and sol.memory == 2.0 and sol.transient == 3.0 and sol.peak == 5.0
+    problem.memory_budget = 4.0
+    with pytest.raises(MemoryInfeasibleError, match="transients"):
+        solve_intra_op(problem)
+
+
+def test_preprocessing_folds_fixed_groups_and_drops_rows_that_cannot_be_the_largest() -> None:
+    problem = IntraOpProblem([[1.0], [1.0, 2.0]], [[1.0], [1.0, 2.0]], [], memory_budget=3.5,
+                             peaks=[PeakRow({0: [5.0], 1: [0.0, 1.0]}),  # 5..6
+                                    PeakRow({1: [1.0, 2.0]}),  # 1..2: never above 5, dropped
+                                    PeakRow({1: [0.0, 1.0]}, 5.0)])  # the first again, once the fixed group folds
+    reduced = reduce_problem(problem)
+    assert [(row.terms, row.constant) for row in reduced.peaks] == [({1: [0.0, 1.0]}, 5.0)]
+
+
+def test_rows_are_validated() -> None:
+    with pytest.raises(ValueError, match="peak row 0 names group 3"):
+        IntraOpProblem([[1.0]], [[1.0]], [], peaks=[PeakRow({3: [1.0]})])
+    with pytest.raises(ValueError, match="peak row 0 has 2 entries"):
+        IntraOpProblem([[1.0]], [[1.0]], [], peaks=[PeakRow({0: [1.0, 2.0]})])
+    with pytest.raises(ValueError, match="cannot be negative"):
+        IntraOpProblem([[1.0]], [[1.0]], [], peaks=[PeakRow({0: [-1.0]})])
