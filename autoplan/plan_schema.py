@@ -176,10 +176,10 @@ class PlannedCollective:
 
 @dataclass
 class MemoryEstimate:
-    """Bytes per device. ``peak`` is what the planner keeps under the memory budget (the kept
-    values); ``transient`` what the backward holds above them at its peak (an op's gradients, a
+    """Bytes per device. ``peak`` is what a device keeps through the step (the kept values);
+    ``transient`` what the backward holds above them at its peak (an op's gradients, a
     recomputed layer's values, the returned outputs:
-    :mod:`autoplan.cost_models.transient_memory`), not yet bounded by the budget."""
+    :mod:`autoplan.cost_models.transient_memory`), which the budget bounds with them."""
 
     params: float
     grads: float

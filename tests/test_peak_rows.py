@@ -1,5 +1,6 @@
 """Peak rows of the intra-op ILP (autoplan/solvers/intra_op/ilp.py, rows (4) and (6)): the
-budget bounds the kept memory plus the largest row, the moment the backward holds the most."""
+budget bounds the kept memory plus the largest row, the moment the backward holds the most;
+exactly (the rows added lazily) or by tightening the budget (the default)."""
 
 from __future__ import annotations
 
@@ -44,12 +45,31 @@ def test_the_ilp_with_peak_rows_matches_brute_force(seed: int, budget_share: flo
                 solve_intra_op(problem, solver=solver)
         return
     for solver in ("highs", "cbc"):
-        sol = solve_intra_op(problem, solver=solver)
+        sol = solve_intra_op(problem, solver=solver, exact_peaks=True)
         assert_same_optimum(sol.objective, exact.objective)
         assert sol.choices == exact.choices
         assert sol.transient == transient(problem, sol.choices) == max(row.value(sol.choices) for row in problem.peaks)
         assert sol.peak == pytest.approx(evaluate(problem, sol.choices)[1] + sol.transient)
         assert sol.peak <= problem.memory_budget
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), budget_share=st.floats(0.0, 1.0))
+def test_the_tightened_budget_fits_the_peak_and_is_never_better_than_the_optimum(seed: int,
+                                                                                  budget_share: float) -> None:
+    """The default: the budget tightened by the answer's own transient. Its answer always fits
+    the peak; it may cost more than the exact optimum (a plan that keeps more and holds less in
+    its largest moment), never less."""
+    problem = with_peaks(seed, budget_share)
+    try:
+        exact = brute_force(problem)
+    except MemoryInfeasibleError:
+        with pytest.raises(MemoryInfeasibleError):
+            solve_intra_op(problem)
+        return
+    sol = solve_intra_op(problem)
+    assert sol.peak <= problem.memory_budget
+    assert sol.objective >= exact.objective - 1e-9
 
 
 def test_a_peak_row_makes_the_solver_give_up_speed_for_a_smaller_moment() -> None:

@@ -174,7 +174,7 @@ def test_every_schedule_passes_check_on_two_processes(schedule: str, tmp_path: P
 
 def test_gpt2_two_stages_by_two_way_sharding_passes_check(tmp_path: Path) -> None:
     result = _run_check([str(ROOT / "examples" / "gpt2.py"), "--devices", "4", "--stages", "2", "--mesh", "2",
-                         "--microbatches", "2", "--memory-per-device", "2.5MB", "--recompute", "none"], tmp_path)
+                         "--microbatches", "2", "--memory-per-device", "2.9MB", "--recompute", "none"], tmp_path)
     assert result.returncode == 0 and "check: PASSED" in result.stdout, result.stdout[-2000:] + result.stderr[-2000:]
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert len(plan["stages"]) == 2 and plan["mesh"] == [2]
@@ -258,6 +258,7 @@ def _synthetic_stage_search(model_spec, prefer: dict[int, tuple[int, ...]], monk
         return (1.0 if self.ctx.mesh_shape == prefer[i] else 2.0), 1e7  # bytes: more than any received value
 
     monkeypatch.setattr(range_costs.LayerCosts, "cost", cost)
+    monkeypatch.setattr(range_costs.LayerCosts, "transient", lambda self, graph_, layer, mode=None: 0.0)
     options = make_options(8, "cpu")
     meshes = [(4,), (2, 2)]
     def best(meshes_: list[tuple[int, ...]]):
@@ -369,10 +370,11 @@ def test_a_range_counts_received_values_as_its_own_ilp_does(small_gpt) -> None:
         for end in range(start + 1, len(layers) + 1):
             sub = extract(graph, [n for layer in layers[start:end] for n in layer.nodes])
             exact = plan_intra_op(sub, find_classes(sub), (1,), table.costs.ctx, None).solution.memory
+            kept = table.cost(start, end, None)[1] - table.transient(start, end)  # its peak less its transient
             if tied_layers(graph, layers) <= set(range(start, end)):
-                assert table.cost(start, end, None)[1] > exact
+                assert kept > exact
             else:
-                assert table.cost(start, end, None)[1] == pytest.approx(exact, rel=1e-9), (start, end)
+                assert kept == pytest.approx(exact, rel=1e-9), (start, end)
             checked += table.counted_apart(start, end) > 0
     assert checked >= len(layers) - 1  # ranges of two or more layers had something to subtract
 

@@ -1,7 +1,6 @@
 """The backward's transients (autoplan/cost_models/transient_memory.py): an op's gradients, a
 recomputed layer's values and the returned outputs, in the dtype autocast gives them, are
-predicted beside the kept values, and a plan whose peak with them passes the memory per
-device says so in one line."""
+predicted beside the kept values, and the memory budget bounds the peak with them."""
 
 from __future__ import annotations
 
@@ -9,6 +8,7 @@ import sys
 
 import pytest
 
+from autoplan.errors import MemoryInfeasibleError
 from autoplan.cost_models.transient_memory import working_itemsize
 from autoplan.load import make_model_spec
 from autoplan.planner.front_door import plan_model
@@ -51,17 +51,26 @@ def test_the_transients_grow_with_the_batch() -> None:
     assert large == pytest.approx(2 * small, rel=0.05)
 
 
-def test_a_peak_over_the_budget_with_transients_is_named() -> None:
-    """The solvers keep the kept values under the budget; where the transients take the peak
-    over it, one line says so (and the summary shows both)."""
+def test_the_budget_bounds_the_peak_with_transients() -> None:
+    """The solvers keep the kept values and the backward's largest moment together under the
+    budget: one device cannot meet a budget between its kept peak and its peak with transients;
+    two devices meet it with a plan that shards what the moment holds."""
     free = _plan().predicted.memory_bytes
     assert free.transient > 0
-    tight = _plan(memory=free.peak + free.transient / 2)
-    assert tight.predicted.memory_bytes.peak_with_transient > free.peak + free.transient / 2
-    note = [w for w in tight.warnings if "backward's transients" in w]
-    assert len(note) == 1 and "\n" not in note[0] and "over the" in note[0]
-    assert "the backward's transients" in summary_text(tight)
-    assert not [w for w in _plan().warnings if "backward's transients" in w]
+    between = free.peak + free.transient / 2
+    with pytest.raises(MemoryInfeasibleError, match="no plan fits"):
+        _plan(memory=between)
+    spec = _spec()
+    fast = plan_model(spec, PlanOptions(2, "h100", pipeline=False, plan_only=True, precision="fp32")).predicted
+    budget = fast.memory_bytes.peak + fast.memory_bytes.transient / 2
+    tight = plan_model(spec, PlanOptions(2, "h100", pipeline=False, plan_only=True, precision="fp32",
+                                         memory_per_device=budget))
+    m = tight.predicted.memory_bytes
+    assert m.peak <= fast.memory_bytes.peak + fast.memory_bytes.transient / 2
+    assert m.peak_with_transient <= budget < fast.memory_bytes.peak_with_transient
+    assert tight.predicted.step_time_s >= fast.step_time_s
+    assert not [w for w in tight.warnings if "backward's transients" in w]
+    assert "(within the budget)" in summary_text(tight)
 
 
 def test_a_pipelined_plan_reports_the_largest_peak_with_transients_of_any_rank() -> None:

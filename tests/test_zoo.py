@@ -44,7 +44,8 @@ def _sharded(name: str, replicated: Plan) -> Plan | None:
     plan's memory) that makes it shard a weight."""
     for share in SHARDING_BUDGETS:
         try:
-            plan, _ = _plan(name, 4, pipeline=False, memory_per_device=share * replicated.predicted.memory_bytes.peak)
+            budget = share * replicated.predicted.memory_bytes.peak_with_transient
+            plan, _ = _plan(name, 4, pipeline=False, memory_per_device=budget)
         except Exception:  # noqa: BLE001  (too small a budget: try a larger one)
             continue
         if any(p != "R" for placement in plan.params.values() for p in placement):

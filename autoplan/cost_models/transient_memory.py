@@ -1,5 +1,5 @@
 """The backward's working set: memory a training step holds for a moment above the values it
-keeps, which the memory budget of the planner does not yet bound.
+keeps, which the memory budget bounds beside them (the intra-op ILP's peak rows).
 
 The kept values (parameters, gradients, optimizer state, the activations the backward reads)
 are what :class:`~autoplan.cost_models.step_costs.MemoryParts` counts and what the solvers
@@ -15,7 +15,10 @@ keep under the budget. At the peak of a step a device holds more:
 - **the model's outputs**: the values the program returns (logits) live until the step ends.
 
 The transient is the largest of ``W(R) + g_i`` over the ops ``i`` of each recomputed layer
-``R`` and ``g_i`` over the other ops, plus the outputs outside that layer. Every value is
+``R`` and ``g_i`` over the other ops, plus the outputs outside that layer. Each of those sums
+is a *moment* (:func:`peak_moments`: the values it adds up), the same for every plan; a plan
+gives each value its bytes, and the intra-op ILP bounds every moment of its graph as a peak
+row (:func:`autoplan.planner.mesh_plan.peak_rows`). Every value is
 counted per device (its local shard) in the dtype it has under the plan's precision:
 :func:`working_itemsize` keeps in fp32 what autocast computes in fp32 (losses, softmax,
 normalisation, explicit casts to fp32); everything else is costed as
@@ -24,6 +27,7 @@ normalisation, explicit casts to fp32); everything else is costed as
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Mapping
 
 from autoplan.sharding import ShardingSpec
@@ -53,41 +57,59 @@ def working_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
     return value_itemsize(info, mixed_precision)
 
 
-def _local_bytes(info: NodeInfo, spec: ShardingSpec | None, ctx: CostContext) -> float:
+def value_bytes(info: NodeInfo, spec: ShardingSpec | None, ctx: CostContext) -> float:
+    """Bytes per device of a value in a moment: its local shard under ``spec`` (0 without one)
+    in :func:`working_itemsize`."""
     if info.shape is None or spec is None:
         return 0.0
     return local_bytes(info.shape, working_itemsize(info, ctx.optimizer.mixed_precision), spec, ctx.mesh_shape)
 
 
-def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strategy],
-                       inputs: Mapping[str, list[str]], needs_grad: Mapping[str, bool],
-                       outputs: Iterable[str], ctx: CostContext) -> float:
-    """Bytes per device the backward holds above the kept values at its peak (see the module
-    docstring). ``inputs`` are each op's tensor inputs, ``outputs`` the graph's model outputs
-    (the loss left out)."""
-    def out_bytes(name: str) -> float:
-        strategy = chosen.get(name)
-        return _local_bytes(nodes[name], strategy.output_spec if strategy and strategy.output_specs else None, ctx)
-
-    ops = [name for name, info in nodes.items() if info.kind == "op" and name in chosen]
-    gradients: dict[str, float] = {}
+def peak_moments(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]], needs_grad: Mapping[str, bool],
+                 outputs: Iterable[str], ctx: CostContext) -> list[Counter[str]]:
+    """The moments of the backward that may hold the most above the kept values, each the
+    values alive together (node name -> times counted; see the module docstring): every op's
+    gradients with the returned outputs, and within a recomputed layer its recomputed values
+    with each of its ops' gradients and the outputs outside it. ``inputs`` are each op's tensor
+    inputs, ``outputs`` the graph's model outputs (the loss left out)."""
+    ops = [name for name, info in nodes.items() if info.kind == "op"]
+    gradients: dict[str, Counter[str]] = {}
     for name in ops:
-        own = out_bytes(name)
-        held = sum(out_bytes(i) for i in inputs.get(name, []) if i in nodes and needs_grad.get(i, False))
-        if aten_name(nodes[name]) in _KEEPS_INPUT_SIZED and inputs.get(name):
-            held += out_bytes(inputs[name][0])
-        gradients[name] = own + held if needs_grad.get(name, False) else 0.0
+        held: Counter[str] = Counter()
+        if needs_grad.get(name, False):
+            held[name] += 1
+            held.update(i for i in inputs.get(name, []) if i in nodes and needs_grad.get(i, False))
+            if aten_name(nodes[name]) in _KEEPS_INPUT_SIZED and inputs.get(name):
+                held[inputs[name][0]] += 1
+        gradients[name] = held
     regions: dict[str, list[str]] = {}
     for name in ops:
         region = ctx.region_of(name)
         if region is not None:
             regions.setdefault(region, []).append(name)
-    returned = {name: out_bytes(name) for name in outputs if name in nodes}
-    kept_ops = [g for name, g in gradients.items() if ctx.region_of(name) is None]
-    worst = max(kept_ops) + sum(returned.values()) if kept_ops else 0.0
+    returned = Counter(name for name in outputs if name in nodes)
+    moments = [held + returned for name, held in gradients.items() if ctx.region_of(name) is None]
     for members in regions.values():
         inside = set(members)
-        values = sum(out_bytes(name) for name in members if moved_bytes(nodes[name]) > 0 and ctx.recomputes(name))
-        alive = sum(b for name, b in returned.items() if name not in inside)
-        worst = max(worst, values + max(gradients[name] for name in members) + alive)
-    return worst
+        values = Counter(name for name in members if moved_bytes(nodes[name]) > 0 and ctx.recomputes(name))
+        alive = Counter({name: n for name, n in returned.items() if name not in inside})
+        moments += [values + gradients[name] + alive for name in members]
+    return moments
+
+
+def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strategy],
+                       inputs: Mapping[str, list[str]], needs_grad: Mapping[str, bool],
+                       outputs: Iterable[str], ctx: CostContext) -> float:
+    """Bytes per device the backward holds above the kept values at its peak under the plan
+    ``chosen``: its largest moment (:func:`peak_moments`)."""
+    sizes: dict[str, float] = {}
+
+    def out_bytes(name: str) -> float:
+        if name not in sizes:
+            strategy = chosen.get(name)
+            sizes[name] = value_bytes(nodes[name], strategy.output_spec if strategy and strategy.output_specs
+                                       else None, ctx)
+        return sizes[name]
+
+    moments = peak_moments(nodes, inputs, needs_grad, outputs, ctx)
+    return max((sum(n * out_bytes(name) for name, n in moment.items()) for moment in moments), default=0.0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import math
 
-from torch import fx
-
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
                                              edge_steps, model_flops_utilization, regather_runs,
@@ -18,6 +16,7 @@ from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_param
 from autoplan.sharding import spec_to_json
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import NodeClasses
+from autoplan.trace.subgraph import model_outputs
 
 
 def _add(bucket: dict[tuple, PlannedCollective], kind: str, phase: str, axis: int, nbytes: float, where: str,
@@ -118,13 +117,6 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
     mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, compute + comm, math.prod(ctx.mesh_shape),
                                   ctx.device, ctx.optimizer.mixed_precision)
     return Prediction(compute + comm, compute, comm, estimate, by_kind, mfu=mfu), collectives
-
-
-def model_outputs(graph: TracedGraph) -> list[str]:
-    """The graph's outputs other than the loss (its first), by node name."""
-    output = graph.graph_module.graph.output_node()
-    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
-    return [v.name for v in values[1:] if isinstance(v, fx.Node)]
 
 
 def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:

@@ -113,8 +113,9 @@ def pin_cost(spec: ModelSpec, options: PlanOptions, plan: Plan) -> PinCost:
 
 
 def transient_note(plan: Plan) -> str | None:
-    """Why the plan may not fit after all, in one line: the backward's transients (which the
-    solvers do not bound yet) take its predicted peak over the memory per device."""
+    """Why the plan may not fit after all, in one line: the backward's transients take its
+    predicted peak over the memory per device (the solvers bound them; a plan whose choices
+    were given rather than solved may still pass it)."""
     budget = plan.cluster.get("device", {}).get("memory_bytes")
     m = plan.predicted.memory_bytes
     if not budget or m.peak_with_transient <= budget:

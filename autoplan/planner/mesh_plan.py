@@ -30,18 +30,20 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
+from autoplan.cost_models.transient_memory import peak_moments, value_bytes
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, resharded_itemsize, steps_seconds, storage_cost, value_itemsize)
 from autoplan.errors import AutoplanError
 from autoplan.planner.pins import PinSet
 from autoplan.sharding import R, ShardingSpec, spec_to_json
-from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, evaluate, solve_intra_op
+from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, PeakRow, evaluate, solve_intra_op, transient
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy,
     sharded_state_strategies, storage_strategies, strategy_name, tensor_specs)
 from autoplan.strategies.index_maps import index_map_for, op_name
 from autoplan.trace.graph import NodeInfo, NodeKind, TracedGraph
 from autoplan.trace.repeated import NodeClasses, split_classes
 from autoplan.trace.saved_inputs import keeps_value, regathers_for
+from autoplan.trace.subgraph import model_outputs
 
 # ops whose output the backward does not need saved: views, and copies of the same values
 VIEW_OPS = ALIASING_OPS | {"getitem", "contiguous"}
@@ -378,7 +380,9 @@ def _group(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
 
 
 def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
-                   ctx: CostContext, memory_budget: float | None) -> IntraOpProblem:
+                   ctx: CostContext, memory_budget: float | None, with_peaks: bool = False) -> IntraOpProblem:
+    """The ILP's data; ``with_peaks`` adds the backward's moments as peak rows
+    (:func:`peak_rows`), which the budget bounds beside the kept memory."""
     num_groups = len(grouping.roots)
     sizes = [len(grouping.choice_map[root]) for root in grouping.roots]
     costs = [[0.0] * k for k in sizes]
@@ -411,7 +415,41 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
     names = [classes.representative(root) for root in grouping.roots]
     choice_names = [[strat[root].strategies[j].name for j in grouping.choice_map[root]] for root in grouping.roots]
     assert len(names) == num_groups
-    return IntraOpProblem(costs, memory, edges, memory_budget, names, choice_names)
+    peaks = peak_rows(view, classes, strat, grouping, ctx) if with_peaks else []
+    return IntraOpProblem(costs, memory, edges, memory_budget, names, choice_names, peaks)
+
+
+def peak_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
+              ctx: CostContext) -> list[PeakRow]:
+    """The ILP's peak rows: every moment of the backward
+    (:func:`~autoplan.cost_models.transient_memory.peak_moments`) as bytes per device per
+    choice of the groups whose values it holds, each value's local shard under the strategy its
+    class takes (the same bytes :func:`~autoplan.cost_models.transient_memory.backward_transient`
+    reports for the chosen plan). Equal rows are given once."""
+    sizes: dict[int, list[float]] = {}  # class -> bytes of its value per choice of its group
+
+    def class_bytes(cls: int) -> list[float]:
+        if cls not in sizes:
+            info = view.graph.nodes[classes.representative(cls)]
+            specs = (strat[cls].strategies[j].output_specs for j in grouping.choice_map[cls])
+            sizes[cls] = [value_bytes(info, out[0] if out else None, ctx) for out in specs]
+        return sizes[cls]
+
+    moments = peak_moments(view.graph.nodes, view.inputs, view.needs_grad, model_outputs(view.graph), ctx)
+    rows: dict[tuple, PeakRow] = {}
+    for moment in moments:
+        terms: dict[int, list[float]] = {}
+        for name, count in moment.items():
+            cls = classes.class_of.get(name)
+            if cls is None:
+                continue
+            row = terms.setdefault(grouping.group_of[cls], [0.0] * len(grouping.choice_map[cls]))
+            for i, b in enumerate(class_bytes(cls)):
+                row[i] += count * b
+        terms = {g: row for g, row in sorted(terms.items()) if any(row)}
+        if terms:
+            rows.setdefault(tuple((g, tuple(row)) for g, row in terms.items()), PeakRow(terms))
+    return list(rows.values())
 
 
 def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...],
@@ -467,20 +505,21 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     cost less than a replicated one); that plan is not searched. With ``gathered_storage``
     they are among the choices from the start (the stage search's layer costs, whose
     problems are trimmed to fit memory later)."""
+    peaks = memory_budget is not None  # the budget bounds the peak: kept values and the backward's moments
     if gathered_storage:
         grouping = _group(view, classes, strat, gathered_storage=True)
-        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
+        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks)
         return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s,
                                                  canonical=canonical)
     grouping = _group(view, classes, strat, gathered_storage=False)
-    problem = _build_problem(view, classes, strat, grouping, ctx, None)
+    problem = _build_problem(view, classes, strat, grouping, ctx, None, peaks)
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
-    if memory_budget is None or fastest.memory <= memory_budget:
+    if memory_budget is None or fastest.peak <= memory_budget:
         if canonical:
             fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=True)
         return grouping, problem, fastest
     grouping = _group(view, classes, strat, gathered_storage=True)
-    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
+    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks)
     return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
 
 
@@ -527,10 +566,11 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
                                              gathered_storage)
     else:
         grouping = _group(view, classes, strat, gathered_storage=True)
-        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget)
+        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, memory_budget is not None)
         choices = [pick(g, problem.choice_names[g]) for g in range(len(problem.costs))]
         objective, memory = evaluate(problem, choices)
-        solution = IntraOpSolution(choices, objective, memory, "picked", None, "pick", 0.0, 0, 0)
+        solution = IntraOpSolution(choices, objective, memory, "picked", None, "pick", 0.0, 0, 0,
+                                   transient(problem, choices))
     chosen: dict[str, Strategy] = {}
     node_costs: dict[str, NodeCost] = {}
     for cls in range(classes.num_classes):

@@ -175,6 +175,12 @@ def training_text(plan: Plan) -> str:
     return f"{o.name} (lr {o.lr:g}, weight decay {o.weight_decay:g}); {p.name}: {precision}"
 
 
+def _within(peak: float, budget: float | None) -> str:
+    if not budget:
+        return ""
+    return " (within the budget)" if peak <= budget else " (over the budget)"
+
+
 def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     m = plan.predicted.memory_bytes
     budget = plan.cluster.get("device", {}).get("memory_bytes")
@@ -186,7 +192,7 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}"
         + (f" (budget {format_bytes(budget)})" if budget else "")
         + (f"; the backward's transients {format_bytes(m.transient)} more, at most "
-           f"{format_bytes(m.peak_with_transient)} (not yet within the budget)" if m.transient else ""),
+           f"{format_bytes(m.peak_with_transient)}" + _within(m.peak_with_transient, budget) if m.transient else ""),
     ]
     lines.append(f"training: {training_text(plan)}")
     if plan.solver:

@@ -45,6 +45,14 @@ def loss_name(graph: TracedGraph) -> str | None:
     return first.name if isinstance(first, fx.Node) else None
 
 
+def model_outputs(graph: TracedGraph) -> list[str]:
+    """The graph's outputs other than the loss (its first), by node name: what the program
+    returns beside the loss."""
+    output = graph.graph_module.graph.output_node()
+    values = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    return [v.name for v in values[1:] if isinstance(v, fx.Node)]
+
+
 def _computed_from_parameters(graph: TracedGraph) -> set[str]:
     """Op nodes whose value depends on a floating parameter (their gradient is computed)."""
     found: set[str] = set()

@@ -23,7 +23,11 @@ boundary activations (and receiving their gradients) over the link to the next s
 - where the layers' fastest plans do not fit the budget together, they are trimmed together
   until they fit, each step freeing memory where it costs the least time per byte
   (:func:`autoplan.solvers.trim_memory_together`: a quick estimate); where not even the
-  least-memory plans fit, the stage is absent.
+  least-memory plans fit, the stage is absent;
+- the budget bounds the step's peak, as the stage's ILP bounds it (its peak rows): the kept
+  bytes plus the backward's transient, the largest of the range's layers' (each layer's fastest
+  plan, kept or recomputed: :meth:`RangeTable.transient`). Trimming and recomputation get the
+  budget less the transient (the largest it may become where layers are recomputed).
 
 Activation checkpointing. Where a range's fastest plans do not fit, recomputing layers in the
 backward is the other way to fit (:meth:`RangeTable.plan`): each layer's fastest plan is also

@@ -6,21 +6,23 @@ from __future__ import annotations
 import collections
 import itertools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
+from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.mesh_plan import plan_intra_op, recompute_change
+from autoplan.planner.mesh_plan import IntraOpResult, plan_intra_op, recompute_change
 from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
-    saved_outputs)
+    regions, saved_outputs)
 from autoplan.solvers import evaluate, trim_memory_together
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer
 from autoplan.trace.repeated import find_classes
-from autoplan.trace.subgraph import extract, loss_name
+from autoplan.trace.subgraph import extract, loss_name, model_outputs
 
 FAST, LEAN = "fast", "lean"  # how a layer is costed in the stage search (LayerCosts.cost)
 
@@ -40,6 +42,8 @@ class LayerCosts:
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
     # recomputing a fastest plan, by (signature, mode)
     changes: dict[tuple[str, RecomputeMode], tuple[float, float]] = field(default_factory=dict)
+    # the backward's transient of a fastest plan, kept (mode None) or recomputed, by (signature, mode)
+    transients: dict[tuple[str, RecomputeMode | None], float] = field(default_factory=dict)
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
@@ -69,6 +73,7 @@ class LayerCosts:
                 self.changes[layer.signature, RecomputeMode.FULL] = recompute_change(sub, result, self.ctx)
                 self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
                     sub, result, self.ctx, saved_outputs(sub, [layer]))
+                self.transients.update(layer_transients(sub, layer, result, self.ctx))
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
@@ -95,6 +100,12 @@ class LayerCosts:
         seconds, memory = self.cost(graph, layer)
         added, freed = self.changes[layer.signature, mode]
         return seconds + added, memory - freed
+
+    def transient(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode | None = None) -> float:
+        """Bytes per device the backward of one layer's fastest plan holds above its kept values
+        at its peak, kept or recomputed in ``mode`` (:func:`layer_transients`)."""
+        self.cost(graph, layer)
+        return self.transients[layer.signature, mode]
 
     def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float) -> tuple[float, float] | None:
         """(seconds, bytes) of ``layers``' fastest plans trimmed together until they fit
@@ -136,6 +147,23 @@ class LayerCosts:
                                    pins=self.options.pins)
             self.pairs[key] = result.solution.objective - self.cost(graph, first)[0] - self.cost(graph, second)[0]
         return self.pairs[key]
+
+
+def layer_transients(sub: TracedGraph, layer: Layer, result: IntraOpResult, ctx: CostContext
+                     ) -> dict[tuple[str, RecomputeMode | None], float]:
+    """The backward's transient (:func:`~autoplan.cost_models.transient_memory.backward_transient`)
+    of one layer's plan ``result`` on its own graph ``sub``: kept (mode None), and recomputed
+    fully or selectively, by (signature, mode)."""
+    outputs = model_outputs(sub)
+
+    def held(again: CostContext) -> float:
+        return backward_transient(sub.nodes, result.chosen, result.input_names, result.needs_grad, outputs, again)
+
+    out: dict[tuple[str, RecomputeMode | None], float] = {(layer.signature, None): held(ctx)}
+    for mode in RecomputeMode:
+        saved = saved_outputs(sub, [layer]) if mode == RecomputeMode.SELECTIVE else frozenset()
+        out[layer.signature, mode] = held(replace(ctx, recompute_regions=regions([layer]), recompute_saved=saved))
+    return out
 
 
 def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
@@ -193,8 +221,9 @@ def layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: in
 
 @dataclass(frozen=True)
 class RangePlan:
-    """A layer range's estimated plan: seconds per step, bytes per device, and the (absolute)
-    indices of the layers it recomputes in the backward."""
+    """A layer range's estimated plan: seconds per step, bytes per device (at the step's peak,
+    the backward's transient included, where :meth:`RangeTable.plan` returns it), and the
+    (absolute) indices of the layers it recomputes in the backward."""
 
     seconds: float
     memory: float
@@ -260,8 +289,35 @@ class RangeTable:
         return self.excess[start][end - start]
 
     def least_memory(self, start: int, end: int) -> float:
-        """Bytes per device of layers [start, end)'s least-memory plans."""
-        return self._range(LEAN, start, end)[1] - self.counted_apart(start, end)
+        """Bytes per device of layers [start, end)'s least-memory plans at the step's peak (with the
+        transient of their fastest plans, which shard the backward's values no more than they do)."""
+        return self._range(LEAN, start, end)[1] - self.counted_apart(start, end) + self.transient(start, end)
+
+    def transient(self, start: int, end: int, modes: Mapping[int, RecomputeMode] | None = None) -> float:
+        """The backward's transient of layers [start, end): the largest of their fastest plans'
+        (:meth:`LayerCosts.transient`; one layer's backward runs at a time), each kept or
+        recomputed in its mode in ``modes``."""
+        modes = modes or {}
+        return max(self.costs.transient(self.graph, self.layers[i], modes.get(i)) for i in range(start, end))
+
+    def _transient_bound(self, start: int, end: int, how: RecomputeMode, pinned: frozenset[int],
+                         candidates: list[int]) -> float:
+        """:meth:`transient` with the ``pinned`` layers recomputed fully and every one of
+        ``candidates`` kept or recomputed in ``how``, whichever holds more: a budget less this
+        bound holds whichever of them recomputation then picks."""
+        def largest(i: int) -> float:
+            layer = self.layers[i]
+            if i in pinned:
+                return self.costs.transient(self.graph, layer, RecomputeMode.FULL)
+            if i in candidates:
+                return max(self.costs.transient(self.graph, layer), self.costs.transient(self.graph, layer, how))
+            return self.costs.transient(self.graph, layer)
+        return max(largest(i) for i in range(start, end))
+
+    def _with_transient(self, start: int, end: int, plan: RangePlan) -> RangePlan:
+        """``plan`` with its memory at the step's peak: its kept bytes plus its transient."""
+        modes = {i: RecomputeMode.SELECTIVE if i in plan.selective else RecomputeMode.FULL for i in plan.recomputed}
+        return replace(plan, memory=plan.memory + self.transient(start, end, modes))
 
     def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
         """(seconds per step, bytes per device) of :meth:`plan`."""
@@ -269,7 +325,8 @@ class RangeTable:
         return chosen.seconds, chosen.memory
 
     def plan(self, start: int, end: int, budget: float | None) -> RangePlan:
-        """Layers [start, end): their fastest plans if they fit ``budget`` together; else trimmed
+        """Layers [start, end): their fastest plans if they fit ``budget`` together (at the step's
+        peak: kept bytes and the transient, :meth:`transient`); else trimmed
         to fit (:meth:`_sharded`); else with layers recomputed in the backward
         (:meth:`_recomputed`), or the leaner of the two where neither fits. Recomputation comes
         after sharding because the search's trimming estimate runs high where its estimate of
@@ -283,6 +340,9 @@ class RangeTable:
         return self.plans[key]
 
     def _plan(self, start: int, end: int, budget: float | None) -> RangePlan:
+        # the budget bounds the peak: trimming gets what the transient leaves (recomputation
+        # leaves room for the transient of the layers it recomputes: :meth:`_recomputed`)
+        kept = None if budget is None else budget - self.transient(start, end)
         pinned = frozenset(i for i in range(start, end) if i in self.pinned_recompute)
         policy = self.policy
         every = every_layer(policy)
@@ -292,14 +352,16 @@ class RangeTable:
             assert plan is not None
             return plan
         seconds, memory = self._range(FAST, start, end)
-        fastest = RangePlan(seconds + self.joins[end - 1] - self.joins[start], memory - self.counted_apart(start, end))
+        fastest = self._with_transient(start, end, RangePlan(seconds + self.joins[end - 1] - self.joins[start],
+                                                             memory - self.counted_apart(start, end)))
         fits = budget is None or fastest.memory <= budget
         if every:
             return self._recomputed(start, end, budget, every=True, mode=policy_mode(policy)) or (
-                fastest if fits else self._sharded(start, end, budget))
+                fastest if fits else self._with_transient(start, end, self._sharded(start, end, kept)))
         if fits:
             return fastest
-        sharded = self._sharded(start, end, budget)
+        assert budget is not None and kept is not None
+        sharded = self._with_transient(start, end, self._sharded(start, end, kept))
         recomputed = self._recomputed(start, end, budget) if policy == RecomputePolicy.AUTO else None
         if sharded.memory <= budget or recomputed is None:
             return sharded
@@ -319,7 +381,9 @@ class RangeTable:
 
     def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False,
                     pinned: frozenset[int] = frozenset(), mode: RecomputeMode | None = None) -> RangePlan | None:
-        """Recompute layers in the backward until the range fits ``budget`` (all that may be,
+        """Recompute layers in the backward until the range fits ``budget`` at its peak (the
+        kept bytes get what the transient of the phase's recomputation leaves: a recomputed
+        layer holds its values again in the backward) (all that may be,
         with ``every``, in ``mode``): the ``pinned`` ones first, fully; then, where ``mode`` is
         None, the layers selectively, at each step, in its fastest plan, the layer that frees
         the most bytes per second it adds (:meth:`LayerCosts.recomputed`, a quick estimate like
@@ -355,9 +419,10 @@ class RangeTable:
             seconds, memory = seconds + added, memory - freed
 
         def as_now() -> RangePlan:
-            return RangePlan(seconds + joins, memory, frozenset(applied), _selective(applied))
+            return self._with_transient(start, end, RangePlan(seconds + joins, memory, frozenset(applied),
+                                                              _selective(applied)))
 
-        def trimmed_now() -> RangePlan:
+        def trimmed_now(room: float) -> RangePlan:
             # every layer recomputed and still too large: trim as well, counting on a share 1/n of
             # the bytes recomputing frees (a trimmed plan may keep fewer activations to free, where
             # it shards them; n the mesh's size), else, where that does not fit, on all of them (a
@@ -367,13 +432,13 @@ class RangeTable:
             freed = sum(b for _, _, b in applied.values())
             plan = None
             for share in (freed / math.prod(self.costs.ctx.mesh_shape), freed):
-                trimmed = self._sharded(start, end, budget + share)
+                trimmed = self._sharded(start, end, room + share)
                 plan = RangePlan(trimmed.seconds + added, trimmed.memory - share, frozenset(applied),
                                  _selective(applied))
-                if plan.memory <= budget:
+                if plan.memory <= room:
                     break
             assert plan is not None
-            return plan
+            return self._with_transient(start, end, plan)
 
         for i in sorted(pinned):
             apply(i, RecomputeMode.FULL)
@@ -381,18 +446,20 @@ class RangeTable:
         phases = [mode] if mode is not None else [RecomputeMode.SELECTIVE, RecomputeMode.FULL]
         found: list[RangePlan] = []  # each phase's answer: fitting, or every layer recomputed so and trimmed
         for how in phases:
+            # the kept bytes get what the transient of this phase's recomputation leaves
+            room = None if budget is None else budget - self._transient_bound(start, end, how, pinned, others)
             steps = {i: change(i, how) for i in others}
             order = sorted((i for i in others if every or steps[i][1] > 0),
                            key=lambda i: (steps[i][0] / steps[i][1] if steps[i][1] > 0 else math.inf, i))
             for i in order:
-                if not every and (budget is None or memory <= budget):
+                if not every and (room is None or memory <= room):
                     break
                 apply(i, how)
-            if budget is None or memory <= budget:
+            if room is None or memory <= room:
                 found.append(as_now())
                 break
             if len(applied) == end - start:
-                found.append(trimmed_now())
+                found.append(trimmed_now(room))
         fitting = [plan for plan in found if budget is None or plan.memory <= budget]
         if fitting:  # selectively and trimmed may beat fully recomputed (FSDP with selective checkpointing)
             return min(fitting, key=lambda plan: plan.seconds)

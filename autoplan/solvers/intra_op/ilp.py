@@ -19,11 +19,18 @@ Model
 
 (4) and (6) bound the step's peak, ``mem(x) + max(0, max_r p_r(x))``
 (:mod:`~autoplan.solvers.intra_op.problem`): ``t`` is at least every row, so at least their
-maximum, and nothing gains from a larger ``t``; without peak rows ``t`` is left out.
+maximum, and nothing gains from a larger ``t``; without peak rows ``t`` is left out. Rows (6)
+are added lazily (:func:`~autoplan.solvers.intra_op.solve.solve_intra_op`): the model starts
+with none (``t = 0``), and each solve whose answer's peak passes ``M`` adds the row it passes it
+by. A model with fewer rows is a relaxation, so an answer that meets every row is optimal for
+all of them. All rows at once (one per op of the graph) make the LP relaxation weak: on the
+test zoo's models HiGHS ran for minutes on models it solves in seconds with the one or two
+rows that bind.
 
 Each family is built by one function: (0) :func:`_set_objective`, (1)
-:func:`_add_onehot_constraints`, (2)-(3) :func:`_add_edge_marginal_constraints`, (4) and (6)
-:func:`_add_memory_constraint`; :func:`build_model` puts them together over the groups
+:func:`_add_onehot_constraints`, (2)-(3) :func:`_add_edge_marginal_constraints`, (4)
+:func:`_add_memory_constraint`, (6) :func:`add_peak_row`; :func:`build_model` puts (0)-(4)
+together over the groups
 preprocessing (:mod:`~autoplan.solvers.intra_op.preprocess`) left undecided. The canonical
 tie-break (:mod:`~autoplan.solvers.intra_op.canonical`) re-solves the same model with row
 (5) (:func:`bound_objective`) and the objective of :func:`minimise_weights`::
@@ -46,12 +53,12 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
-from autoplan.solvers.intra_op.problem import IntraOpProblem
+from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow, fits_budget
 
 
 @dataclass
@@ -60,6 +67,8 @@ class IlpModel:
     s: dict[int, list[pulp.LpVariable]]  # active group -> one binary per choice
     scale: float  # objective (0) coefficients were divided by this (P5)
     objective: pulp.LpAffineExpression  # (0) as built, in model units
+    transient: pulp.LpVariable | None = None  # t, where the budget binds and there are peak rows
+    peaks: list[PeakRow] = field(default_factory=list)  # the rows (6) added so far
 
 
 def _sanitize(name: str) -> str:
@@ -124,23 +133,43 @@ def _fixed_memory(problem: IntraOpProblem, reduced: ReducedProblem) -> float:
 
 def _add_memory_constraint(
     lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, problem: IntraOpProblem
-) -> None:
-    """Equation (4), divided by M: sum over active groups of (m/M) s + t/M <= 1 - fixed memory / M;
-    and (6), divided by M, for every peak row left by preprocessing (P6)."""
+) -> pulp.LpVariable | None:
+    """Equation (4), divided by M: sum over active groups of (m/M) s + t/M <= 1 - fixed memory / M,
+    with ``t`` (returned) where preprocessing left peak rows; rows (6) come one by one
+    (:func:`add_peak_row`)."""
     if not reduced.budget_binding:
-        return
+        return None
     budget = problem.memory_budget
     fixed = _fixed_memory(problem, reduced)
     terms = _memory_terms(s, problem, budget)
+    t = None
     if reduced.peaks:
         t = _new_variable(lp, "transient", pulp.LpContinuous)
         terms.append((t, 1.0))
-        for r, row in enumerate(reduced.peaks):  # (6)
-            held = [(x, values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(s[g]) if values[i]]
-            expr = pulp.LpAffineExpression(held + [(t, -1.0)])
-            lp.addConstraint(expr <= -row.constant / budget, f"peak_{r}")
     expr = pulp.LpAffineExpression(terms)
     lp.addConstraint(expr <= (budget - fixed) / budget, "memory_budget")
+    return t
+
+
+def add_peak_row(model: IlpModel, row: PeakRow, budget: float) -> None:
+    """Equation (6) for one peak row of the reduced problem (P6), divided by M:
+    sum over its groups of (p/M) s - t/M <= -p0/M."""
+    assert model.transient is not None, "a model without t has no peak rows"
+    held = [(x, values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(model.s[g]) if values[i]]
+    expr = pulp.LpAffineExpression(held + [(model.transient, -1.0)])
+    model.lp.addConstraint(expr <= -row.constant / budget, f"peak_{len(model.peaks)}")
+    model.peaks.append(row)
+
+
+def violated_peak_row(problem: IntraOpProblem, reduced: ReducedProblem, model: IlpModel, choices: list[int]
+                      ) -> PeakRow | None:
+    """The row of the reduced problem (P6) by which ``choices`` pass the budget, to add to
+    ``model``; None where they fit, or where that row is in the model already (the solver's
+    tolerance let it through)."""
+    if not reduced.budget_binding or not reduced.peaks or fits_budget(problem, choices):
+        return None
+    worst = max(reduced.peaks, key=lambda row: row.value(choices))
+    return None if any(worst is row for row in model.peaks) else worst
 
 
 def _set_objective(lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, edge_terms: list
@@ -155,14 +184,15 @@ def _set_objective(lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, edge_te
 
 
 def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
-    """The pulp model of equations (0)-(4) and (6) over the groups (P4) left undecided."""
+    """The pulp model of equations (0)-(4) over the groups (P4) left undecided, with ``t`` where
+    peak rows (6) may be added (:func:`add_peak_row`)."""
     lp = pulp.LpProblem("intra_op", pulp.LpMinimize)
     s = _onehot_variables(lp, reduced)
     _add_onehot_constraints(lp, s, problem)
     edge_terms = _add_edge_marginal_constraints(lp, s, reduced, problem)
-    _add_memory_constraint(lp, s, reduced, problem)
+    t = _add_memory_constraint(lp, s, reduced, problem)
     scale, objective = _set_objective(lp, s, reduced, edge_terms)
-    return IlpModel(lp, s, scale, objective)
+    return IlpModel(lp, s, scale, objective, t)
 
 
 def model_value(model: IlpModel, reduced: ReducedProblem, seconds: float) -> float:

@@ -218,6 +218,17 @@ def transient(problem: IntraOpProblem, choices: list[int]) -> float:
     return max((row.value(choices) for row in problem.peaks), default=0.0)
 
 
+PEAK_TOLERANCE = 1e-9  # relative: a peak this close above the budget is a solver's tolerance, not a miss
+
+
+def fits_budget(problem: IntraOpProblem, choices: list[int]) -> bool:
+    """Whether ``choices``' peak, ``mem(x) + trans(x)``, meets the budget (always, without one)."""
+    if problem.memory_budget is None:
+        return True
+    _, memory = evaluate(problem, choices)
+    return memory + transient(problem, choices) <= problem.memory_budget * (1 + PEAK_TOLERANCE)
+
+
 def least_memory(problem: IntraOpProblem) -> float:
     """The least peak memory any assignment needs: the sum of group minima (exact without peak
     rows: memory is separable) plus the largest row's least (a lower bound)."""

@@ -7,18 +7,19 @@ from the LP.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, replace
 
 import pulp
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
-from autoplan.solvers.intra_op.backends import pick_solver
+from autoplan.solvers.intra_op.backends import SolverName, pick_solver
 from autoplan.solvers.intra_op.canonical import canonicalize
-from autoplan.solvers.intra_op.ilp import IlpModel, build_model
+from autoplan.solvers.intra_op.ilp import IlpModel, add_peak_row, build_model, violated_peak_row
 from autoplan.solvers.intra_op.preprocess import ReducedProblem, reduce_problem
 from autoplan.solvers.intra_op.problem import (IntraOpProblem, IntraOpSolution, check_memory_feasible, evaluate,
-    least_memory, transient)
-from autoplan.solvers.units import format_bytes
+    fits_budget, least_memory, transient)
 from autoplan.solvers.intra_op.run import SolverRun, extract_choices, run_model
+from autoplan.solvers.units import format_bytes
 
 
 class SolverTimeoutError(AutoplanError):
@@ -99,6 +100,7 @@ def solve_intra_op(
     time_limit_s: float | None = None,
     mip_gap: float | None = None,
     canonical: bool = True,
+    exact_peaks: bool = False,
 ) -> IntraOpSolution:
     """Solve the ILP of :mod:`~autoplan.solvers.intra_op.ilp` for ``problem``.
 
@@ -109,6 +111,11 @@ def solve_intra_op(
     (:mod:`~autoplan.solvers.intra_op.canonical`); ``solve_time_s`` includes those solves.
     Raises MemoryInfeasibleError when no plan fits the budget and SolverTimeoutError when the
     time limit passed before any plan was found.
+
+    Peak rows bound the budget by tightening it (:func:`_solve_tightened`, fast) unless
+    ``exact_peaks`` or the tightening finds no plan; then by the rows themselves, added lazily
+    (:func:`_solve_with_lazy_peaks`, exact). The canonical tie-break keeps its answer only where
+    that fits the peak too.
     """
     problem.validate()
     _check_solver_arguments(time_limit_s, mip_gap)
@@ -117,19 +124,94 @@ def solve_intra_op(
     reduced = reduce_problem(problem)
     if not reduced.active:
         choices = [reduced.fixed[g] for g in range(problem.num_groups)]
+        if not fits_budget(problem, choices):
+            raise _no_peak_fits(problem)
         return solution_of(problem, choices, "optimal", 0.0, chosen_solver, 0.0, 0, 0)
-    model = build_model(problem, reduced)
+    tightened = None if exact_peaks else _solve_tightened(problem, chosen_solver, time_limit_s, mip_gap)
+    if tightened is None:
+        solved = _solve_with_lazy_peaks(problem, reduced, chosen_solver, time_limit_s, mip_gap)
+    else:
+        solved = tightened
+    model, run, choices, seconds = solved.model, solved.run, solved.choices, solved.seconds
     num_variables, num_constraints = len(model.lp.variables()), model.lp.numConstraints()
-    run = run_model(model, chosen_solver, time_limit_s, mip_gap)
-    if model.lp.status == pulp.LpStatusInfeasible and problem.peaks and reduced.budget_binding:
-        raise _no_peak_fits(problem)
     status = solution_status(run.sol_status, time_limit_s)
-    choices = extract_choices(model, reduced, problem.num_groups)
     objective, _ = evaluate(problem, choices)
-    gap = _reported_gap(status, objective, run, model, reduced, mip_gap)
-    seconds = run.seconds
+    gap = _reported_gap(status, objective, run, model, solved.reduced, mip_gap)
     if canonical and status == "optimal":
-        tie_broken = canonicalize(problem, reduced, model, choices, chosen_solver, time_limit_s)
-        choices, seconds = tie_broken.choices, seconds + tie_broken.seconds
+        tie_broken = canonicalize(solved.problem, solved.reduced, model, choices, chosen_solver, time_limit_s)
+        seconds += tie_broken.seconds
+        if fits_budget(problem, tie_broken.choices):
+            choices = tie_broken.choices
     return solution_of(problem, choices, status, gap, run.solver, seconds,
                        num_variables, num_constraints)
+
+
+@dataclass
+class _Solved:
+    """A solved model: the problem and reduction it was built from, its last run, its answer."""
+
+    problem: IntraOpProblem
+    reduced: ReducedProblem
+    model: IlpModel
+    run: SolverRun
+    choices: list[int]
+    seconds: float
+
+
+TIGHTENINGS = 8  # most solves of the tightened budget before the exact rows take over
+
+
+def _solve_tightened(problem: IntraOpProblem, solver: SolverName, time_limit_s: float | None,
+                     mip_gap: float | None) -> _Solved | None:
+    """The peak bounded by tightening the budget: the model without peak rows under ``M - T``,
+    ``T`` starting at 0 and raised to each answer's transient while the answer's peak passes
+    ``M`` (it then holds more than ``T``, so ``T`` grows every time). The answer is the optimum
+    among the plans that keep at most ``M - T``, ``T`` its own transient: every plan that fits,
+    except one that keeps more and holds less in the backward's largest moment (the exact rows,
+    :func:`_solve_with_lazy_peaks`, find that one too, at many times the solver's time). None
+    where the tightened budget admits no plan, or after ``TIGHTENINGS`` solves."""
+    if problem.memory_budget is None or not problem.peaks:
+        return None
+    held, seconds = 0.0, 0.0
+    for _ in range(TIGHTENINGS):
+        if held > problem.memory_budget:
+            return None
+        tight = replace(problem, memory_budget=problem.memory_budget - held, peaks=[])
+        try:
+            check_memory_feasible(tight)
+        except MemoryInfeasibleError:
+            return None
+        reduced = reduce_problem(tight)
+        if not reduced.active:
+            return None
+        model = build_model(tight, reduced)
+        run = run_model(model, solver, time_limit_s, mip_gap)
+        seconds += run.seconds
+        if model.lp.status == pulp.LpStatusInfeasible:
+            return None
+        solution_status(run.sol_status, time_limit_s)  # raises where there is no answer
+        choices = extract_choices(model, reduced, problem.num_groups)
+        if fits_budget(problem, choices):
+            return _Solved(tight, reduced, model, run, choices, seconds)
+        held = max(held, transient(problem, choices))
+    return None
+
+
+def _solve_with_lazy_peaks(problem: IntraOpProblem, reduced: ReducedProblem, solver: SolverName,
+                           time_limit_s: float | None, mip_gap: float | None) -> _Solved:
+    """The model solved with its peak rows (6) added lazily (:mod:`~autoplan.solvers.intra_op.ilp`):
+    first with none, then, while the answer's peak passes the budget, with the row it passes it
+    by added, and solved again: the exact optimum under the peak rows."""
+    model = build_model(problem, reduced)
+    seconds = 0.0
+    while True:
+        run = run_model(model, solver, time_limit_s, mip_gap)
+        seconds += run.seconds
+        if model.lp.status == pulp.LpStatusInfeasible and model.peaks:
+            raise _no_peak_fits(problem)
+        solution_status(run.sol_status, time_limit_s)  # raises where there is no answer
+        choices = extract_choices(model, reduced, problem.num_groups)
+        row = violated_peak_row(problem, reduced, model, choices)
+        if row is None:
+            return _Solved(problem, reduced, model, run, choices, seconds)
+        add_peak_row(model, row, problem.memory_budget or 0.0)
