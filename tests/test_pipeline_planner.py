@@ -322,6 +322,23 @@ def test_a_range_that_only_fits_trimmed_is_costed_within_the_budget() -> None:
         assert exact <= seconds + 1e-12
 
 
+@pytest.mark.parametrize("mesh", [(64,), (8, 8)])
+def test_no_range_is_estimated_to_fit_in_nothing(mesh) -> None:
+    """On a large mesh the bytes that recomputing the fastest plans frees can outweigh a trimmed
+    plan's own: the estimate stays at or above the least-memory plans less their share, so a
+    budget of one byte fits no range, and a budget below the least memory no more than it."""
+    from autoplan.planner.pipeline import layer_costs, RangeTable
+
+    model, inputs = gpt.build(hidden=256, layers=4, heads=4, seq=64, vocab=512, batch=64, device="meta")
+    graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
+    layers = make_layers(graph, find_classes(graph))
+    table = RangeTable(graph, layers, layer_costs(make_options(64, "h100"), mesh, 1, 1), boundaries=False)
+    least = table.least_memory(0, len(layers))
+    for budget in (1.0, least / 10, least / 2):
+        seconds, memory = table.cost(0, len(layers), budget)
+        assert memory > budget and seconds > 0
+
+
 def test_close_pipelines_are_planned_exactly_and_the_fastest_wins(small_gpt, monkeypatch) -> None:
     """With every pipeline of the search close enough to be planned exactly, the plan returned
     is the fastest exact plan, and the others are listed with their exact figures."""

@@ -427,13 +427,17 @@ class RangeTable:
             # the bytes recomputing frees (a trimmed plan may keep fewer activations to free, where
             # it shards them; n the mesh's size), else, where that does not fit, on all of them (a
             # plan that trims parameters and optimizer state only, as FSDP does, frees as many);
-            # and charging the fastest plans' recomputation
+            # and charging the fastest plans' recomputation. Never below the least-memory plans
+            # less their share: the fastest plans' activations can outweigh a trimmed plan's bytes
+            # on a large mesh, and a range does not fit in nothing.
             added = sum(a for _, a, _ in applied.values())
             freed = sum(b for _, _, b in applied.values())
+            devices = math.prod(self.costs.ctx.mesh_shape)
+            floor = max(0.0, self._range(LEAN, start, end)[1] - excess - freed / devices)
             plan = None
-            for share in (freed / math.prod(self.costs.ctx.mesh_shape), freed):
+            for share in (freed / devices, freed):
                 trimmed = self._sharded(start, end, room + share)
-                plan = RangePlan(trimmed.seconds + added, trimmed.memory - share, frozenset(applied),
+                plan = RangePlan(trimmed.seconds + added, max(trimmed.memory - share, floor), frozenset(applied),
                                  _selective(applied))
                 if plan.memory <= room:
                     break
