@@ -256,6 +256,7 @@ class RangeTable:
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute: frozenset[int] | None = None  # the layers that may be recomputed
+        self.parameter_bytes: dict[str, float] | None = None  # FQN -> training-state bytes, whole
         pins = costs.options.pins  # the layers the user's checkpoint pins recompute, whatever the policy
         self.pinned_recompute = pins.checkpointed_layers(graph, layers) if pins else frozenset()
         self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
@@ -292,6 +293,19 @@ class RangeTable:
         """Bytes per device of layers [start, end)'s least-memory plans at the step's peak (with the
         transient of their fastest plans, which shard the backward's values no more than they do)."""
         return self._range(LEAN, start, end)[1] - self.counted_apart(start, end) + self.transient(start, end)
+
+    def state_floor(self, start: int, end: int) -> float:
+        """Bytes per device that no plan of layers [start, end) goes below: the parameters they
+        read, each with its gradient and optimizer state, sharded over every device of the mesh
+        (ZeRO-3 over the whole mesh; a tied parameter once)."""
+        if self.parameter_bytes is None:
+            per_element = self.costs.ctx.optimizer.bytes_per_param
+            self.parameter_bytes = {info.fqn: math.prod(info.shape or ()) * per_element(info.itemsize)
+                                    for info in self.graph.nodes.values() if info.kind == "parameter" and info.fqn}
+        read = {fqn for layer in self.layers[start:end] for name in layer.nodes
+                for fqn in self.graph.nodes[name].params}
+        total = math.fsum(self.parameter_bytes.get(fqn, 0.0) for fqn in read)
+        return total / math.prod(self.costs.ctx.mesh_shape)
 
     def transient(self, start: int, end: int, modes: Mapping[int, RecomputeMode] | None = None) -> float:
         """The backward's transient of layers [start, end): the largest of their fastest plans'
@@ -427,15 +441,14 @@ class RangeTable:
             # the bytes recomputing frees (a trimmed plan may keep fewer activations to free, where
             # it shards them; n the mesh's size), else, where that does not fit, on all of them (a
             # plan that trims parameters and optimizer state only, as FSDP does, frees as many);
-            # and charging the fastest plans' recomputation. Never below the least-memory plans
-            # less their share: the fastest plans' activations can outweigh a trimmed plan's bytes
-            # on a large mesh, and a range does not fit in nothing.
+            # and charging the fastest plans' recomputation. Never below the training state of
+            # the range's parameters sharded over every device (:meth:`state_floor`): the fastest
+            # plans' activations can outweigh a trimmed plan's bytes on a large mesh.
             added = sum(a for _, a, _ in applied.values())
             freed = sum(b for _, _, b in applied.values())
-            devices = math.prod(self.costs.ctx.mesh_shape)
-            floor = max(0.0, self._range(LEAN, start, end)[1] - excess - freed / devices)
+            floor = self.state_floor(start, end)
             plan = None
-            for share in (freed / devices, freed):
+            for share in (freed / math.prod(self.costs.ctx.mesh_shape), freed):
                 trimmed = self._sharded(start, end, room + share)
                 plan = RangePlan(trimmed.seconds + added, max(trimmed.memory - share, floor), frozenset(applied),
                                  _selective(applied))
