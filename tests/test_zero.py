@@ -52,12 +52,44 @@ def test_sharded_state_strategies_and_their_costs() -> None:
     assert P not in zero2.grad_spec
 
 
+def test_accumulated_microbatches_reduce_a_zero2_gradient_each_time() -> None:
+    """Under gradient accumulation a ZeRO-2 gradient is reduce-scattered after every
+    microbatch (no whole gradient outlives one), a ZeRO-1 or replicated one once per step: the
+    ZeRO-2 variant is among the choices whatever the microbatch count, its reduction costing
+    ``microbatches`` times as much, its gradient memory divided as with one microbatch."""
+    from autoplan.planner.mesh_plan import plan_intra_op
+    from autoplan.trace.repeated import find_classes
+    from autoplan.trace.tracer import trace
+    from autoplan.cost_models.step_costs import edge_cost, gradient_reductions
+
+    weight = NodeInfo("w", "parameter", "", (64, 32), "float32", 4, 0.0, 0.0, "", "", (), fqn="w")
+    replicated = next(s for s in storage_strategies(weight.shape, (4,)) if s.output_spec == (R,))
+    _, zero2 = sharded_state_strategies(replicated, weight.shape, (4,), gradients=True)
+    costs = {}
+    for microbatches in (1, 4):
+        ctx = CostContext((4,), (LinkSpec(1e9, 1e-5),), load_cluster("h100").device, OptimizerSpec("adamw"),
+                          microbatches=microbatches)
+        assert gradient_reductions(zero2.grad_spec, (R,), ctx) == microbatches
+        assert gradient_reductions(None, (R,), ctx) == 1
+        costs[microbatches] = [edge_cost((R,), (R,), weight.shape, 4, True, ctx, frozenset({0}), from_parameter=True,
+                                         grad_src=grad) for grad in (None, zero2.grad_spec)]
+    assert costs[4][0] == costs[1][0]  # accumulated whole, reduced once
+    assert costs[4][1] == pytest.approx(4 * costs[1][1])
+    # the search offers ZeRO-2 with accumulated microbatches
+    spec = _spec("nanogpt")
+    graph = trace(spec)
+    ctx = CostContext((2,), (LinkSpec(1e9, 1e-5),), load_cluster("h100").device, OptimizerSpec("adamw"),
+                      microbatches=2)
+    result = plan_intra_op(graph, find_classes(graph), (2,), ctx, None, gathered_storage=True)
+    assert any("zero2@" in name for names in result.problem.choice_names for name in names)
+
+
 def test_manual_zero_is_read_and_refused_in_one_line() -> None:
     assert parse_manual("dp=4,zero=2").zero == 2
+    assert parse_manual("dp=2,zero=2,microbatches=4").microbatches == 4  # reduce-scattered every microbatch
     assert "zero=1" in parse_manual("dp=2,zero=1,microbatches=4").label
     assert parse_manual("dp=2,pp=2,schedule=gpipe").microbatches == 1  # GPipe runs one microbatch
     for text, needle in (("dp=2,zero=3", "zero=3 is fsdp="), ("zero=1", "give dp=2 or more"),
-                         ("dp=2,zero=2,microbatches=2", "use zero=1 with microbatches"),
                          ("dp=2,pp=2", "needs at least one microbatch per stage")):
         with pytest.raises(AutoplanError, match=f"^[^\\n]*{needle}[^\\n]*$"):
             parse_manual(text)
@@ -73,10 +105,13 @@ def test_zero_programs_pass_check(world: int, tmp_path) -> None:
     cases = {
         2: {"nanogpt zero-1": ("nanogpt", "dp=2,zero=1", "fp32"),
             "llama zero-2 bf16": ("llama", "dp=2,zero=2", "bf16"),
-            "nanogpt zero-1 accumulated": ("nanogpt", "dp=2,zero=1,microbatches=2", "fp32")},
+            "nanogpt zero-1 accumulated": ("nanogpt", "dp=2,zero=1,microbatches=2", "fp32"),
+            "nanogpt zero-2 accumulated, tied weights": ("nanogpt", "dp=2,zero=2,microbatches=4", "fp32")},
         4: {"gpt2 zero-2 x tp": ("gpt2", "dp=2,tp=2,zero=2", "fp32"),
             "llama 2 stages x zero-1 checkpointed": ("llama", "dp=2,pp=2,microbatches=2,zero=1,ac=full", "fp32"),
-            "nanogpt 2 stages x zero-2, tied weights": ("nanogpt", "dp=2,pp=2,zero=2,schedule=gpipe", "fp32")},
+            "nanogpt 2 stages x zero-2, tied weights": ("nanogpt", "dp=2,pp=2,zero=2,schedule=gpipe", "fp32"),
+            "llama 2 stages x zero-2, 4 microbatches, checkpointed": ("llama", "dp=2,pp=2,microbatches=4,zero=2,ac=full",
+                                                                      "fp32")},
     }[world]
     plans = {label: (model, _manual(model, text, world, precision))
              for label, (model, text, precision) in cases.items()}
@@ -86,6 +121,9 @@ def test_zero_programs_pass_check(world: int, tmp_path) -> None:
         assert sharded and all((s.grad != s.param) == zero2 for s in sharded), label
         assert any(c.phase == "optimizer" and c.kind == "all_gather" for c in plan.collectives), label
         assert zero2 == any(c.kind == "reduce_scatter" and c.tensor == "gradient" for c in plan.collectives), label
+        if zero2:  # a ZeRO-2 gradient is reduce-scattered after every microbatch, not once per step
+            assert all(c.count % plan.microbatches == 0 for c in plan.collectives
+                       if c.kind == "reduce_scatter" and c.tensor == "gradient" and c.bucketed), label
     write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
     results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600)
     assert_checks_passed(results, plans)

@@ -49,6 +49,9 @@ After the schedule: gradients left as partial sums (a parameter replicated over 
 mesh axis) are reduced into the parameter's placement, once per step, not once per microbatch,
 in buckets (one flat all-reduce per dtype, set of axes and axis, where the plan lists one per
 parameter: :attr:`PipelineProgram.gradient_buckets_launched` counts them for ``--check``).
+A gradient the plan stores sharded unlike its parameter (ZeRO-2) is instead reduce-scattered on
+each edge that reads the parameter, in every microbatch's backward, and accumulates as a shard
+(``reduce_gradient_on_edge``): no whole gradient outlives a microbatch, as the plan costs it.
 
 Tied weights (nanoGPT's ``wte``/``lm_head``): a parameter read by stages on different pp ranks
 is held by each of them (distributed the same way on each sub-mesh); after the step the copies'
@@ -194,9 +197,11 @@ class _StageModule(torch.nn.Module):
             for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
                 target = self.gradient_targets.get(id(env[a])) if a in self._locals else None
                 arrived[a] = redistribute(env[a], specs, self.mesh, target, self.param_dtype)
-                if a in self._locals:  # a parameter's partial gradient is reduced after the schedule
-                    if regathers_for(n):
+                if a in self._locals:  # a parameter's partial gradient is reduced after the schedule,
+                    if regathers_for(n):  # a ZeRO-2 one into its shard on the edge, every microbatch
                         self.gathered.remember(arrived[a], env[a], specs)
+                    if target is not None:
+                        arrived[a] = reduce_gradient_on_edge(env[a], arrived[a], target)
                 elif pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos]:
                     arrived[a] = reduce_gradient_on_edge(env[a], arrived[a])  # on the edge, as planned
         args = torch.fx.node.map_arg(n.args, lambda a: arrived[a] if a in arrived else env[a])

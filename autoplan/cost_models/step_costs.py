@@ -26,13 +26,16 @@ the gradient's reduce-scatter fp32.
 
 Optimizer state sharded under a whole parameter (ZeRO-1/2). A trained parameter's storage
 strategy may keep its placement ``p`` and store its optimizer state in ``s``, ``p`` with one
-replicated mesh axis sharded (:attr:`Strategy.state_spec`), and, with one microbatch, its
-reduced gradient in ``s`` too (:attr:`Strategy.grad_spec`). Memory: parameter ``|p|·b_param``,
-gradient ``|g|·b_grad``, state ``|s|·b_state`` (``|x|`` the local elements); the optimizer step
-runs over ``|s|``; once per step the updated shards are all-gathered ``s → p``
-(:func:`sharded_state_steps`, the optimizer phase). The gradient's edges reduce into ``g``
-instead of ``p``: a reduce-scatter where the parameter's reduction is an all-reduce, the same
-bytes on a ring.
+replicated mesh axis sharded (:attr:`Strategy.state_spec`), and its reduced gradient in ``s``
+too (:attr:`Strategy.grad_spec`). Memory: parameter ``|p|·b_param``, gradient ``|g|·b_grad``,
+state ``|s|·b_state`` (``|x|`` the local elements); the optimizer step runs over ``|s|``; once
+per step the updated shards are all-gathered ``s → p`` (:func:`sharded_state_steps`, the
+optimizer phase). The gradient's edges reduce into ``g`` instead of ``p``: a reduce-scatter
+where the parameter's reduction is an all-reduce, the same bytes on a ring. Where microbatches
+accumulate, a ZeRO-2 gradient is reduce-scattered after every microbatch's backward and summed
+into its shard (as DeepSpeed's ZeRO-2 does), so that no whole gradient outlives a microbatch:
+``microbatches`` reduce-scatters per step; a ZeRO-1 gradient accumulates whole and is reduced
+once.
 
 Activation checkpointing. A recomputed node (in a layer the plan recomputes,
 ``recompute_regions``) runs its forward once more in the backward, and so does every
@@ -318,6 +321,12 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
     return total
 
 
+def gradient_reductions(grad_spec: ShardingSpec | None, spec: ShardingSpec, ctx: CostContext) -> int:
+    """How many times a step reduces the gradient of a parameter stored in ``spec`` and read so:
+    once, or, where its gradient is stored sharded unlike it (ZeRO-2), after every microbatch."""
+    return ctx.microbatches if grad_spec is not None and grad_spec != spec else 1
+
+
 def regather_runs(from_parameter: bool, recomputed: bool, kept: bool) -> int:
     """How many times more than once per microbatch an edge's forward resharding runs: again
     in the backward where the consumer is recomputed, or where a parameter resharded for its
@@ -346,8 +355,8 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
                                        grad_src, forward_itemsize)
-        if from_parameter and src == dst:
-            cached = steps_seconds(backward, ctx, bucketed=True)
+        if from_parameter and src == dst:  # reduced once per step; a ZeRO-2 gradient every microbatch
+            cached = steps_seconds(backward, ctx, bucketed=True) * gradient_reductions(grad_src, src, ctx)
         else:
             runs = 1.0 + regather_runs(from_parameter, recomputed, kept)
             cached = (runs * steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches

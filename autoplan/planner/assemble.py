@@ -7,7 +7,7 @@ import math
 
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
-                                             edge_steps, model_flops_utilization, regather_runs,
+                                             edge_steps, gradient_reductions, model_flops_utilization, regather_runs,
                                              resharded_itemsize, sharded_state_steps, steps_seconds, value_itemsize)
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
@@ -83,9 +83,11 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
                     _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes,
                          f"{where} ({'recomputed' if recomputed else 're-gathered'})", moved, times=ctx.microbatches)
             if moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
-                seconds += steps_seconds(backward, ctx, bucketed=True)      # step, in buckets
+                times = gradient_reductions(src_strategy.grad_spec, dst, ctx)  # step in buckets (ZeRO-2: per
+                seconds += steps_seconds(backward, ctx, bucketed=True) * times  # microbatch)
                 for step in backward:
-                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "gradient", bucketed=True)
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "gradient", bucketed=True,
+                         times=times)
             else:  # through the edge's resharding, every microbatch
                 seconds += steps_seconds(backward, ctx) * ctx.microbatches
                 for step in backward:

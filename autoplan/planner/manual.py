@@ -123,9 +123,6 @@ def parse_manual(text: str) -> ManualPlan:
         raise AutoplanError(f"--manual pp={manual.pp} with microbatches={manual.microbatches}: torch's "
                             f"{manual.schedule} schedule needs at least one microbatch per stage; give "
                             f"microbatches={manual.pp} or more, or schedule=gpipe")
-    if manual.zero == 2 and manual.microbatches > 1:
-        raise AutoplanError("--manual zero=2 reduce-scatters each step's gradient once, which accumulating "
-                            "microbatches would repeat: use zero=1 with microbatches")
     return manual
 
 

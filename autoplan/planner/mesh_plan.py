@@ -219,9 +219,9 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
         strategies = pinned_strategies(info, strategies, mesh_shape, pins)
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
-        if _trained_parameter(view, name):  # ZeRO-1/2 (gradients: one microbatch)
+        if _trained_parameter(view, name):  # ZeRO-1/2
             variants = [v for s in strategies for v in sharded_state_strategies(
-                s, info.shape or (), mesh_shape, gradients=ctx.microbatches == 1)]
+                s, info.shape or (), mesh_shape, gradients=True)]
             required = allow_storage.sharded_state if allow_storage is not None else None
             if required is None:  # a free choice
                 strategies = strategies + variants
