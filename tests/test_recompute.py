@@ -195,7 +195,7 @@ def test_recomputing_programs_pass_check_on_2_processes(chosen: tuple[Plan, floa
 
 
 def test_recomputing_programs_pass_check_on_4_processes(tmp_path) -> None:
-    options = PlanOptions(4, "cpu", stages=1, microbatches=1, mesh=(2, 2), recompute=True, memory_per_device="1.2MB")
+    options = PlanOptions(4, "cpu", stages=1, microbatches=1, mesh=(2, 2), recompute=True, memory_per_device="1.4MB")
     mesh_2x2 = plan_model(_spec("gpt2"), options)
     assert any(c.where.endswith("(recomputed)") for c in mesh_2x2.collectives)  # sharded inside a layer
     selective_2x2 = plan_model(_spec("gpt2"), replace(options, recompute="selective", memory_per_device="1.4MB"))

@@ -384,18 +384,14 @@ class RangeTable:
     def _sharded(self, start: int, end: int, budget: float) -> RangePlan:
         """The layers' fastest plans trimmed to fit ``budget`` together, else their
         least-memory plans (which then do not fit)."""
-        return self._trimmed(start, end, budget)[0]
-
-    def _trimmed(self, start: int, end: int, budget: float) -> tuple[RangePlan, bool]:
-        """:meth:`_sharded`, and whether it fell back to the least-memory plans."""
         excess = self.counted_apart(start, end)
         joins = self.joins[end - 1] - self.joins[start]
         lean = self._range(LEAN, start, end)
         trimmed = None if lean[1] - excess >= budget else \
             self.costs.trimmed(self.graph, self.layers[start:end], budget + excess)
         if trimmed is None:
-            return RangePlan(lean[0], lean[1] - excess), True
-        return RangePlan(trimmed[0] + joins, trimmed[1] - excess), False
+            return RangePlan(lean[0], lean[1] - excess)
+        return RangePlan(trimmed[0] + joins, trimmed[1] - excess)
 
     def _recomputed(self, start: int, end: int, budget: float | None, every: bool = False,
                     pinned: frozenset[int] = frozenset(), mode: RecomputeMode | None = None) -> RangePlan | None:
@@ -445,19 +441,20 @@ class RangeTable:
             # the bytes recomputing frees (a trimmed plan may keep fewer activations to free, where
             # it shards them; n the mesh's size), else, where that does not fit, on all of them (a
             # plan that trims parameters and optimizer state only, as FSDP does, frees as many);
-            # and charging the fastest plans' recomputation. Where trimming falls back to the
-            # least-memory plans, whose activations are sharded already, the fastest plans'
-            # activations can outweigh what is left to free (on a large mesh, below nothing):
-            # there the estimate is no lower than the training state of the range's parameters
-            # sharded over every device (:meth:`state_floor`).
+            # and charging the fastest plans' recomputation. On a large mesh the fastest plans'
+            # activations can outweigh a trimmed plan's bytes, and the estimate would fall below
+            # nothing: there it is the training state of the range's parameters sharded over
+            # every device (:meth:`state_floor`), which no plan goes below. (A floor everywhere
+            # is too high a bar: the transient added below is the fastest plans', larger than a
+            # trimmed plan's, and the two errors offset each other where both are small.)
             added = sum(a for _, a, _ in applied.values())
             freed = sum(b for _, _, b in applied.values())
             plan = None
             for share in (freed / math.prod(self.costs.ctx.mesh_shape), freed):
-                trimmed, lean = self._trimmed(start, end, room + share)
+                trimmed = self._sharded(start, end, room + share)
                 memory = trimmed.memory - share
-                if lean or memory < 0:
-                    memory = max(memory, self.state_floor(start, end))
+                if memory < 0:
+                    memory = self.state_floor(start, end)
                 plan = RangePlan(trimmed.seconds + added, memory, frozenset(applied), _selective(applied))
                 if plan.memory <= room:
                     break
