@@ -260,6 +260,11 @@ class RangeTable:
         pins = costs.options.pins  # the layers the user's checkpoint pins recompute, whatever the policy
         self.pinned_recompute = pins.checkpointed_layers(graph, layers) if pins else frozenset()
         self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
+        # per layer, by recompute mode (None: kept): the backward's transient, and recomputing's
+        # (seconds added, bytes freed); and running maxima of transients from each start layer
+        self.layer_transients: dict[RecomputeMode | None, list[float]] = {}
+        self.recompute_steps: dict[RecomputeMode, list[tuple[float, float]]] = {}
+        self.running_max: dict[tuple[str, RecomputeMode | None], dict[int, list[float]]] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
             costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
@@ -311,21 +316,61 @@ class RangeTable:
         """The backward's transient of layers [start, end): the largest of their fastest plans'
         (:meth:`LayerCosts.transient`; one layer's backward runs at a time), each kept or
         recomputed in its mode in ``modes``."""
-        modes = modes or {}
-        return max(self.costs.transient(self.graph, self.layers[i], modes.get(i)) for i in range(start, end))
+        kept = self._layer_transients(None)
+        if not modes:
+            return self._largest("kept", None, start, end)
+        return max(self._layer_transients(modes[i])[i] if i in modes else kept[i] for i in range(start, end))
+
+    def _layer_transients(self, mode: RecomputeMode | None) -> list[float]:
+        """Every layer's :meth:`LayerCosts.transient` in ``mode``."""
+        if mode not in self.layer_transients:
+            self.layer_transients[mode] = [self.costs.transient(self.graph, layer, mode) for layer in self.layers]
+        return self.layer_transients[mode]
+
+    def _largest(self, kind: str, how: RecomputeMode | None, start: int, end: int) -> float:
+        """The largest per-layer transient of layers [start, end): kept (``kind`` "kept"), or the
+        larger of kept and recomputed in ``how`` for the layers that may be recomputed (``kind``
+        "either"); from running maxima kept for each start layer."""
+        by_start = self.running_max.setdefault((kind, how), {})
+        if start not in by_start:
+            kept = self._layer_transients(None)
+            if kind == "kept":
+                values = kept[start:]
+            else:
+                assert how is not None and self.may_recompute is not None
+                again = self._layer_transients(how)
+                values = [max(kept[i], again[i]) if i in self.may_recompute else kept[i]
+                          for i in range(start, len(self.layers))]
+            by_start[start] = list(itertools.accumulate(values, max))
+        return by_start[start][end - start - 1]
+
+    def _recompute_steps(self, how: RecomputeMode) -> list[tuple[float, float]]:
+        """Every layer's (seconds added, bytes freed) when its fastest plan is recomputed in ``how``
+        (:meth:`LayerCosts.recomputed`)."""
+        if how not in self.recompute_steps:
+            steps = []
+            for layer in self.layers:
+                plain, again = self.costs.cost(self.graph, layer), self.costs.recomputed(self.graph, layer, how)
+                steps.append((again[0] - plain[0], plain[1] - again[1]))
+            self.recompute_steps[how] = steps
+        return self.recompute_steps[how]
 
     def _transient_bound(self, start: int, end: int, how: RecomputeMode, pinned: frozenset[int],
                          candidates: list[int]) -> float:
         """:meth:`transient` with the ``pinned`` layers recomputed fully and every one of
         ``candidates`` kept or recomputed in ``how``, whichever holds more: a budget less this
-        bound holds whichever of them recomputation then picks."""
+        bound holds whichever of them recomputation then picks. (``candidates``: the layers of
+        the range that may be recomputed, less the pinned ones.)"""
+        if not pinned:
+            return self._largest("either", how, start, end)
+        kept, again, full = (self._layer_transients(None), self._layer_transients(how),
+                             self._layer_transients(RecomputeMode.FULL))
+        chosen = set(candidates)
+
         def largest(i: int) -> float:
-            layer = self.layers[i]
             if i in pinned:
-                return self.costs.transient(self.graph, layer, RecomputeMode.FULL)
-            if i in candidates:
-                return max(self.costs.transient(self.graph, layer), self.costs.transient(self.graph, layer, how))
-            return self.costs.transient(self.graph, layer)
+                return full[i]
+            return max(kept[i], again[i]) if i in chosen else kept[i]
         return max(largest(i) for i in range(start, end))
 
     def _with_transient(self, start: int, end: int, plan: RangePlan) -> RangePlan:
@@ -420,10 +465,9 @@ class RangeTable:
         applied: dict[int, tuple[RecomputeMode, float, float]] = {}  # layer -> (mode, seconds added, bytes freed)
 
         def change(i: int, how: RecomputeMode) -> tuple[float, float]:  # (seconds added, bytes freed) beyond now
-            layer = self.layers[i]
-            plain, again = self.costs.cost(self.graph, layer), self.costs.recomputed(self.graph, layer, how)
+            step_seconds, step_bytes = self._recompute_steps(how)[i]
             _, added, freed = applied.get(i, (how, 0.0, 0.0))
-            return again[0] - plain[0] - added, plain[1] - again[1] - freed
+            return step_seconds - added, step_bytes - freed
 
         def apply(i: int, how: RecomputeMode) -> None:
             nonlocal seconds, memory

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from autoplan.solvers.intra_op.backends import SolverName, make_backend
+from autoplan.solvers.intra_op.backends import RelaxationFirstHiGHS, SolverName, make_backend
 from autoplan.solvers.intra_op.ilp import IlpModel
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
 
@@ -36,7 +36,10 @@ def parse_cbc_bound(log: str) -> float | None:
     return None
 
 
-def _highs_bound(lp: pulp.LpProblem) -> float | None:
+def _highs_bound(lp: pulp.LpProblem, backend: pulp.LpSolver) -> float | None:
+    """The proven bound: an integral relaxation's objective, else the branch-and-bound's."""
+    if isinstance(backend, RelaxationFirstHiGHS) and backend.relaxation_bound is not None:
+        return backend.relaxation_bound
     model = getattr(lp, "solverModel", None)
     return None if model is None else float(model.getInfo().mip_dual_bound)
 
@@ -57,7 +60,7 @@ def run_model(model: IlpModel, solver: SolverName, time_limit_s: float | None,
         start = time.perf_counter()
         model.lp.solve(backend)
         seconds = time.perf_counter() - start
-        bound = _highs_bound(model.lp) if solver == "highs" else _cbc_bound(log_path)
+        bound = _highs_bound(model.lp, backend) if solver == "highs" else _cbc_bound(log_path)
     return SolverRun(solver, model.lp.sol_status, bound, seconds)
 
 
