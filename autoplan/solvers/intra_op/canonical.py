@@ -10,7 +10,8 @@ less memory, then the smaller choice name, and make the minimiser unique (up to 
 collisions).
 
 The solve proves optimality with no relative gap and an absolute gap below one weight unit,
-with rows held to EXACT_FEASIBILITY_TOL. It is skipped when every decided group of ``x0``
+with rows held to EXACT_FEASIBILITY_TOL, and starts from ``x0`` (feasible under row
+(5)). It is skipped when every decided group of ``x0``
 already sits at its least weight (then nothing can beat ``x0``). Its answer is checked
 exactly with :func:`~autoplan.solvers.intra_op.problem.evaluate` (cost within the tolerance
 of ``f0``, memory within the budget); an answer that fails (a solver's tolerance let it
@@ -72,7 +73,7 @@ def canonicalize(problem: IntraOpProblem, reduced: ReducedProblem, model: IlpMod
     minimise_weights(model, weights)
     seconds = 0.0
     while True:  # peak rows (6) lazily, as for the optimum
-        run = run_model(model, solver, time_limit_s, None, exact_abs_gap=WEIGHT_ABS_GAP)
+        run = run_model(model, solver, time_limit_s, None, exact_abs_gap=WEIGHT_ABS_GAP, warm_start=True)
         seconds += run.seconds
         if run.sol_status != pulp.LpSolutionOptimal:
             return Canonical(choices, seconds)

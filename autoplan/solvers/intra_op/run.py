@@ -52,11 +52,12 @@ def _cbc_bound(log_path: str) -> float | None:
 
 
 def run_model(model: IlpModel, solver: SolverName, time_limit_s: float | None,
-              mip_gap: float | None, exact_abs_gap: float | None = None) -> SolverRun:
-    """Solve ``model.lp`` with its current objective (see :func:`make_backend` for the gaps)."""
+              mip_gap: float | None, exact_abs_gap: float | None = None, warm_start: bool = False) -> SolverRun:
+    """Solve ``model.lp`` with its current objective (see :func:`make_backend` for the gaps and
+    ``warm_start``)."""
     with tempfile.TemporaryDirectory(prefix="autoplan_ilp_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
-        backend = make_backend(solver, time_limit_s, mip_gap, log_path, exact_abs_gap)
+        backend = make_backend(solver, time_limit_s, mip_gap, log_path, exact_abs_gap, warm_start)
         start = time.perf_counter()
         model.lp.solve(backend)
         seconds = time.perf_counter() - start
