@@ -93,6 +93,18 @@ def test_ilp_matches_brute_force(seed: int, budget_share: float | None) -> None:
             assert sol.memory <= problem.memory_budget
 
 
+def test_the_ilp_answer_is_read_back_after_a_fractional_relaxation() -> None:
+    """A problem whose relaxation is fractional: HiGHS then solves the ILP on the same solver
+    object, and the answer read back is the ILP's optimum (HiGHS 1.16 once reported the
+    optimum's objective beside a stale, worse solution there)."""
+    problem = random_problem(17553, budget_share=0.28125)
+    exact = brute_force(problem)
+    for canonical in (False, True):
+        solution = solve_intra_op(problem, solver="highs", canonical=canonical)
+        assert_same_optimum(solution.objective, exact.objective)
+        assert solution.objective == pytest.approx(evaluate(problem, solution.choices)[0])
+
+
 @pytest.mark.parametrize("seed", range(15))
 def test_reduced_model_value_plus_constant_is_the_objective(seed: int) -> None:
     """(P1)-(P5) change the model, not the cost of a plan: LP value x scale + constant."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Literal, cast, get_args
@@ -85,10 +86,12 @@ class RelaxationFirstHiGHS(pulp.HiGHS):
 
         highs = lp.solverModel
         self.relaxation_bound = None
-        integer = np.array([var.index for var in lp.variables() if var.cat == pulp.LpInteger], dtype=np.int32)
+        variables = lp.variables()  # in column order: pulp numbered them so
+        integer = np.array([var.index for var in variables if var.cat == pulp.LpInteger], dtype=np.int32)
         if integer.size and self.mip:
             kinds = highspy.HighsVarType
             highs.changeColsIntegrality(integer.size, integer, np.full(integer.size, kinds.kContinuous))
+            started = time.perf_counter()
             highs.run()
             if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
                 values = np.asarray(highs.getSolution().col_value)[integer]
@@ -99,9 +102,11 @@ class RelaxationFirstHiGHS(pulp.HiGHS):
             # HiGHS 1.16 may report the branch-and-bound's objective beside a stale solution
             # of the relaxation's run unless its solver state is cleared in between
             highs.clearSolver()
+            if self.timeLimit is not None:  # the time limit covers both runs
+                highs.setOptionValue("time_limit", max(1e-3, float(self.timeLimit) - (time.perf_counter() - started)))
         if self.warm_start:
             start = highspy.HighsSolution()
-            start.col_value = [var.varValue or 0.0 for var in sorted(lp.variables(), key=lambda var: var.index)]
+            start.col_value = [var.varValue or 0.0 for var in variables]
             start.value_valid = True
             highs.setSolution(start)
         highs.run()

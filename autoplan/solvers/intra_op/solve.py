@@ -133,7 +133,7 @@ def solve_intra_op(
     else:
         solved = tightened
     model, run, choices, seconds = solved.model, solved.run, solved.choices, solved.seconds
-    num_variables, num_constraints = len(model.lp.variables()), model.lp.numConstraints()
+    num_variables, num_constraints = model.lp.numVariables(), model.lp.numConstraints()
     status = solution_status(run.sol_status, time_limit_s)
     objective, _ = evaluate(problem, choices)
     gap = _reported_gap(status, objective, run, model, solved.reduced, mip_gap)
