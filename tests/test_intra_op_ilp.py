@@ -32,6 +32,7 @@ from autoplan.solvers.intra_op import (
 )
 from autoplan.solvers.intra_op import solve as solve_module
 from autoplan.solvers.intra_op.run import extract_choices
+from autoplan.solvers.intra_op.trimming import TrimPath
 from autoplan.solvers.units import format_bytes, format_seconds
 
 SOLVERS = ["highs", "cbc"]
@@ -450,6 +451,23 @@ def test_trim_memory_together_fits_the_shared_budget_and_never_beats_the_optimum
     assert cost >= solve_intra_op(replace(merged, memory_budget=budget)).objective - 1e-9
     if least_memory(first) <= budget:  # one problem of one copy: the single-problem greedy
         assert trim_memory_together([first], [1], [fastest[0]], budget) == [trim_memory(first, fastest[0], budget)]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_one_trimming_walk_answers_every_budget_as_its_own_walk_does(seed: int) -> None:
+    """A :class:`TrimPath` asked for budgets in any order (larger after smaller, repeated)
+    gives each the choices a walk of its own stops at."""
+    problems = [random_problem(seed), random_problem(2000 + seed)]
+    counts = [1, 2 + seed % 3]
+    fastest = [solve_intra_op(p).choices for p in problems]
+    merged = _merged(problems, counts)
+    least, most = least_memory(merged), evaluate(merged, fastest[0] + fastest[1])[1]
+    rng = random.Random(seed)
+    budgets = [least - 1.0, most + 1.0] + [math.floor(rng.uniform(least, most)) + 0.5 for _ in range(6)]
+    rng.shuffle(budgets)
+    path = TrimPath(problems, counts, fastest)
+    for budget in budgets + budgets[::-1]:
+        assert path.choices_at(budget) == trim_memory_together(problems, counts, fastest, budget), budget
 
 
 def _merged(problems: list[IntraOpProblem], counts: list[int]) -> IntraOpProblem:

@@ -188,6 +188,14 @@ def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], 
     return pool.results()
 
 
+def _rival_options(options: PlannerOptions, rivals: int) -> PlannerOptions:
+    """How ``rivals`` exact plans planned side by side break their ties: canonically, as the
+    winner's must be, where they all run at once (each pays the tie-break in its own process,
+    beside the others); else compared by their optima, and the winner planned again with its
+    ties broken (one tie-break after them, not one per rival in turn)."""
+    return options if rivals <= max(1, options.jobs) else replace(options, canonical=False)
+
+
 def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> Plan:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
@@ -204,27 +212,26 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     close = [c for c in (on_traced_graph(c, graphs, batch, options, popts) for c in close) if c is not None]
     if not close:
         raise no_plan_fits(spec, options)
-    # the rivals are compared by their optima; only the winner's ties are broken canonically
-    rivals = replace(options, canonical=False) if len(close) > 1 else options
-    outcomes = _planned_side_by_side(spec, close, rivals, schedule)
+    first = _rival_options(options, len(close))
+    outcomes = _planned_side_by_side(spec, close, first, schedule)
     planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
+    as_asked = {id(c) for c in close} if first is options else set()  # planned with the options' tie-break
     if planned:  # estimated faster than the fastest exact plan: planned exactly too
         fastest = min(p.predicted.step_time_s for p, _ in planned)
         under = [c for c in candidates if id(c) not in searched and c.step_time_s < fastest][:SECOND_ROUND]
         searched += [id(c) for c in under]
         under = [c for c in (on_traced_graph(c, graphs, batch, options, popts) for c in under) if c is not None]
         if under:
-            if rivals is options:  # the first round's plan is no longer the only one
-                rivals = replace(options, canonical=False)
-            planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, rivals, schedule), under)
-                        if isinstance(p, Plan)]
+            planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, replace(options, canonical=False),
+                                                                     schedule), under) if isinstance(p, Plan)]
     if not planned:  # the search's estimates fit, the exact plans do not: the next best that does
         planned = _first_planned(spec, [c for c in candidates if id(c) not in searched], graphs, batch, options,
                                  popts, schedule)
+        as_asked |= {id(c) for _, c in planned}
     if not planned:
         raise next(e for e in outcomes if isinstance(e, AutoplanError))
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
-    if rivals is not options:
+    if id(best) not in as_asked:  # a rival compared by its optimum: its ties broken now
         chosen = interleave(best) if schedule in INTERLEAVED else best
         plan = assemble_pipeline(spec, chosen, options, schedule, {})
     total_s = time.perf_counter() - start

@@ -16,7 +16,8 @@ from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import IntraOpResult, plan_intra_op, recompute_change
 from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
     regions, saved_outputs)
-from autoplan.solvers import evaluate, trim_memory_together
+from autoplan.solvers import evaluate
+from autoplan.solvers.intra_op.trimming import TrimPath
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.trace.graph import TracedGraph
@@ -39,6 +40,7 @@ class LayerCosts:
     problems: dict[str, IntraOpProblem] = field(default_factory=dict)
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
+    trim_paths: dict[tuple, TrimPath] = field(default_factory=dict)  # by the layers' signature counts
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
     # recomputing a fastest plan, by (signature, mode)
     changes: dict[tuple[str, RecomputeMode], tuple[float, float]] = field(default_factory=dict)
@@ -47,8 +49,8 @@ class LayerCosts:
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
-        the edge-cost memo (:meth:`restore` puts the options back)."""
-        return replace(self, options=None, ctx=replace(self.ctx, cache={}))
+        the edge-cost memo or the trimming walks (:meth:`restore` puts the options back)."""
+        return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={})
 
     def restore(self, options: PlannerOptions) -> None:
         self.options = options
@@ -120,8 +122,11 @@ class LayerCosts:
                 self.storage_problem(graph, layer)
             signatures = sorted(counts)
             problems = [self.problems[sig] for sig in signatures]
-            choices = trim_memory_together(problems, [counts[sig] for sig in signatures],
-                                           [self.fast_choices[sig] for sig in signatures], budget)
+            path_key = key[0]
+            if path_key not in self.trim_paths:
+                self.trim_paths[path_key] = TrimPath(problems, [counts[sig] for sig in signatures],
+                                                     [self.fast_choices[sig] for sig in signatures])
+            choices = self.trim_paths[path_key].choices_at(budget)
             total = None
             if choices is not None:
                 total = (0.0, 0.0)
@@ -264,6 +269,7 @@ class RangeTable:
         # (seconds added, bytes freed); and running maxima of transients from each start layer
         self.layer_transients: dict[RecomputeMode | None, list[float]] = {}
         self.recompute_steps: dict[RecomputeMode, list[tuple[float, float]]] = {}
+        self.recompute_orders: dict[tuple[RecomputeMode, bool], list[int]] = {}
         self.running_max: dict[tuple[str, RecomputeMode | None], dict[int, list[float]]] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
@@ -354,6 +360,15 @@ class RangeTable:
                 steps.append((again[0] - plain[0], plain[1] - again[1]))
             self.recompute_steps[how] = steps
         return self.recompute_steps[how]
+
+    def _recompute_order(self, how: RecomputeMode, every: bool) -> list[int]:
+        """Every layer, by the seconds recomputing it in ``how`` adds per byte it frees, least first
+        (those that free nothing left out, unless ``every``)."""
+        if (how, every) not in self.recompute_orders:
+            steps = self._recompute_steps(how)
+            self.recompute_orders[how, every] = sorted(
+                (i for i in range(len(self.layers)) if every or steps[i][1] > 0), key=lambda i: _by_rate(steps[i], i))
+        return self.recompute_orders[how, every]
 
     def _transient_bound(self, start: int, end: int, how: RecomputeMode, pinned: frozenset[int],
                          candidates: list[int]) -> float:
@@ -513,9 +528,12 @@ class RangeTable:
         for how in phases:
             # the kept bytes get what the transient of this phase's recomputation leaves
             room = None if budget is None else budget - self._transient_bound(start, end, how, pinned, others)
-            steps = {i: change(i, how) for i in others}
-            order = sorted((i for i in others if every or steps[i][1] > 0),
-                           key=lambda i: (steps[i][0] / steps[i][1] if steps[i][1] > 0 else math.inf, i))
+            if how == phases[0]:  # nothing of ``others`` recomputed yet: the table's order, kept
+                within = set(others)
+                order = [i for i in self._recompute_order(how, every) if i in within]
+            else:
+                steps = {i: change(i, how) for i in others}
+                order = sorted((i for i in others if every or steps[i][1] > 0), key=lambda i: _by_rate(steps[i], i))
             for i in order:
                 if not every and (room is None or memory <= room):
                     break
@@ -529,6 +547,12 @@ class RangeTable:
         if fitting:  # selectively and trimmed may beat fully recomputed (FSDP with selective checkpointing)
             return min(fitting, key=lambda plan: plan.seconds)
         return min(found, key=lambda plan: plan.memory) if found else as_now()
+
+
+def _by_rate(step: tuple[float, float], i: int) -> tuple[float, int]:
+    """The order in which layers are recomputed: seconds added per byte freed, then index."""
+    added, freed = step
+    return (added / freed if freed > 0 else math.inf, i)
 
 
 def _selective(applied: dict[int, tuple[RecomputeMode, float, float]]) -> frozenset[int]:

@@ -7,6 +7,7 @@ held, until the memory fits.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from autoplan.solvers.intra_op.problem import IntraOpProblem
@@ -28,50 +29,84 @@ def trim_memory_together(problems: list[IntraOpProblem], counts: list[int], choi
     ``sum_p counts[p] * memory_p``. Each step takes the switch, in any problem, that frees
     memory for the least added cost per byte (a copy's rate is the problem's rate), which
     spends the budget where it buys the most speed. None if even the least-memory choices of
-    every problem do not fit."""
-    if not len(problems) == len(counts) == len(choices):
-        raise ValueError("problems, counts and choices must have one entry per problem")
-    choices = [list(c) for c in choices]
-    touching: list[dict[int, list]] = []
-    for problem in problems:
-        edges: dict[int, list] = {}
-        for e in problem.edges:
-            edges.setdefault(e.src, []).append(e)
-            edges.setdefault(e.dst, []).append(e)
-        touching.append(edges)
+    every problem do not fit. (:class:`TrimPath` answers many budgets from one walk.)"""
+    return TrimPath(problems, counts, choices).choices_at(budget)
 
-    def cost_of(p: int, g: int, i: int) -> float:
-        total = problems[p].costs[g][i]
-        for e in touching[p].get(g, ()):
-            src = i if e.src == g else choices[p][e.src]
-            dst = i if e.dst == g else choices[p][e.dst]
+
+class TrimPath:
+    """The greedy of :func:`trim_memory_together` walked once for every budget: each step takes
+    the cheapest switch per byte freed whatever is left to free, so the switches come in the
+    same order for every budget, which only decides where the walk stops (the first step whose
+    memory fits; memory falls at every step). The walk goes on, from where it stopped, only as
+    far as a smaller budget asks."""
+
+    def __init__(self, problems: list[IntraOpProblem], counts: list[int], choices: list[list[int]]) -> None:
+        if not len(problems) == len(counts) == len(choices):
+            raise ValueError("problems, counts and choices must have one entry per problem")
+        self.problems, self.counts = problems, counts
+        self.start = [list(c) for c in choices]
+        self.current = [list(c) for c in choices]  # after every switch taken so far
+        self.taken: list[tuple[int, int, int]] = []  # (problem, group, new choice), in order
+        self.touching: list[dict[int, list]] = []
+        for problem in problems:
+            edges: dict[int, list] = {}
+            for e in problem.edges:
+                edges.setdefault(e.src, []).append(e)
+                edges.setdefault(e.dst, []).append(e)
+            self.touching.append(edges)
+        # memory[k]: after the first k switches
+        self.memory = [math.fsum(count * math.fsum(problem.memory[g][i] for g, i in enumerate(chosen))
+                                 for problem, count, chosen in zip(problems, counts, choices))]
+        # a group's best switch changes only when it or a group it shares an edge with switches
+        self.switches = {(p, g): self._best_switch(p, g)
+                         for p, problem in enumerate(problems) for g in range(len(problem.memory))}
+        self.ended = False  # no switch frees memory any more
+
+    def _cost_of(self, p: int, g: int, i: int) -> float:
+        chosen = self.current[p]
+        total = self.problems[p].costs[g][i]
+        for e in self.touching[p].get(g, ()):
+            src = i if e.src == g else chosen[e.src]
+            dst = i if e.dst == g else chosen[e.dst]
             total += e.cost[src][dst]
         return total
 
-    def best_switch(p: int, g: int) -> tuple[float, int] | None:
+    def _best_switch(self, p: int, g: int) -> tuple[float, int] | None:
         """The cheapest switch per byte freed in group g of problem p: (rate, choice)."""
-        mems, current = problems[p].memory[g], choices[p][g]
-        now = cost_of(p, g, current)
+        mems, current = self.problems[p].memory[g], self.current[p][g]
+        now = self._cost_of(p, g, current)
         best: tuple[float, int] | None = None
         for i, m in enumerate(mems):
             saved = mems[current] - m
             if saved > 0:
-                rate = (cost_of(p, g, i) - now) / saved
+                rate = (self._cost_of(p, g, i) - now) / saved
                 if best is None or rate < best[0]:
                     best = (rate, i)
         return best
 
-    memory = math.fsum(count * math.fsum(problem.memory[g][i] for g, i in enumerate(chosen))
-                       for problem, count, chosen in zip(problems, counts, choices))
-    # a group's best switch changes only when it or a group it shares an edge with switches
-    switches = {(p, g): best_switch(p, g) for p, problem in enumerate(problems) for g in range(len(problem.memory))}
-    while memory > budget:
-        found = [(best[0], p, g, best[1]) for (p, g), best in switches.items() if best is not None]
+    def _step(self) -> bool:
+        """Take the next switch; False where none frees memory."""
+        found = [(best[0], p, g, best[1]) for (p, g), best in self.switches.items() if best is not None]
         if not found:
-            return None
+            return False
         _, p, g, i = min(found)
-        memory -= counts[p] * (problems[p].memory[g][choices[p][g]] - problems[p].memory[g][i])
-        choices[p][g] = i
-        for h in {g, *(e.src for e in touching[p].get(g, ())), *(e.dst for e in touching[p].get(g, ()))}:
-            switches[p, h] = best_switch(p, h)
-    return choices
+        problem, chosen = self.problems[p], self.current[p]
+        self.memory.append(self.memory[-1] - self.counts[p] * (problem.memory[g][chosen[g]] - problem.memory[g][i]))
+        chosen[g] = i
+        self.taken.append((p, g, i))
+        for h in {g, *(e.src for e in self.touching[p].get(g, ())), *(e.dst for e in self.touching[p].get(g, ()))}:
+            self.switches[p, h] = self._best_switch(p, h)
+        return True
+
+    def choices_at(self, budget: float) -> list[list[int]] | None:
+        """The choices where the walk first fits ``budget``; None where it never does."""
+        while self.memory[-1] > budget and not self.ended:
+            self.ended = not self._step()
+        if self.memory[-1] > budget:
+            return None
+        # memory falls at every step: the first k with memory[k] <= budget
+        k = bisect.bisect_left(self.memory, -budget, key=lambda m: -m)
+        choices = [list(c) for c in self.start]
+        for p, g, i in self.taken[:k]:
+            choices[p][g] = i
+        return choices
