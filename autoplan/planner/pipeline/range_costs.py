@@ -269,7 +269,7 @@ class RangeTable:
         # (seconds added, bytes freed); and running maxima of transients from each start layer
         self.layer_transients: dict[RecomputeMode | None, list[float]] = {}
         self.recompute_steps: dict[RecomputeMode, list[tuple[float, float]]] = {}
-        self.recompute_orders: dict[tuple[RecomputeMode, bool], list[int]] = {}
+        self.recompute_orders: dict[tuple[tuple[RecomputeMode, ...], bool], list[int]] = {}
         self.running_max: dict[tuple[str, RecomputeMode | None], dict[int, list[float]]] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
@@ -361,14 +361,20 @@ class RangeTable:
             self.recompute_steps[how] = steps
         return self.recompute_steps[how]
 
-    def _recompute_order(self, how: RecomputeMode, every: bool) -> list[int]:
-        """Every layer, by the seconds recomputing it in ``how`` adds per byte it frees, least first
-        (those that free nothing left out, unless ``every``)."""
-        if (how, every) not in self.recompute_orders:
-            steps = self._recompute_steps(how)
-            self.recompute_orders[how, every] = sorted(
+    def _recompute_order(self, phases: tuple[RecomputeMode, ...], every: bool) -> list[int]:
+        """Every layer, by the seconds recomputing it in the last of ``phases`` adds per byte it
+        frees, least first (those that free nothing left out, unless ``every``), once the phases
+        before have recomputed every layer they take: the ones this order (for those phases)
+        lists."""
+        if (phases, every) not in self.recompute_orders:
+            steps = list(self._recompute_steps(phases[-1]))
+            if len(phases) > 1:  # beyond what the earlier phases recomputed
+                before = self._recompute_steps(phases[-2])
+                for i in self._recompute_order(phases[:-1], every):
+                    steps[i] = (steps[i][0] - before[i][0], steps[i][1] - before[i][1])
+            self.recompute_orders[phases, every] = sorted(
                 (i for i in range(len(self.layers)) if every or steps[i][1] > 0), key=lambda i: _by_rate(steps[i], i))
-        return self.recompute_orders[how, every]
+        return self.recompute_orders[phases, every]
 
     def _transient_bound(self, start: int, end: int, how: RecomputeMode, pinned: frozenset[int],
                          candidates: list[int]) -> float:
@@ -525,15 +531,13 @@ class RangeTable:
         others = [i for i in candidates if i not in pinned]
         phases = [mode] if mode is not None else [RecomputeMode.SELECTIVE, RecomputeMode.FULL]
         found: list[RangePlan] = []  # each phase's answer: fitting, or every layer recomputed so and trimmed
-        for how in phases:
+        within = set(others)
+        for phase, how in enumerate(phases):
             # the kept bytes get what the transient of this phase's recomputation leaves
             room = None if budget is None else budget - self._transient_bound(start, end, how, pinned, others)
-            if how == phases[0]:  # nothing of ``others`` recomputed yet: the table's order, kept
-                within = set(others)
-                order = [i for i in self._recompute_order(how, every) if i in within]
-            else:
-                steps = {i: change(i, how) for i in others}
-                order = sorted((i for i in others if every or steps[i][1] > 0), key=lambda i: _by_rate(steps[i], i))
+            # the layers by the seconds each adds per byte it frees, from what the phases before
+            # recomputed: all they could (else the range fitted), so the table's order holds
+            order = [i for i in self._recompute_order(tuple(phases[:phase + 1]), every) if i in within]
             for i in order:
                 if not every and (room is None or memory <= room):
                     break
