@@ -270,7 +270,7 @@ class RangeTable:
         self.layer_transients: dict[RecomputeMode | None, list[float]] = {}
         self.recompute_steps: dict[RecomputeMode, list[tuple[float, float]]] = {}
         self.recompute_orders: dict[tuple[tuple[RecomputeMode, ...], bool], list[int]] = {}
-        self.running_max: dict[tuple[str, RecomputeMode | None], dict[int, list[float]]] = {}
+        self.running_max: dict[RecomputeMode | None, dict[int, list[float]]] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
             costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
@@ -324,7 +324,7 @@ class RangeTable:
         recomputed in its mode in ``modes``."""
         kept = self._layer_transients(None)
         if not modes:
-            return self._largest("kept", None, start, end)
+            return self._largest(None, start, end)
         return max(self._layer_transients(modes[i])[i] if i in modes else kept[i] for i in range(start, end))
 
     def _layer_transients(self, mode: RecomputeMode | None) -> list[float]:
@@ -333,17 +333,17 @@ class RangeTable:
             self.layer_transients[mode] = [self.costs.transient(self.graph, layer, mode) for layer in self.layers]
         return self.layer_transients[mode]
 
-    def _largest(self, kind: str, how: RecomputeMode | None, start: int, end: int) -> float:
-        """The largest per-layer transient of layers [start, end): kept (``kind`` "kept"), or the
-        larger of kept and recomputed in ``how`` for the layers that may be recomputed (``kind``
-        "either"); from running maxima kept for each start layer."""
-        by_start = self.running_max.setdefault((kind, how), {})
+    def _largest(self, how: RecomputeMode | None, start: int, end: int) -> float:
+        """The largest per-layer transient of layers [start, end): kept (``how`` None), or the
+        larger of kept and recomputed in ``how`` for the layers that may be recomputed; from
+        running maxima kept for each start layer."""
+        by_start = self.running_max.setdefault(how, {})
         if start not in by_start:
             kept = self._layer_transients(None)
-            if kind == "kept":
+            if how is None:
                 values = kept[start:]
             else:
-                assert how is not None and self.may_recompute is not None
+                assert self.may_recompute is not None
                 again = self._layer_transients(how)
                 values = [max(kept[i], again[i]) if i in self.may_recompute else kept[i]
                           for i in range(start, len(self.layers))]
@@ -383,7 +383,7 @@ class RangeTable:
         bound holds whichever of them recomputation then picks. (``candidates``: the layers of
         the range that may be recomputed, less the pinned ones.)"""
         if not pinned:
-            return self._largest("either", how, start, end)
+            return self._largest(how, start, end)
         kept, again, full = (self._layer_transients(None), self._layer_transients(how),
                              self._layer_transients(RecomputeMode.FULL))
         chosen = set(candidates)
