@@ -42,7 +42,10 @@ Why (2)-(3) linearise ``e = s_u s_v^T`` exactly: when ``s`` is integral, (2) for
 entry ``j`` equals ``s[v,j]``, so ``e[uv,i*,j*] = 1`` and every other entry is 0. This
 "marginal" (local-polytope) form has a far tighter LP relaxation than Alpa's product form
 ``e >= s_u + s_v - 1``: on a 2,000-variable, 300-edge problem the product form found no
-solution in 120 s, the marginal form solved in 1.5 s (``benchmarks/ilp_scaling.py``).
+solution in 120 s, the marginal form solved in 1.5 s (``benchmarks/ilp_scaling.py``). The
+relaxation is often integral outright (most layer ILPs of the stage search): HiGHS solves it
+first and keeps such an optimum, which is the ILP's
+(:class:`~autoplan.solvers.intra_op.backends.RelaxationFirstHiGHS`).
 
 Numerics (P5): the objective is divided by its largest coefficient (costs in seconds are tiny
 next to solver tolerances) and rows (4) and (6) by ``M`` (their tolerance becomes relative;
