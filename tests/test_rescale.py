@@ -6,6 +6,7 @@ search spread over processes finds what one process finds."""
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import pytest
@@ -121,3 +122,49 @@ def test_default_jobs_share_the_node_with_other_ranks(monkeypatch: pytest.Monkey
     assert alone >= 1
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(alone * 2))  # more ranks than cores: one process each
     assert default_jobs() == 1
+
+
+def _traced_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    sizes: list[int] = []
+    real_trace = BatchSizeGraphs.trace
+
+    def recording(self: BatchSizeGraphs, size: int):
+        if size not in self.traced:
+            sizes.append(size)
+        return real_trace(self, size)
+
+    monkeypatch.setattr(BatchSizeGraphs, "trace", recording)
+    return sizes
+
+
+def test_rivals_are_planned_on_rescaled_graphs_and_only_the_winner_traced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The close candidates are planned exactly on the graphs the search used: a rival whose
+    microbatch was rescaled is not traced; the winner's is, and its plan is the one made when
+    every rival was traced first (the trace is the rescaled graph)."""
+    from autoplan.planner import pipeline as pipeline_module
+
+    spec = _spec("llama")
+    options = PlanOptions(4, "h100", jobs=1, memory_per_device=2e6, recompute="none")
+    monkeypatch.setattr(pipeline_module, "RERANK_MARGIN", 100.0)  # the REFINED best all planned exactly
+    sizes = _traced_sizes(monkeypatch)
+    plan = plan_model(spec, options)
+    exact = [a for a in plan.alternatives if a.predicted is not None]
+    rescaled_rivals = [a for a in exact if BATCH // int(re.search(r"(\d+) microbatch", a.name).group(1)) not in sizes]
+    assert rescaled_rivals, [a.name for a in exact]
+    assert sizes[:2] == [BATCH, 1] and set(sizes) <= {BATCH, 1, BATCH // plan.microbatches}
+    assert BATCH // plan.microbatches in sizes
+
+    # the winner checked on its trace and planned again there when the trace differs
+    searched_again: list[int] = []
+    real_on_traced_graph = pipeline_module.on_traced_graph
+
+    def on_traced_graph(candidate, *args):
+        searched_again.append(candidate.microbatches)
+        return real_on_traced_graph(candidate, *args)
+
+    monkeypatch.setattr(pipeline_module, "traced_twin", lambda *args: None)
+    monkeypatch.setattr(pipeline_module, "on_traced_graph", on_traced_graph)
+    again = plan_model(spec, options)
+    assert _decisions(again) == _decisions(plan) and again.graph_hash == plan.graph_hash
+    if BATCH // plan.microbatches not in (BATCH, 1):  # the winner was found on a rescaled graph
+        assert searched_again == [plan.microbatches]

@@ -3,7 +3,7 @@
 Layers. For every candidate microbatch count ``B`` the graph of one microbatch is cut into
 layers (:mod:`autoplan.trace.layers`). Two microbatch sizes are traced and the others
 rescaled from them (:mod:`autoplan.trace.rescale`: a trace takes seconds at real size); the
-exact plans below are made on traced graphs, so that what runs is what was planned. For every sub-mesh shape ``(n, m)`` (a
+plan chosen below is made on a traced graph, so that what runs is what was planned. For every sub-mesh shape ``(n, m)`` (a
 slice of a node or whole nodes) and every logical mesh of it, each distinct layer is costed
 by the intra-op ILP once (layers with equal ops and shapes share the answer).
 
@@ -58,7 +58,11 @@ may) (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
 Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
 exactly: one intra-op ILP per stage over all its nodes, under the memory budget; the fastest
-exact plan wins, and the others are listed as alternatives with their exact figures. (The
+exact plan wins, and the others are listed as alternatives with their exact figures. They are
+planned on the graphs the search found them on, rescaled ones included, and only the winner's
+microbatch is traced, where it was not: where the trace is the graph it was planned on, its
+plan stands, else it is searched and planned again on the trace and the fastest is checked in
+turn (:func:`_winner_traced`; a trace of a real-size model takes seconds). (The
 search's estimates run 1–9% above the exact plans, not by the same factor for every pipeline:
 near ties are settled exactly.) Where an exact plan proves slower than other candidates'
 estimates, up to ``SECOND_ROUND`` of those are planned exactly too, best first: an estimate
@@ -107,7 +111,7 @@ from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, 
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
     normalize_schedule, pipeline_time)
 from autoplan.planner.pipeline.search import (REFINED, cluster_shape, on_traced_graph, search_pipelines,
-    trace_microbatch)
+    trace_microbatch, traced_twin)
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
 from autoplan.trace.microbatch import batch_size
@@ -188,6 +192,35 @@ def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], 
     return pool.results()
 
 
+def _winner_traced(spec: ModelSpec, planned: list[tuple[Plan, PipelineCandidate]], as_asked: set[int],
+                   graphs: BatchSizeGraphs, batch: int, options: PlannerOptions, popts: PipelineOptions,
+                   schedule: str) -> list[tuple[Plan, PipelineCandidate]]:
+    """``planned`` with the fastest on a traced graph. Rivals are planned exactly on the graphs
+    the search found them on, rescaled ones included, and only the fastest is traced (a trace
+    of a real-size model takes seconds): where the trace is its graph, its plan stands; else
+    it is searched and planned again on the trace, and the fastest of all is checked in
+    turn. ``as_asked`` follows a candidate moved onto its trace."""
+    planned = list(planned)
+    while planned:
+        fastest = min(range(len(planned)), key=lambda i: planned[i][0].predicted.step_time_s)
+        plan, best = planned[fastest]
+        if graphs.is_traced(best.graph):
+            return planned
+        del planned[fastest]
+        twin = traced_twin(best, graphs, batch, options, popts)
+        if twin is not None:
+            if id(best) in as_asked:
+                as_asked.add(id(twin))
+            planned.append((plan, twin))
+            continue
+        again = on_traced_graph(best, graphs, batch, options, popts)
+        outcome = _planned_exactly(spec, again, replace(options, canonical=False), schedule) \
+            if again is not None else None
+        if isinstance(outcome, Plan):
+            planned.append((outcome, again))
+    return planned
+
+
 def _rival_options(options: PlannerOptions, rivals: int) -> PlannerOptions:
     """How ``rivals`` exact plans planned side by side break their ties: canonically, as the
     winner's must be, where they all run at once (each pays the tie-break in its own process,
@@ -209,9 +242,6 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     close += _trimmed_rival(candidates, close)
     searched = [id(c) for c in close]
     batch = batch_size(spec.example_inputs)
-    close = [c for c in (on_traced_graph(c, graphs, batch, options, popts) for c in close) if c is not None]
-    if not close:
-        raise no_plan_fits(spec, options)
     first = _rival_options(options, len(close))
     outcomes = _planned_side_by_side(spec, close, first, schedule)
     planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
@@ -220,7 +250,6 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
         fastest = min(p.predicted.step_time_s for p, _ in planned)
         under = [c for c in candidates if id(c) not in searched and c.step_time_s < fastest][:SECOND_ROUND]
         searched += [id(c) for c in under]
-        under = [c for c in (on_traced_graph(c, graphs, batch, options, popts) for c in under) if c is not None]
         if under:
             planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, replace(options, canonical=False),
                                                                      schedule), under) if isinstance(p, Plan)]
@@ -230,6 +259,9 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
         as_asked |= {id(c) for _, c in planned}
     if not planned:
         raise next(e for e in outcomes if isinstance(e, AutoplanError))
+    planned = _winner_traced(spec, planned, as_asked, graphs, batch, options, popts, schedule)
+    if not planned:
+        raise no_plan_fits(spec, options)
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
     if id(best) not in as_asked:  # a rival compared by its optimum: its ties broken now
         chosen = interleave(best) if schedule in INTERLEAVED else best

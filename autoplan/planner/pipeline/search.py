@@ -370,12 +370,11 @@ def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> dict[tup
     return costs.pairs
 
 
-def on_traced_graph(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int, options: PlannerOptions,
-                    popts: PipelineOptions) -> PipelineCandidate | None:
-    """``candidate`` on the traced graph of its microbatch, so that the plan made from it is
-    the plan of the program that runs: found on a rescaled graph, the microbatch is traced;
-    where the trace is the rescaled graph (the same hash and layers), the search's answer
-    stands, else its sub-mesh is searched again on the trace (None if nothing fits there)."""
+def traced_twin(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int, options: PlannerOptions,
+                popts: PipelineOptions) -> PipelineCandidate | None:
+    """``candidate`` on the traced graph of its microbatch where that graph is the one it was
+    found on (the same hash and layers: its plans stand), tracing the microbatch where it was
+    rescaled; None where the trace differs."""
     if graphs.is_traced(candidate.graph):
         return candidate
     graph = graphs.trace(batch // candidate.microbatches)
@@ -383,6 +382,20 @@ def on_traced_graph(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch
     if graph.graph_hash == candidate.graph.graph_hash and \
             [layer.nodes for layer in layers] == [layer.nodes for layer in candidate.layers]:
         return replace(candidate, graph=graph, layers=layers)
+    return None
+
+
+def on_traced_graph(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int, options: PlannerOptions,
+                    popts: PipelineOptions) -> PipelineCandidate | None:
+    """``candidate`` on the traced graph of its microbatch, so that the plan made from it is
+    the plan of the program that runs: found on a rescaled graph, the microbatch is traced;
+    where the trace is the rescaled graph, the search's answer stands (:func:`traced_twin`),
+    else its sub-mesh is searched again on the trace (None if nothing fits there)."""
+    twin = traced_twin(candidate, graphs, batch, options, popts)
+    if twin is not None:
+        return twin
+    graph = graphs.trace(batch // candidate.microbatches)
+    layers = pinned_layers(graph, popts, options)
     again = search_submesh(graph, layers, options, popts, candidate.schedule, candidate.microbatches,
                            candidate.submesh, list(candidate.costs or {}), boundaries=True,
                            tied_meshes=[candidate.tied_mesh] if candidate.tied_mesh else None)
