@@ -80,6 +80,45 @@ class RelaxationFirstHiGHS(pulp.HiGHS):
         super().__init__(*args, **kwargs)
         self.warm_start = warm_start
 
+    def buildSolverModel(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
+        """pulp's model for HiGHS, the same columns, bounds, costs and rows in the same order as
+        pulp's own ``buildSolverModel`` gives, passed in two calls instead of one per column and
+        one per row."""
+        import highspy
+        import numpy as np
+
+        inf = highspy.kHighsInf
+        highs = lp.solverModel
+        columns = lp.variables()
+        sign = -1.0 if lp.sense == pulp.LpMaximize else 1.0
+        objective = lp.objective if lp.objective is not None else {}
+        for index, var in enumerate(columns):
+            var.index = index
+        costs = np.array([sign * objective.get(var, 0.0) for var in columns], dtype=np.float64)
+        lower = np.array([-inf if var.lowBound is None else var.lowBound for var in columns], dtype=np.float64)
+        upper = np.array([inf if var.upBound is None else var.upBound for var in columns], dtype=np.float64)
+        none_int, none_float = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float64)
+        highs.addCols(len(columns), costs, lower, upper, 0, none_int, none_int, none_float)
+        integer = np.array([var.index for var in columns if var.cat == pulp.LpInteger], dtype=np.int32)
+        if integer.size and self.mip:
+            kinds = np.full(integer.size, highspy.HighsVarType.kInteger)
+            highs.changeColsIntegrality(integer.size, integer, kinds)
+        starts, indices, values, row_lower, row_upper = [], [], [], [], []
+        for index, constraint in enumerate(lp._constraints.values()):
+            constraint.index = index
+            starts.append(len(indices))
+            for var, coefficient in constraint.items():
+                if coefficient != 0:
+                    indices.append(var.index)
+                    values.append(coefficient)
+            lb, ub = constraint.getLb(), constraint.getUb()
+            row_lower.append(-inf if lb is None else lb)
+            row_upper.append(inf if ub is None else ub)
+        if starts:
+            highs.addRows(len(starts), np.array(row_lower, dtype=np.float64), np.array(row_upper, dtype=np.float64),
+                          len(indices), np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32),
+                          np.array(values, dtype=np.float64))
+
     def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
         import highspy
         import numpy as np

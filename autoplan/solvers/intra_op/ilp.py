@@ -57,11 +57,34 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulp
 
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
 from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow, fits_budget
+
+
+class ColumnCachedProblem(pulp.LpProblem):
+    """pulp's problem, whose ``variables()`` (the solver's columns) pulp gathers again from every
+    row and sorts by name on each call, several times per solve: here the list is kept while no
+    row is added and the objective is the same object (our models bring no variable in any
+    other way), so the solver gets the same columns in the same order."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._rows_added = 0
+        self._columns: tuple[int, object, list[pulp.LpVariable]] | None = None
+        super().__init__(*args, **kwargs)
+
+    def addConstraint(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802 - pulp's name
+        self._rows_added += 1
+        super().addConstraint(*args, **kwargs)
+
+    def variables(self) -> list[pulp.LpVariable]:
+        cached = self._columns
+        if cached is None or cached[0] != self._rows_added or cached[1] is not self.objective:
+            cached = self._columns = (self._rows_added, self.objective, list(super().variables()))
+        return cached[2]
 
 
 @dataclass
@@ -189,7 +212,7 @@ def _set_objective(lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, edge_te
 def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
     """The pulp model of equations (0)-(4) over the groups (P4) left undecided, with ``t`` where
     peak rows (6) may be added (:func:`add_peak_row`)."""
-    lp = pulp.LpProblem("intra_op", pulp.LpMinimize)
+    lp = ColumnCachedProblem("intra_op", pulp.LpMinimize)
     s = _onehot_variables(lp, reduced)
     _add_onehot_constraints(lp, s, problem)
     edge_terms = _add_edge_marginal_constraints(lp, s, reduced, problem)
