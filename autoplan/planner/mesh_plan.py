@@ -523,24 +523,25 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
 
 
-def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
-                  memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
-                  pick: Callable[[int, list[str]], int] | None = None,
-                  allow_storage: StorageRule | None = None, canonical: bool = True,
-                  pins: PinSet | None = None, gathered_storage: bool = False) -> IntraOpResult:
-    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
+@dataclass
+class PreparedPlan:
+    """What :func:`plan_intra_op` computes before its ILP: the graph's facts, the context with
+    its parameter edges counted, the node classes (split where recomputation or pins tell
+    copies apart) and each class's strategies with their costs. Solves of one graph on one
+    mesh that differ only in whether gathered storage is a choice (the stage search's fastest
+    and storage ILPs of a layer) share it."""
 
-    ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
-    run arbitrary valid assignments); every pick is a valid plan. ``allow_storage(info, spec)``
-    restricts how parameters, buffers and inputs may be stored and what ops may produce
-    (manual plans: data parallel over a mesh axis means parameters replicated and the batch
-    sharded there); a stored value keeps its first spec (replicated) and an op all its
-    strategies if the rule allows none. ``canonical`` breaks ties among equal-cost assignments
-    canonically (:mod:`autoplan.solvers.intra_op.canonical`), at the price of a second solve:
-    needed for a plan that runs, not for a cost estimate. ``pins`` (the user's, see
-    :mod:`autoplan.planner.pins`) leave each node they hold only the strategies whose output
-    they allow: constraints of the ILP, whose resharding the objective pays.
-    ``gathered_storage``: see :func:`_solve`."""
+    view: GraphView
+    ctx: CostContext
+    classes: NodeClasses
+    strategies: list[ClassStrategies]
+    messages: list[str]
+
+
+def prepare_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
+                     allow_storage: StorageRule | None = None, pins: PinSet | None = None) -> PreparedPlan:
+    """The strategies of every node class of ``graph`` on a mesh of ``mesh_shape`` (see
+    :func:`plan_intra_op` for ``allow_storage`` and ``pins``)."""
     view = GraphView.of(graph)
     ctx = with_parameter_edges(ctx, graph, view)
     if ctx.recompute_regions:  # copies of a block share a strategy only where they are recomputed alike
@@ -561,6 +562,34 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
         if node.target is operator.getitem:
             producer = strat[classes.class_of[node.args[0].name]]
         strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage, pins))
+    return PreparedPlan(view, ctx, classes, strat, messages)
+
+
+def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
+                  memory_budget: float | None, solver: str = "highs", time_limit_s: float | None = None,
+                  pick: Callable[[int, list[str]], int] | None = None,
+                  allow_storage: StorageRule | None = None, canonical: bool = True,
+                  pins: PinSet | None = None, gathered_storage: bool = False,
+                  prepared: PreparedPlan | None = None) -> IntraOpResult:
+    """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
+
+    ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
+    run arbitrary valid assignments); every pick is a valid plan. ``allow_storage(info, spec)``
+    restricts how parameters, buffers and inputs may be stored and what ops may produce
+    (manual plans: data parallel over a mesh axis means parameters replicated and the batch
+    sharded there); a stored value keeps its first spec (replicated) and an op all its
+    strategies if the rule allows none. ``canonical`` breaks ties among equal-cost assignments
+    canonically (:mod:`autoplan.solvers.intra_op.canonical`), at the price of a second solve:
+    needed for a plan that runs, not for a cost estimate. ``pins`` (the user's, see
+    :mod:`autoplan.planner.pins`) leave each node they hold only the strategies whose output
+    they allow: constraints of the ILP, whose resharding the objective pays.
+    ``gathered_storage``: see :func:`_solve`. ``prepared``: :func:`prepare_intra_op`'s answer for
+    the same graph, classes, mesh, context, ``allow_storage`` and ``pins``, where the caller
+    has it already."""
+    if prepared is None:
+        prepared = prepare_intra_op(graph, classes, mesh_shape, ctx, allow_storage, pins)
+    view, ctx, classes, strat = prepared.view, prepared.ctx, prepared.classes, prepared.strategies
+    messages = list(prepared.messages)
     if pick is None:
         grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
                                              gathered_storage)

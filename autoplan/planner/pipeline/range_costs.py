@@ -13,7 +13,7 @@ from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.mesh_plan import IntraOpResult, plan_intra_op, recompute_change
+from autoplan.planner.mesh_plan import IntraOpResult, PreparedPlan, plan_intra_op, prepare_intra_op, recompute_change
 from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
     regions, saved_outputs)
 from autoplan.solvers import evaluate
@@ -46,11 +46,24 @@ class LayerCosts:
     changes: dict[tuple[str, RecomputeMode], tuple[float, float]] = field(default_factory=dict)
     # the backward's transient of a fastest plan, kept (mode None) or recomputed, by (signature, mode)
     transients: dict[tuple[str, RecomputeMode | None], float] = field(default_factory=dict)
+    # a layer's own graph and strategies, shared by its fastest and its storage ILP (with the
+    # layer they were made from: layers of one signature differ in their nodes' names)
+    prepared: dict[str, tuple[Layer, TracedGraph, PreparedPlan]] = field(default_factory=dict)
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
-        the edge-cost memo or the trimming walks (:meth:`restore` puts the options back)."""
-        return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={})
+        the edge-cost memo or the trimming walks or the layers' graphs (:meth:`restore` puts the
+        options back)."""
+        return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={}, prepared={})
+
+    def _prepared(self, graph: TracedGraph, layer: Layer) -> tuple[Layer, TracedGraph, PreparedPlan]:
+        """The first layer of ``layer``'s signature costed, its own graph and its strategies on
+        this mesh (:func:`prepare_intra_op`)."""
+        if layer.signature not in self.prepared:
+            sub = extract(graph, list(layer.nodes))
+            self.prepared[layer.signature] = (layer, sub, prepare_intra_op(
+                sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, self.options.allow_storage, self.options.pins))
+        return self.prepared[layer.signature]
 
     def restore(self, options: PlannerOptions) -> None:
         self.options = options
@@ -67,11 +80,11 @@ class LayerCosts:
                            for m, c in zip(problem.memory, problem.costs)]
                 self.cache[key] = evaluate(problem, choices)
             else:
-                sub = extract(graph, list(layer.nodes))
-                result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
+                layer, sub, prepared = self._prepared(graph, layer)
+                result = plan_intra_op(sub, prepared.classes, self.ctx.mesh_shape, self.ctx, None,
                                        self.options.solver, self.options.time_limit_s,
                                        allow_storage=self.options.allow_storage, canonical=False,
-                                   pins=self.options.pins)
+                                       pins=self.options.pins, prepared=prepared)
                 self.changes[layer.signature, RecomputeMode.FULL] = recompute_change(sub, result, self.ctx)
                 self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
                     sub, result, self.ctx, saved_outputs(sub, [layer]))
@@ -85,11 +98,11 @@ class LayerCosts:
         parameter, gradient and optimizer-state memory through FSDP and ZeRO-1/2 as well as
         through tensor parallelism."""
         if layer.signature not in self.problems:
-            sub = extract(graph, list(layer.nodes))
-            result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
+            _, sub, prepared = self._prepared(graph, layer)
+            result = plan_intra_op(sub, prepared.classes, self.ctx.mesh_shape, self.ctx, None,
                                    self.options.solver, self.options.time_limit_s,
                                    allow_storage=self.options.allow_storage, canonical=False,
-                                   pins=self.options.pins, gathered_storage=True)
+                                   pins=self.options.pins, gathered_storage=True, prepared=prepared)
             self.problems[layer.signature] = result.problem
             self.fast_choices[layer.signature] = result.solution.choices
         return self.problems[layer.signature]
