@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from autoplan.trace.deepen import NotDeepenable
 from autoplan.trace.graph import TracedGraph
 
 __all__ = ["BatchSizeGraphs", "NotAffine", "rescale"]
@@ -193,14 +194,18 @@ def rescale(first: TracedGraph, second: TracedGraph, sizes: tuple[int, int], siz
 
 @dataclass
 class BatchSizeGraphs:
-    """One model's traced graphs by batch size: ``trace(size)`` traces, the others are
-    rescaled from the first two traces (:func:`rescale`) where that is possible.
-    ``trace_s`` is the time spent in both."""
+    """One model's graphs by batch size: ``trace(size)`` traces; ``base(size)`` writes the graph
+    from a trace of the model's first blocks by ``deepen(size)`` where it is given and the
+    model allows (:mod:`autoplan.trace.deepen`), else traces; the others are rescaled from the
+    two largest of those (:func:`rescale`) where that is possible. ``trace_s`` is the time
+    spent in all of it."""
 
     trace_fn: Callable[[int], TracedGraph]
     describe: Callable[[torch.fx.GraphModule, Any], TracedGraph]
+    deepen: Callable[[int], TracedGraph] | None = None
     traced: dict[int, TracedGraph] = field(default_factory=dict)
     rescaled: dict[int, TracedGraph] = field(default_factory=dict)
+    deepened: dict[int, TracedGraph] = field(default_factory=dict)
     trace_s: float = 0.0
 
     def trace(self, size: int) -> TracedGraph:
@@ -211,24 +216,40 @@ class BatchSizeGraphs:
             self.trace_s += time.perf_counter() - start
         return self.traced[size]
 
+    def base(self, size: int) -> TracedGraph:
+        """A graph at batch ``size`` to rescale others from: written from a trace of the first
+        blocks where the model allows, else traced."""
+        if size not in self.traced and size not in self.deepened and self.deepen is not None:
+            start = time.perf_counter()
+            try:
+                self.deepened[size] = self.deepen(size)
+            except NotDeepenable:
+                self.deepen = None  # the model's blocks do not allow it: traced instead
+            finally:
+                self.trace_s += time.perf_counter() - start
+        return self.deepened[size] if size in self.deepened else self.trace(size)
+
     def get(self, size: int) -> TracedGraph:
-        """The graph at batch ``size``: traced, or rescaled from the two largest traces. (A
-        dimension of size one broadcasts, and a trace of one sample may leave out ops that
-        change nothing at that size, an ``expand`` or a ``contiguous``: it is rescaled from
-        only as the second trace, with those ops stood in for, and never rescaled to.)"""
+        """The graph at batch ``size``: traced or written from a trace of the first blocks
+        (:meth:`base`), or rescaled from the two largest of those. (A dimension of size one
+        broadcasts, and a trace of one sample may leave out ops that change nothing at that
+        size, an ``expand`` or a ``contiguous``: it is rescaled from only as the second base,
+        with those ops stood in for, and never rescaled to.)"""
         if size in self.traced:
             return self.traced[size]
+        if size in self.deepened:
+            return self.deepened[size]
         if size not in self.rescaled:
-            bases = sorted(self.traced.items(), reverse=True)[:2]
+            bases = sorted({**self.deepened, **self.traced}.items(), reverse=True)[:2]
             if size == 1 or len(bases) < 2 or bases[0][0] == 1:
-                return self.trace(size)
+                return self.base(size)
             start = time.perf_counter()
             (a, first), (b, second) = bases
             try:
                 self.rescaled[size] = rescale(first, second, (a, b), size, self.describe)
             except NotAffine:
                 self.trace_s += time.perf_counter() - start
-                return self.trace(size)
+                return self.base(size)
             self.trace_s += time.perf_counter() - start
         return self.rescaled[size]
 

@@ -1,11 +1,13 @@
 """The inter-op pass: pipeline stages, sub-meshes, microbatches and the schedule.
 
 Layers. For every candidate microbatch count ``B`` the graph of one microbatch is cut into
-layers (:mod:`autoplan.trace.layers`). Two microbatch sizes are traced and the others
-rescaled from them (:mod:`autoplan.trace.rescale`: a trace takes seconds at real size); the
-plan chosen below is made on a traced graph, so that what runs is what was planned. For every sub-mesh shape ``(n, m)`` (a
-slice of a node or whole nodes) and every logical mesh of it, each distinct layer is costed
-by the intra-op ILP once (layers with equal ops and shapes share the answer).
+layers (:mod:`autoplan.trace.layers`). Two microbatch sizes are traced, or written from a
+trace of the first blocks of the model's repeated stack (:mod:`autoplan.trace.deepen`), and
+the others rescaled from them (:mod:`autoplan.trace.rescale`: a trace takes seconds at real
+size); the plan chosen below is made on a traced graph, so that what runs is what was
+planned. For every sub-mesh shape ``(n, m)`` (a slice of a node or whole nodes) and every
+logical mesh of it, each distinct layer is costed by the intra-op ILP once (layers with equal
+ops and shapes share the answer).
 
 Ranges (:class:`RangeTable`). A stage's cost is the sum of its layers' costs plus sending its
 boundary activations (and receiving their gradients) over the link to the next stage:
@@ -59,8 +61,8 @@ Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and ea
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
 exactly: one intra-op ILP per stage over all its nodes, under the memory budget; the fastest
 exact plan wins, and the others are listed as alternatives with their exact figures. They are
-planned on the graphs the search found them on, rescaled ones included, and only the winner's
-microbatch is traced, where it was not: where the trace is the graph it was planned on, its
+planned on the graphs the search found them on, written and rescaled ones included, and only
+the winner's microbatch is traced, where it was not: where the trace is the graph it was planned on, its
 plan stands, else it is searched and planned again on the trace and the fastest is checked in
 turn (:func:`_winner_traced`; a trace of a real-size model takes seconds). (The
 search's estimates run 1–9% above the exact plans, not by the same factor for every pipeline:

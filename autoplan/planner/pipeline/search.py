@@ -21,6 +21,7 @@ from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
 from autoplan.trace.batch_coupling import batch_couplings, microbatch_split_refusal
+from autoplan.trace.deepen import deepened_trace, repeated_stack
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer, make_layers
 from autoplan.trace.microbatch import batch_size, microbatch_inputs
@@ -172,11 +173,15 @@ def trace_microbatch(spec: ModelSpec, microbatches: int) -> TracedGraph:
 
 
 def microbatch_graphs(spec: ModelSpec) -> BatchSizeGraphs:
-    """The model's graphs by microbatch size: traced, or rescaled from two traces
+    """The model's graphs by microbatch size: traced, written from traces of the first blocks
+    of its repeated stack (:mod:`autoplan.trace.deepen`), or rescaled from two traces
     (:mod:`autoplan.trace.rescale`)."""
     batch = batch_size(spec.example_inputs)
+    stack = repeated_stack(spec.module)
+    deepen = None if stack is None else \
+        (lambda size: deepened_trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, batch // size)), stack))
     return BatchSizeGraphs(lambda size: trace_microbatch(spec, batch // size),
-                           lambda gm, exported: describe(gm, exported, spec.module))
+                           lambda gm, exported: describe(gm, exported, spec.module), deepen)
 
 
 def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions,
@@ -207,7 +212,7 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         if refusal is not None and microbatches > 1:
             continue  # cutting this batch into microbatches would change what the model computes
         if microbatches > 1:
-            graphs.trace(batch // counts[-1])  # the second trace: the smallest microbatch, often the best
+            graphs.base(batch // counts[-1])  # the second base: the smallest microbatch, often the best
         graph = graphs.get(batch // microbatches)
         refusal = microbatch_split_refusal(batch_couplings(graph))
         if refusal is not None and microbatches > 1:

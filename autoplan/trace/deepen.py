@@ -1,0 +1,352 @@
+"""A deep model's graph written from a trace of its first few blocks.
+
+torch.export runs the model's Python code op by op on fake tensors: about 70 ms per decoder
+block of a Llama, so a trace of an 80-block model takes seconds, and the pipeline search needs
+one per microbatch size. Its blocks are copies: the model's longest stack of repeated blocks
+(an ``nn.ModuleList`` or ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules, those after the
+first of one class with equal parameter shapes) is cut to its first ``K = TRACED_BLOCKS`` for
+the trace, and the graph of all ``N`` is written from that trace (:func:`deepened_trace`):
+
+- the nodes of the last traced block (``K - 1``) are copied ``N - K`` times; in each copy an
+  argument from block ``K - 1`` is read from the same copy, one from block ``K - 2`` (the
+  previous block: the residual stream) from the copy before, and one from outside the blocks
+  (rotary tables, masks) as it is; a node after the blocks reads the last copy;
+- parameters and buffers: block ``K - 1``'s placeholders, renamed and re-targeted for each
+  copy, follow its own in the signature (``p_m_model_layers_2_mlp_up_proj_weight`` →
+  ``…_layers_5_…``; a block's buffers lie apart from its parameters, and so do their copies);
+- names: fx numbers the nodes of one base name in creation order (``linear``, ``linear_1``,
+  …), and every block uses the same count of each (measured from block ``K - 2`` to ``K - 1``:
+  ``step[base]``). Copy ``j`` of a node numbered ``n`` in block ``K - 1`` is numbered
+  ``n + (j - K + 1) · step``; a node outside the blocks numbered above every block's number
+  of its base (the head, the loss, the no-grad regions inlined after the trace) moves up by
+  ``(N - K) · step``;
+- the ``nn_module_stack`` of a copy names its own block; fake values are block ``K - 1``'s.
+
+Blocks ``K - 2`` and ``K - 1`` must match node for node (op, name base, shape, dtype, wiring,
+constants; what each reads of the block before it counted from that block's end, as the first
+block may differ: DeepSeek-V3's is dense, the others mixtures of experts), the blocks' ops must
+be contiguous, no block may read a block other than itself and the one before it (T5's read
+the position bias of the first), nothing after the blocks may read an earlier block, and no
+block may write a buffer or hold a sub-graph; otherwise :class:`NotDeepenable`, and the caller
+traces the whole model. Model code may still treat a block beyond the traced ones differently
+(by its index), so a written graph, like a rescaled one (:mod:`autoplan.trace.rescale`), is a
+search-time estimate: the plan that runs is made on a trace of the whole model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.export
+import torch.fx
+from torch.export.graph_signature import ExportGraphSignature, InputSpec, OutputSpec, TensorArgument
+
+from autoplan.load import ModelSpec
+from autoplan.trace.export import WRAPPER_PREFIX, export_model, tidy_graph
+from autoplan.trace.graph import TracedGraph
+from autoplan.trace.tracer import describe
+
+__all__ = ["MIN_BLOCKS", "NotDeepenable", "TRACED_BLOCKS", "deepened_trace", "repeated_stack"]
+
+TRACED_BLOCKS = 3  # K: block K-1 is copied, its match with block K-2 gives the copies' wiring
+MIN_BLOCKS = 6  # fewer blocks than this: the whole model is traced (little to save)
+
+_NUMBERED = re.compile(r"^(.*)_(\d+)$")
+
+
+class NotDeepenable(Exception):
+    """The model's graph cannot be written from a trace of its first blocks."""
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A stack of repeated blocks: ``path`` of the container in the user's module, its
+    ``length``."""
+
+    path: str
+    length: int
+
+
+def repeated_stack(module: torch.nn.Module) -> Stack | None:
+    """The longest ``nn.ModuleList`` / ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules whose
+    modules after the first are of one class, with parameters of equal names and shapes (None:
+    no such stack)."""
+    best: Stack | None = None
+    for path, child in module.named_modules():
+        if not isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) or len(child) < MIN_BLOCKS \
+                or not all(name.isdigit() for name, _ in child.named_children()):
+            continue
+        blocks = list(child)[1:]  # the first block may differ (T5's holds the position bias)
+        first = [(name, tuple(p.shape)) for name, p in blocks[0].named_parameters()]
+        if not first or any(type(b) is not type(blocks[0]) for b in blocks) or any(
+                [(name, tuple(p.shape)) for name, p in b.named_parameters()] != first for b in blocks[1:]):
+            continue
+        if best is None or len(child) > best.length:
+            best = Stack(path, len(child))
+    return best
+
+
+@contextlib.contextmanager
+def _cut_to(module: torch.nn.Module, stack: Stack, count: int) -> Iterator[None]:
+    """``module`` with the stack holding only its first ``count`` blocks, put back afterwards."""
+    parent_path, _, attr = stack.path.rpartition(".")
+    parent = module.get_submodule(parent_path)
+    whole = getattr(parent, attr)
+    first = list(whole)[:count]
+    setattr(parent, attr, torch.nn.Sequential(*first) if isinstance(whole, torch.nn.Sequential)
+            else torch.nn.ModuleList(first))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, whole)
+
+
+def _split_name(name: str) -> tuple[str, int]:
+    match = _NUMBERED.match(name)
+    return (match.group(1), int(match.group(2))) if match else (name, 0)
+
+
+def _join_name(base: str, number: int) -> str:
+    return f"{base}_{number}" if number else base
+
+
+def _block_prefix(stack: Stack, index: int) -> str:
+    return f"{WRAPPER_PREFIX}{stack.path}.{index}"
+
+
+def _block_index(stack: Stack, path: str | None) -> int | None:
+    """The block of ``stack`` that the exported module path or FQN ``path`` is in."""
+    head = f"{WRAPPER_PREFIX}{stack.path}."
+    if not path or not path.startswith(head):
+        return None
+    index = path[len(head):].split(".", 1)[0]
+    return int(index) if index.isdigit() else None
+
+
+class _Blocks:
+    """The traced graph's nodes of each block: its placeholders (by their FQN) and its ops (by
+    their innermost module), in graph order."""
+
+    def __init__(self, gm: torch.fx.GraphModule, targets: dict[str, str | None], stack: Stack) -> None:
+        self.params: dict[int, list[torch.fx.Node]] = {}
+        self.ops: dict[int, list[torch.fx.Node]] = {}
+        self.where: dict[torch.fx.Node, tuple[str, int, int]] = {}  # node -> (kind, block, position)
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                index, kind = _block_index(stack, targets.get(node.name)), "param"
+            elif node.op == "call_function":
+                index, kind = _block_index(stack, _module_path(node)), "op"
+            elif node.op == "get_attr":
+                if any(_block_index(stack, _module_path(user)) is not None for user in node.users):
+                    raise NotDeepenable("a block holds a sub-graph")
+                continue
+            else:
+                continue
+            if index is not None:
+                members = (self.params if kind == "param" else self.ops).setdefault(index, [])
+                self.where[node] = (kind, index, len(members))
+                members.append(node)
+
+    def encode(self, node: torch.fx.Node, index: int) -> tuple:
+        """``node`` of block ``index`` as plain data: its op, target, value's shape and dtype,
+        and its arguments with every node written by where it is (this block's op or
+        parameter at a position, the previous block's op at a position from its end, or a
+        node outside the blocks by name)."""
+
+        def where(arg: torch.fx.Node) -> tuple:
+            found = self.where.get(arg)
+            if found is None:
+                return ("outside", arg.name)
+            kind, block, position = found
+            if block == index:
+                return (kind, position)
+            if block == index - 1 and kind == "op":  # counted from its end: a first block may differ
+                return ("previous", position - len(self.ops[block]))
+            raise NotDeepenable(f"{node.name} reads {arg.name}, of another block")
+
+        value = node.meta.get("val")
+        shape = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+        return (node.op, node.target, _split_name(node.name)[0], shape,
+                repr(torch.fx.node.map_arg((node.args, node.kwargs), where)))
+
+
+def _module_path(node: torch.fx.Node) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    return list(stack.values())[-1][0] if stack else None
+
+
+def _rename_stack(meta: dict, old: str, new: str) -> dict:
+    """``meta`` with its ``nn_module_stack`` naming block path ``new`` where it named ``old``."""
+    pattern = re.compile(re.escape(old) + r"(?=$|\.)")
+    out = dict(meta)
+    stack = meta.get("nn_module_stack")
+    if stack:
+        out["nn_module_stack"] = {pattern.sub(new, key): (pattern.sub(new, path), kind)
+                                  for key, (path, kind) in stack.items()}
+    return out
+
+
+def _steps(blocks: _Blocks, stack: Stack, k: int) -> dict[str, int]:
+    """Check that blocks ``k - 2`` and ``k - 1`` match node for node; each name base's step in
+    number from one block to the next."""
+    previous, last = blocks.ops.get(k - 2, []), blocks.ops.get(k - 1, [])
+    if not last or len(previous) != len(last):
+        raise NotDeepenable(f"the last two traced blocks have {len(previous)} and {len(last)} ops")
+    if [_param_name(p.name, stack, k - 2, k - 1) for p in blocks.params.get(k - 2, [])] != \
+            [p.name for p in blocks.params.get(k - 1, [])]:
+        raise NotDeepenable("the last two traced blocks have different parameters")
+    step: dict[str, int] = {}
+    for x, y in zip(previous, last):
+        if blocks.encode(x, k - 2) != blocks.encode(y, k - 1):
+            raise NotDeepenable(f"{x.name} and {y.name} differ")
+        base, first = _split_name(x.name)
+        _, second = _split_name(y.name)
+        if step.setdefault(base, second - first) != second - first or second <= first:
+            raise NotDeepenable(f"{x.name} and {y.name} are not numbered one block apart")
+    return step
+
+
+def _param_name(name: str, stack: Stack, old: int, new: int) -> str:
+    old_part = "_" + _block_prefix(stack, old).replace(".", "_") + "_"
+    new_part = "_" + _block_prefix(stack, new).replace(".", "_") + "_"
+    if old_part not in name:
+        raise NotDeepenable(f"parameter placeholder {name} does not name its block")
+    return name.replace(old_part, new_part, 1)
+
+
+def deepened_trace(spec: ModelSpec, stack: Stack | None = None) -> TracedGraph:
+    """The traced graph of ``spec`` written from a trace of the first ``TRACED_BLOCKS`` blocks
+    of its longest repeated stack (module docstring); :class:`NotDeepenable` where it cannot."""
+    stack = stack or repeated_stack(spec.module)
+    if stack is None:
+        raise NotDeepenable("no stack of repeated blocks")
+    k, n = TRACED_BLOCKS, stack.length
+    with _cut_to(spec.module, stack, k):
+        try:
+            exported = export_model(spec)
+        except Exception as e:  # the model may need every block (it indexes them by its config)
+            raise NotDeepenable(f"the cut model does not trace: {e}") from e
+    gm = exported.graph_module
+    tidy_graph(gm)
+    signature = exported.graph_signature
+    if any(_block_index(stack, target) is not None for target in signature.buffers_to_mutate.values()):
+        raise NotDeepenable("a block writes a buffer")
+    targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
+    blocks = _Blocks(gm, targets, stack)
+    step = _steps(blocks, stack, k)
+    last_ops, last_params = blocks.ops[k - 1], blocks.params.get(k - 1, [])
+    if not last_params:
+        raise NotDeepenable("the blocks lift no parameters")
+    top = {}  # per base, the highest number a block uses
+    for node in last_ops:
+        base, number = _split_name(node.name)
+        top[base] = max(top.get(base, 0), number)
+    gap = {base: (n - k) * s for base, s in step.items()}
+
+    def outside_name(name: str) -> str:
+        base, number = _split_name(name)
+        return _join_name(base, number + gap[base]) if base in gap and number > top[base] else name
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    names: dict[str, str] = {}  # old name -> new name, for the signature
+    new_specs: dict[str, list[InputSpec]] = {}  # by the placeholder they follow
+    spec_of = {s.arg.name: s for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
+
+    def create(node: torch.fx.Node, name: str, args: tuple, kwargs: dict, meta: dict) -> torch.fx.Node:
+        target = name if node.op == "placeholder" else node.target  # a placeholder's target is its argument name
+        new = graph.create_node(node.op, target, args, kwargs, name=name, type_expr=node.type)
+        if new.name != name:
+            raise NotDeepenable(f"node {name} could not keep its name")
+        new.meta = meta
+        return new
+
+    def copy_params(run: list[torch.fx.Node]) -> None:
+        for j in range(k, n):
+            for node in run:
+                name = _param_name(node.name, stack, k - 1, j)
+                target = _block_prefix(stack, j) + spec_of[node.name].target[len(_block_prefix(stack, k - 1)):]
+                copies[j].append(create(node, name, (), {}, _rename_stack(node.meta, _block_prefix(stack, k - 1),
+                                                                           _block_prefix(stack, j))))
+                old = spec_of[node.name]
+                new_specs.setdefault(run[-1].name, []).append(InputSpec(old.kind, TensorArgument(name), target,
+                                                                        old.persistent))
+
+    def copy_ops() -> None:
+        previous = [env[x] for x in last_ops]
+        for j in range(k, n):
+            ops: list[torch.fx.Node] = []
+
+            def mapped(arg: torch.fx.Node) -> torch.fx.Node:
+                found = blocks.where.get(arg)
+                if found is None:
+                    return env[arg]
+                kind, block, position = found
+                if block == k - 1:
+                    return copies[j][position] if kind == "param" else ops[position]
+                return previous[position]  # the block before's op (checked by _steps)
+
+            for node in last_ops:
+                base, number = _split_name(node.name)
+                args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), mapped)
+                ops.append(create(node, _join_name(base, number + (j - k + 1) * step[base]), args, kwargs,
+                                  _rename_stack(node.meta, _block_prefix(stack, k - 1), _block_prefix(stack, j))))
+            previous = ops
+        env.update(zip(last_ops, previous))  # what follows the blocks reads the last copy
+        names.update((old.name, new.name) for old, new in zip(last_ops, previous))
+
+    copies: dict[int, list[torch.fx.Node]] = {j: [] for j in range(k, n)}
+    first_op, last_op = blocks.ops[0][0] if 0 in blocks.ops else last_ops[0], last_ops[-1]
+    runs = _runs(gm, last_params)  # parameters and buffers lie apart: each run's copies follow it
+    between, after = False, False
+    for node in gm.graph.nodes:
+        found = blocks.where.get(node)
+        between = (between or node is first_op) and not after
+        if found is None and node.op == "call_function" and between:
+            raise NotDeepenable(f"{node.name} runs between the blocks, outside them")
+        if found is None and after and any(a in blocks.where and (blocks.where[a][1] < k - 1 or
+                                                                   blocks.where[a][0] == "param")
+                                           for a in node.all_input_nodes):
+            raise NotDeepenable(f"{node.name}, after the blocks, reads an earlier block")
+        name = node.name if found is not None or node.op == "placeholder" else outside_name(node.name)
+        args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: env[a])
+        env[node] = create(node, name, args, kwargs, dict(node.meta))
+        names[node.name] = name
+        if node in runs:
+            copy_params(runs[node])
+        if node is last_op:
+            copy_ops()
+            after = True
+    input_specs: list[InputSpec] = []
+    for s in signature.input_specs:
+        input_specs.append(s)
+        if isinstance(s.arg, TensorArgument):
+            input_specs.extend(new_specs.get(s.arg.name, []))
+    output_specs = [OutputSpec(s.kind, TensorArgument(names.get(s.arg.name, s.arg.name)), s.target)
+                    if isinstance(s.arg, TensorArgument) else s for s in signature.output_specs]
+    deep = copy.copy(exported)
+    deep._graph_signature = ExportGraphSignature(input_specs, output_specs)
+    module = torch.fx.GraphModule(gm, graph)
+    deep._graph_module = module
+    return describe(module, deep, spec.module)
+
+
+def _runs(gm: torch.fx.GraphModule, members: list[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:
+    """``members`` cut into runs of consecutive nodes of ``gm``, each by its last node."""
+    chosen = set(members)
+    runs: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    current: list[torch.fx.Node] = []
+    for node in gm.graph.nodes:
+        if node in chosen:
+            current.append(node)
+        elif current:
+            runs[current[-1]] = current
+            current = []
+    if current:
+        runs[current[-1]] = current
+    return runs
