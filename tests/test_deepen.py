@@ -14,7 +14,8 @@ import transformers as tf
 from autoplan.load import make_model_spec
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.options import PlanOptions
-from autoplan.trace.deepen import MIN_BLOCKS, NotDeepenable, deepened_trace, repeated_stack
+from autoplan.trace.deepen import (MIN_BLOCKS, NotDeepenable, UnitsDiffer, deepened_trace, repeated_stack,
+    settings_period)
 from autoplan.trace.layers import make_layers
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.repeated import find_classes
@@ -67,8 +68,13 @@ def _bart():  # encoder and decoder stacks: the longest (the encoder's) is writt
                   max_position_embeddings=64, decoder_start_token_id=2, forced_eos_token_id=2, **_SPECIAL)
 
 
-def _gemma2():  # sliding and global attention alternate: block 1 is not block 2
-    return _hf_lm(tf.Gemma2Config, tf.Gemma2ForCausalLM, **{**_LLAMA_LIKE, "num_hidden_layers": DEEP},
+def _gemma2(layers: int = 12):  # sliding and global attention alternate: units of two blocks
+    return _hf_lm(tf.Gemma2Config, tf.Gemma2ForCausalLM, **{**_LLAMA_LIKE, "num_hidden_layers": layers},
+                  head_dim=16, sliding_window=8)
+
+
+def _gemma3(layers: int):  # five sliding-window layers, then a global one: units of six
+    return _hf_lm(tf.Gemma3TextConfig, tf.Gemma3ForCausalLM, **{**_LLAMA_LIKE, "num_hidden_layers": layers},
                   head_dim=16, sliding_window=8)
 
 
@@ -80,6 +86,7 @@ BUILDERS = {
     "deepseek_v3": _deepseek_v3,
     "bert": _bert,
     "bart": _bart,
+    "gemma2": _gemma2,
 }
 
 
@@ -110,29 +117,22 @@ def test_written_graph_is_the_trace(name: str) -> None:
     assert len(spec.module.get_submodule(stack.path)) == stack.length
 
 
-def test_blocks_that_differ_are_traced() -> None:
-    spec = _spec(_gemma2)
-    with pytest.raises(NotDeepenable, match="differ"):
-        deepened_trace(spec)
-    shallow = _spec(lambda: llama.build(layers=MIN_BLOCKS - 1, batch=BATCH, seq=16))
-    assert repeated_stack(shallow.module) is None
-
-
 class _Block(torch.nn.Module):
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, differs: range) -> None:
         super().__init__()
-        self.index = index
+        self.index = index  # differs in every block: not a setting
+        self.differs = differs  # not a plain attribute: the blocks' settings do not tell them apart
         self.linear = torch.nn.Linear(32, 32)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(self.linear(x))
-        return x * 2 if self.index >= 4 else x  # beyond the traced blocks: an op more
+        return x * 2 if self.index in self.differs else x
 
 
 class _Stack(torch.nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, differs: range) -> None:
         super().__init__()
-        self.blocks = torch.nn.ModuleList(_Block(i) for i in range(8))
+        self.blocks = torch.nn.ModuleList(_Block(i, differs) for i in range(8))
         self.head = torch.nn.Linear(32, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,9 +141,29 @@ class _Stack(torch.nn.Module):
         return self.head(x)
 
 
-def test_a_block_the_trace_did_not_see_is_planned_on_the_trace() -> None:
+def _stack_spec(differs: range):
     torch.manual_seed(0)
-    spec = make_model_spec(_Stack(), (torch.randn(16, 32),), lambda out, x: out.pow(2).mean())
+    return make_model_spec(_Stack(differs), (torch.randn(16, 32),), lambda out, x: out.pow(2).mean())
+
+
+def test_blocks_repeat_with_the_period_of_their_settings() -> None:
+    assert settings_period(list(_spec(BUILDERS["llama"]).module.model.layers)) == 1
+    assert settings_period(list(_spec(_gemma2).module.model.layers)) == 2
+    gemma3 = _spec(lambda: _gemma3(24))
+    assert settings_period(list(gemma3.module.model.layers)) == 6
+    with pytest.raises(NotDeepenable, match="too few"):  # three units of six would be most of it
+        deepened_trace(gemma3)
+
+
+def test_blocks_that_differ_are_traced() -> None:
+    with pytest.raises(UnitsDiffer, match="2 and 3 ops"):  # block 2 differs from block 1, in code only
+        deepened_trace(_stack_spec(differs=range(2, 3)))
+    shallow = _spec(lambda: llama.build(layers=MIN_BLOCKS - 1, batch=BATCH, seq=16))
+    assert repeated_stack(shallow.module) is None
+
+
+def test_a_block_the_trace_did_not_see_is_planned_on_the_trace() -> None:
+    spec = _stack_spec(differs=range(4, 8))  # blocks 4 to 7 compute an op more, in code only
     assert deepened_trace(spec).graph_hash != trace(spec).graph_hash  # written wrong: a search estimate only
     plan = plan_model(spec, PlanOptions(2, "h100", jobs=1, stages=2, microbatches=2, recompute="none"))
     assert len(plan.stages) == 2

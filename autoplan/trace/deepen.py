@@ -4,33 +4,39 @@ torch.export runs the model's Python code op by op on fake tensors: about 70 ms 
 block of a Llama, so a trace of an 80-block model takes seconds, and the pipeline search needs
 one per microbatch size. Its blocks are copies: the model's longest stack of repeated blocks
 (an ``nn.ModuleList`` or ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules, those after the
-first of one class with equal parameter shapes) is cut to its first ``K = TRACED_BLOCKS`` for
-the trace, and the graph of all ``N`` is written from that trace (:func:`deepened_trace`):
+first of one class with equal parameter shapes) is cut for the trace, and the graph of all its
+blocks is written from that trace (:func:`deepened_trace`). The copies are *units* of
+``period`` consecutive blocks: one block where every block does the same, two where sliding-
+window and global attention alternate (Gemma 2), six for Gemma 3's five to one; the period is
+the fewest blocks after which the blocks' plain attributes (flags, sizes, attention kinds,
+:func:`settings_period`) repeat. Of ``N`` units the first ``K = TRACED_BLOCKS`` are traced:
 
-- the nodes of the last traced block (``K - 1``) are copied ``N - K`` times; in each copy an
-  argument from block ``K - 1`` is read from the same copy, one from block ``K - 2`` (the
-  previous block: the residual stream) from the copy before, and one from outside the blocks
+- the nodes of the last traced unit (``K - 1``) are copied ``N - K`` times; in each copy an
+  argument from unit ``K - 1`` is read from the same copy, one from unit ``K - 2`` (the
+  previous unit: the residual stream) from the copy before, and one from outside the blocks
   (rotary tables, masks) as it is; a node after the blocks reads the last copy;
-- parameters and buffers: block ``K - 1``'s placeholders, renamed and re-targeted for each
+- parameters and buffers: unit ``K - 1``'s placeholders, renamed and re-targeted for each
   copy, follow its own in the signature (``p_m_model_layers_2_mlp_up_proj_weight`` →
   ``…_layers_5_…``; a block's buffers lie apart from its parameters, and so do their copies);
 - names: fx numbers the nodes of one base name in creation order (``linear``, ``linear_1``,
-  …), and every block uses the same count of each (measured from block ``K - 2`` to ``K - 1``:
-  ``step[base]``). Copy ``j`` of a node numbered ``n`` in block ``K - 1`` is numbered
-  ``n + (j - K + 1) · step``; a node outside the blocks numbered above every block's number
+  …), and every unit uses the same count of each (measured from unit ``K - 2`` to ``K - 1``:
+  ``step[base]``). Copy ``j`` of a node numbered ``n`` in unit ``K - 1`` is numbered
+  ``n + (j - K + 1) · step``; a node outside the blocks numbered above every unit's number
   of its base (the head, the loss, the no-grad regions inlined after the trace) moves up by
   ``(N - K) · step``;
-- the ``nn_module_stack`` of a copy names its own block; fake values are block ``K - 1``'s.
+- the ``nn_module_stack`` of a copy names its own blocks; fake values are unit ``K - 1``'s.
 
-Blocks ``K - 2`` and ``K - 1`` must match node for node (op, name base, shape, dtype, wiring,
-constants; what each reads of the block before it counted from that block's end, as the first
-block may differ: DeepSeek-V3's is dense, the others mixtures of experts), the blocks' ops must
-be contiguous, no block may read a block other than itself and the one before it (T5's read
-the position bias of the first), nothing after the blocks may read an earlier block, and no
-block may write a buffer or hold a sub-graph; otherwise :class:`NotDeepenable`, and the caller
-traces the whole model. Model code may still treat a block beyond the traced ones differently
-(by its index), so a written graph, like a rescaled one (:mod:`autoplan.trace.rescale`), is a
-search-time estimate: the plan that runs is made on a trace of the whole model.
+Units ``K - 2`` and ``K - 1`` must match node for node (op, name base, shape, dtype, wiring,
+constants; what each reads of the unit before it counted from that unit's end, as the first
+block may differ: DeepSeek-V3's is dense, the others mixtures of experts), else a unit of more
+blocks is tried (:class:`UnitsDiffer`); the blocks' ops must be contiguous, no unit may read
+one other than itself and the one before it (T5's blocks read the position bias of the
+first), nothing after the blocks may read an earlier unit, no block may write a buffer or hold
+a sub-graph, and the trace must cover at most half the blocks; otherwise
+:class:`NotDeepenable`, and the caller traces the whole model. Model code may still treat a
+block beyond the traced ones differently (by its index, in code only), so a written graph,
+like a rescaled one (:mod:`autoplan.trace.rescale`), is a search-time estimate: the plan that
+runs is made on a trace of the whole model.
 """
 
 from __future__ import annotations
@@ -51,9 +57,11 @@ from autoplan.trace.export import WRAPPER_PREFIX, export_model, tidy_graph
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.tracer import describe
 
-__all__ = ["MIN_BLOCKS", "NotDeepenable", "TRACED_BLOCKS", "deepened_trace", "repeated_stack"]
+__all__ = ["MIN_BLOCKS", "NotDeepenable", "PERIODS", "TRACED_BLOCKS", "UnitsDiffer", "deepened_trace",
+           "repeated_stack", "settings_period"]
 
-TRACED_BLOCKS = 3  # K: block K-1 is copied, its match with block K-2 gives the copies' wiring
+TRACED_BLOCKS = 3  # K units: unit K-1 is copied, its match with unit K-2 gives the copies' wiring
+PERIODS = (1, 2, 3, 4, 6)  # blocks per unit tried, fewest first (Gemma 2 alternates two kinds of attention)
 MIN_BLOCKS = 6  # fewer blocks than this: the whole model is traced (little to save)
 
 _NUMBERED = re.compile(r"^(.*)_(\d+)$")
@@ -91,6 +99,29 @@ def repeated_stack(module: torch.nn.Module) -> Stack | None:
     return best
 
 
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(block: torch.nn.Module) -> dict[tuple[str, str], object]:
+    """A block's plain attributes (flags, sizes, names) and its submodules', by (path, name)."""
+    return {(path, name): value for path, module in block.named_modules() for name, value in vars(module).items()
+            if not name.startswith("_") and name != "training" and isinstance(value, _PLAIN)}
+
+
+def settings_period(blocks: list[torch.nn.Module]) -> int | None:
+    """The fewest blocks after which the blocks' plain attributes repeat, the first block aside
+    (Gemma 3: five sliding-window layers, then a global one: 6), leaving out an attribute
+    that differs in every block (its index); None where no period of ``PERIODS`` does."""
+    settings = [_settings(block) for block in blocks[1:]]
+    keys = set().union(*settings)
+    index_like = {key for key in keys if len({repr(s.get(key)) for s in settings}) == len(settings)}
+    rows = [tuple(sorted((k, repr(v)) for k, v in s.items() if k not in index_like)) for s in settings]
+    for period in PERIODS:
+        if all(rows[i] == rows[i + period] for i in range(len(rows) - period)):
+            return period
+    return None
+
+
 @contextlib.contextmanager
 def _cut_to(module: torch.nn.Module, stack: Stack, count: int) -> Iterator[None]:
     """``module`` with the stack holding only its first ``count`` blocks, put back afterwards."""
@@ -115,8 +146,27 @@ def _join_name(base: str, number: int) -> str:
     return f"{base}_{number}" if number else base
 
 
-def _block_prefix(stack: Stack, index: int) -> str:
-    return f"{WRAPPER_PREFIX}{stack.path}.{index}"
+def _shifted(pattern: str, text: str, shift: int) -> str:
+    """``text`` with the block index that follows ``pattern`` (a regex) moved by ``shift``."""
+    moved, count = re.subn(pattern, lambda m: f"{m.group(1)}{int(m.group(2)) + shift}", text, count=1)
+    if not count:
+        raise NotDeepenable(f"{text} does not name its block")
+    return moved
+
+
+def _block_path(stack: Stack) -> str:
+    return re.escape(f"{WRAPPER_PREFIX}{stack.path}.")
+
+
+def _param_name(name: str, stack: Stack, shift: int) -> str:
+    """A block parameter's placeholder name (``p_m_model_layers_2_mlp_up_proj_weight``) for the
+    block ``shift`` further on."""
+    sanitized = re.escape("_" + f"{WRAPPER_PREFIX}{stack.path}".replace(".", "_") + "_")
+    return _shifted(f"({sanitized})(\\d+)(?=_)", name, shift)
+
+
+def _fqn(target: str, stack: Stack, shift: int) -> str:
+    return _shifted(f"^({_block_path(stack)})(\\d+)(?=\\.)", target, shift)
 
 
 def _block_index(stack: Stack, path: str | None) -> int | None:
@@ -129,10 +179,10 @@ def _block_index(stack: Stack, path: str | None) -> int | None:
 
 
 class _Blocks:
-    """The traced graph's nodes of each block: its placeholders (by their FQN) and its ops (by
-    their innermost module), in graph order."""
+    """The traced graph's nodes of each unit of ``period`` consecutive blocks: its placeholders
+    (by their FQN) and its ops (by their innermost module), in graph order."""
 
-    def __init__(self, gm: torch.fx.GraphModule, targets: dict[str, str | None], stack: Stack) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, targets: dict[str, str | None], stack: Stack, period: int) -> None:
         self.params: dict[int, list[torch.fx.Node]] = {}
         self.ops: dict[int, list[torch.fx.Node]] = {}
         self.where: dict[torch.fx.Node, tuple[str, int, int]] = {}  # node -> (kind, block, position)
@@ -148,8 +198,9 @@ class _Blocks:
             else:
                 continue
             if index is not None:
-                members = (self.params if kind == "param" else self.ops).setdefault(index, [])
-                self.where[node] = (kind, index, len(members))
+                unit = index // period
+                members = (self.params if kind == "param" else self.ops).setdefault(unit, [])
+                self.where[node] = (kind, unit, len(members))
                 members.append(node)
 
     def encode(self, node: torch.fx.Node, index: int) -> tuple:
@@ -180,53 +231,70 @@ def _module_path(node: torch.fx.Node) -> str | None:
     return list(stack.values())[-1][0] if stack else None
 
 
-def _rename_stack(meta: dict, old: str, new: str) -> dict:
-    """``meta`` with its ``nn_module_stack`` naming block path ``new`` where it named ``old``."""
-    pattern = re.compile(re.escape(old) + r"(?=$|\.)")
+def _rename_stack(meta: dict, stack: Stack, shift: int) -> dict:
+    """``meta`` with its ``nn_module_stack`` naming the block ``shift`` further on."""
+    pattern = re.compile(f"({_block_path(stack)})(\\d+)(?=$|\\.)")
+
+    def moved(text: str) -> str:
+        return pattern.sub(lambda m: f"{m.group(1)}{int(m.group(2)) + shift}", text)
+
     out = dict(meta)
-    stack = meta.get("nn_module_stack")
-    if stack:
-        out["nn_module_stack"] = {pattern.sub(new, key): (pattern.sub(new, path), kind)
-                                  for key, (path, kind) in stack.items()}
+    module_stack = meta.get("nn_module_stack")
+    if module_stack:
+        out["nn_module_stack"] = {moved(key): (moved(path), kind) for key, (path, kind) in module_stack.items()}
     return out
 
 
-def _steps(blocks: _Blocks, stack: Stack, k: int) -> dict[str, int]:
-    """Check that blocks ``k - 2`` and ``k - 1`` match node for node; each name base's step in
-    number from one block to the next."""
+class UnitsDiffer(NotDeepenable):
+    """The last two traced units differ: a longer period may repeat."""
+
+
+def _steps(blocks: _Blocks, stack: Stack, k: int, period: int) -> dict[str, int]:
+    """Check that units ``k - 2`` and ``k - 1`` match node for node; each name base's step in
+    number from one unit to the next."""
     previous, last = blocks.ops.get(k - 2, []), blocks.ops.get(k - 1, [])
     if not last or len(previous) != len(last):
-        raise NotDeepenable(f"the last two traced blocks have {len(previous)} and {len(last)} ops")
-    if [_param_name(p.name, stack, k - 2, k - 1) for p in blocks.params.get(k - 2, [])] != \
+        raise UnitsDiffer(f"the last two traced units have {len(previous)} and {len(last)} ops")
+    if [_param_name(p.name, stack, period) for p in blocks.params.get(k - 2, [])] != \
             [p.name for p in blocks.params.get(k - 1, [])]:
-        raise NotDeepenable("the last two traced blocks have different parameters")
+        raise UnitsDiffer("the last two traced units have different parameters")
     step: dict[str, int] = {}
     for x, y in zip(previous, last):
         if blocks.encode(x, k - 2) != blocks.encode(y, k - 1):
-            raise NotDeepenable(f"{x.name} and {y.name} differ")
+            raise UnitsDiffer(f"{x.name} and {y.name} differ")
         base, first = _split_name(x.name)
         _, second = _split_name(y.name)
         if step.setdefault(base, second - first) != second - first or second <= first:
-            raise NotDeepenable(f"{x.name} and {y.name} are not numbered one block apart")
+            raise UnitsDiffer(f"{x.name} and {y.name} are not numbered one unit apart")
     return step
 
 
-def _param_name(name: str, stack: Stack, old: int, new: int) -> str:
-    old_part = "_" + _block_prefix(stack, old).replace(".", "_") + "_"
-    new_part = "_" + _block_prefix(stack, new).replace(".", "_") + "_"
-    if old_part not in name:
-        raise NotDeepenable(f"parameter placeholder {name} does not name its block")
-    return name.replace(old_part, new_part, 1)
-
-
 def deepened_trace(spec: ModelSpec, stack: Stack | None = None) -> TracedGraph:
-    """The traced graph of ``spec`` written from a trace of the first ``TRACED_BLOCKS`` blocks
-    of its longest repeated stack (module docstring); :class:`NotDeepenable` where it cannot."""
+    """The traced graph of ``spec`` written from a trace of the first ``TRACED_BLOCKS`` units of
+    its longest repeated stack, a unit the fewest blocks that repeat (``PERIODS``, multiples of
+    the period of the blocks' settings, :func:`settings_period`; module docstring);
+    :class:`NotDeepenable` where it cannot."""
     stack = stack or repeated_stack(spec.module)
     if stack is None:
         raise NotDeepenable("no stack of repeated blocks")
-    k, n = TRACED_BLOCKS, stack.length
-    with _cut_to(spec.module, stack, k):
+    least = settings_period(list(spec.module.get_submodule(stack.path)))
+    if least is None:
+        raise NotDeepenable("the blocks' settings repeat with no period of at most six blocks")
+    refusal: NotDeepenable | None = None
+    for period in PERIODS:
+        if period % least or stack.length % period or 2 * TRACED_BLOCKS * period > stack.length:
+            continue
+        try:
+            return _written(spec, stack, period)
+        except UnitsDiffer as e:
+            refusal = e
+    raise refusal or NotDeepenable(f"{stack.length} blocks are too few to write from a trace of some")
+
+
+def _written(spec: ModelSpec, stack: Stack, period: int) -> TracedGraph:
+    """:func:`deepened_trace` with units of ``period`` blocks: ``K`` units traced, of ``n``."""
+    k, n = TRACED_BLOCKS, stack.length // period
+    with _cut_to(spec.module, stack, k * period):
         try:
             exported = export_model(spec)
         except Exception as e:  # the model may need every block (it indexes them by its config)
@@ -237,12 +305,12 @@ def deepened_trace(spec: ModelSpec, stack: Stack | None = None) -> TracedGraph:
     if any(_block_index(stack, target) is not None for target in signature.buffers_to_mutate.values()):
         raise NotDeepenable("a block writes a buffer")
     targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
-    blocks = _Blocks(gm, targets, stack)
-    step = _steps(blocks, stack, k)
+    blocks = _Blocks(gm, targets, stack, period)
+    step = _steps(blocks, stack, k, period)
     last_ops, last_params = blocks.ops[k - 1], blocks.params.get(k - 1, [])
     if not last_params:
         raise NotDeepenable("the blocks lift no parameters")
-    top = {}  # per base, the highest number a block uses
+    top = {}  # per base, the highest number a unit uses
     for node in last_ops:
         base, number = _split_name(node.name)
         top[base] = max(top.get(base, 0), number)
@@ -269,10 +337,10 @@ def deepened_trace(spec: ModelSpec, stack: Stack | None = None) -> TracedGraph:
     def copy_params(run: list[torch.fx.Node]) -> None:
         for j in range(k, n):
             for node in run:
-                name = _param_name(node.name, stack, k - 1, j)
-                target = _block_prefix(stack, j) + spec_of[node.name].target[len(_block_prefix(stack, k - 1)):]
-                copies[j].append(create(node, name, (), {}, _rename_stack(node.meta, _block_prefix(stack, k - 1),
-                                                                           _block_prefix(stack, j))))
+                shift = (j - k + 1) * period
+                name = _param_name(node.name, stack, shift)
+                target = _fqn(spec_of[node.name].target, stack, shift)
+                copies[j].append(create(node, name, (), {}, _rename_stack(node.meta, stack, shift)))
                 old = spec_of[node.name]
                 new_specs.setdefault(run[-1].name, []).append(InputSpec(old.kind, TensorArgument(name), target,
                                                                         old.persistent))
@@ -295,7 +363,7 @@ def deepened_trace(spec: ModelSpec, stack: Stack | None = None) -> TracedGraph:
                 base, number = _split_name(node.name)
                 args, kwargs = torch.fx.node.map_arg((node.args, node.kwargs), mapped)
                 ops.append(create(node, _join_name(base, number + (j - k + 1) * step[base]), args, kwargs,
-                                  _rename_stack(node.meta, _block_prefix(stack, k - 1), _block_prefix(stack, j))))
+                                  _rename_stack(node.meta, stack, (j - k + 1) * period)))
             previous = ops
         env.update(zip(last_ops, previous))  # what follows the blocks reads the last copy
         names.update((old.name, new.name) for old, new in zip(last_ops, previous))
