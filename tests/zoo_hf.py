@@ -5,6 +5,7 @@ encoders, encoder-decoders, vision/multimodal and state-space models, each with 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +14,8 @@ import transformers as tf
 
 from zoo import BATCH, SEQ, VOCAB, ZooCase  # import this module through zoo
 
-HIDDEN, LAYERS, HEADS, FFN = 64, 2, 4, 128
+# ZOO_LAYERS deepens every model (benchmarks/written_graphs.py writes deep graphs from shallow traces)
+HIDDEN, LAYERS, HEADS, FFN = 64, int(os.environ.get("ZOO_LAYERS", "2")), 4, 128
 # ids that avoid the special tokens configured below (pad 0, bos 1, eos 2)
 _SPECIAL = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
