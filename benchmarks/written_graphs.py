@@ -6,7 +6,7 @@ node for node (names, ops, arguments, node infos, lifted parameters, graph hash,
 
 Rows: every family of the zoo (``tests/zoo.py``) built with ``--zoo-layers`` blocks per stack,
 then the real-size models of ``planning_time.py`` on the meta device. ``unit`` is the period of
-the blocks' settings (:func:`~autoplan.trace.deepen.settings_period`); a model the writer
+each stack's blocks' settings (:func:`~autoplan.trace.deepen.settings_period`); a model the writer
 refuses says why, and the search then traces it whole.
 """
 
@@ -62,7 +62,7 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     from autoplan.load import make_model_spec
-    from autoplan.trace.deepen import NotDeepenable, deepened_trace, repeated_stack, settings_period
+    from autoplan.trace.deepen import NotDeepenable, deepened_trace, repeated_stacks, settings_period
     from autoplan.trace.tracer import trace
 
     cases = [] if args.no_zoo else list(_zoo(args.zoo_layers))
@@ -71,23 +71,23 @@ def main() -> None:
     for name, build in cases:
         model, inputs, loss_fn = build()
         spec = make_model_spec(model, inputs, loss_fn, name=name)
-        stack = repeated_stack(spec.module)
-        if stack is None:
+        stacks = repeated_stacks(spec.module)
+        if not stacks:
             print(f"| {name} | none | | | | traced whole: no stack of repeated blocks |", flush=True)
             continue
-        unit = settings_period(list(spec.module.get_submodule(stack.path)))
+        where = ", ".join(f"{stack.path} x{stack.length}" for stack in stacks)
+        units = ", ".join(str(settings_period(list(spec.module.get_submodule(stack.path)))) for stack in stacks)
         start = time.perf_counter()
         real = trace(spec)
         traced_s = time.perf_counter() - start
         try:
             start = time.perf_counter()
-            written = deepened_trace(spec, stack)
+            written = deepened_trace(spec, stacks)
             written_s = time.perf_counter() - start
         except NotDeepenable as e:
-            print(f"| {name} | {stack.path} x{stack.length} | {unit} | {traced_s:.2f} s | | traced whole: {e} |",
-                  flush=True)
+            print(f"| {name} | {where} | {units} | {traced_s:.2f} s | | traced whole: {e} |", flush=True)
             continue
-        print(f"| {name} | {stack.path} x{stack.length} | {unit} | {traced_s:.2f} s | {written_s:.2f} s | "
+        print(f"| {name} | {where} | {units} | {traced_s:.2f} s | {written_s:.2f} s | "
               f"{'yes' if _same(real, written) else '**no**'} |", flush=True)
 
 

@@ -15,7 +15,7 @@ from autoplan.load import make_model_spec
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.options import PlanOptions
 from autoplan.trace.deepen import (MIN_BLOCKS, NotDeepenable, UnitsDiffer, deepened_trace, repeated_stack,
-    settings_period)
+    repeated_stacks, settings_period)
 from autoplan.trace.layers import make_layers
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.repeated import find_classes
@@ -61,7 +61,7 @@ def _bert():
     return model, {"input_ids": _ids(), "labels": torch.arange(BATCH) % 4}
 
 
-def _bart():  # encoder and decoder stacks: the longest (the encoder's) is written
+def _bart():  # encoder and decoder stacks: both written
     return _hf_lm(tf.BartConfig, tf.BartForConditionalGeneration, vocab_size=128, d_model=HIDDEN,
                   encoder_layers=DEEP + 1, decoder_layers=DEEP, encoder_attention_heads=HEADS,
                   decoder_attention_heads=HEADS, encoder_ffn_dim=FFN, decoder_ffn_dim=FFN,
@@ -103,8 +103,9 @@ def _nodes(graph) -> list[tuple]:
 @pytest.mark.parametrize("name", sorted(BUILDERS))
 def test_written_graph_is_the_trace(name: str) -> None:
     spec = _spec(BUILDERS[name])
-    stack = repeated_stack(spec.module)
-    assert stack is not None and stack.length >= MIN_BLOCKS
+    stacks = repeated_stacks(spec.module)
+    assert stacks and all(stack.length >= MIN_BLOCKS for stack in stacks)
+    assert len(stacks) == (2 if name == "bart" else 1)
     real, written = trace(spec), deepened_trace(spec)
     assert _nodes(written) == _nodes(real)
     assert written.graph_hash == real.graph_hash
@@ -114,7 +115,7 @@ def test_written_graph_is_the_trace(name: str) -> None:
     assert layers == [layer.nodes for layer in make_layers(real, find_classes(real))]
     assert written.graph_module.code == real.graph_module.code
     # the model is whole again after the cut trace
-    assert len(spec.module.get_submodule(stack.path)) == stack.length
+    assert all(len(spec.module.get_submodule(stack.path)) == stack.length for stack in stacks)
 
 
 class _Block(torch.nn.Module):
@@ -195,11 +196,13 @@ def test_graphs_are_written_until_the_model_refuses() -> None:
     assert calls[-1] == "trace 2" and graphs.deepen is None and graphs.is_traced(graphs.get(2))
 
 
-def test_pipeline_plan_is_the_same_with_written_graphs(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", ["llama", "bart"])
+def test_pipeline_plan_is_the_same_with_written_graphs(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     import autoplan.planner.pipeline.search as search
 
-    spec = _spec(BUILDERS["llama"])
-    options = PlanOptions(4, "h100", jobs=1, memory_per_device=4e6, recompute="none")
+    spec = _spec(BUILDERS[name])
+    options = PlanOptions(4, "h100", jobs=1, memory_per_device=4e6, recompute="none") if name == "llama" else \
+        PlanOptions(4, "h100", jobs=1, stages=2, microbatches=2, recompute="none")  # two stacks: one pipeline
     written_sizes: list[int] = []
     real_deepened = search.deepened_trace
 
@@ -210,7 +213,7 @@ def test_pipeline_plan_is_the_same_with_written_graphs(monkeypatch: pytest.Monke
     monkeypatch.setattr(search, "deepened_trace", recording)
     written = plan_model(spec, options)
     assert written_sizes  # the search ran on written graphs
-    monkeypatch.setattr(search, "repeated_stack", lambda module: None)
+    monkeypatch.setattr(search, "repeated_stacks", lambda module: [])
     traced = plan_model(spec, options)
     assert len(written.stages) > 1
     assert written.decisions() == traced.decisions()

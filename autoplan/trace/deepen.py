@@ -2,14 +2,16 @@
 
 torch.export runs the model's Python code op by op on fake tensors: about 70 ms per decoder
 block of a Llama, so a trace of an 80-block model takes seconds, and the pipeline search needs
-one per microbatch size. Its blocks are copies: the model's longest stack of repeated blocks
-(an ``nn.ModuleList`` or ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules, those after the
-first of one class with equal parameter shapes) is cut for the trace, and the graph of all its
-blocks is written from that trace (:func:`deepened_trace`). The copies are *units* of
-``period`` consecutive blocks: one block where every block does the same, two where sliding-
-window and global attention alternate (Gemma 2), six for Gemma 3's five to one; the period is
-the fewest blocks after which the blocks' plain attributes (flags, sizes, attention kinds,
-:func:`settings_period`) repeat. Of ``N`` units the first ``K = TRACED_BLOCKS`` are traced:
+one per microbatch size. Its blocks are copies: each stack of repeated blocks (an
+``nn.ModuleList`` or ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules, those after the
+first of one class with equal parameter shapes: a decoder's; an encoder's and a decoder's; a
+vision tower's and a text tower's, :func:`repeated_stacks`) is cut for the trace, and the graph
+of all its blocks is written from that trace (:func:`deepened_trace`), one stack after the
+other. The copies are *units* of ``period`` consecutive blocks: one block where every block
+does the same, two where sliding-window and global attention alternate (Gemma 2), six for
+Gemma 3's five to one; the period is the fewest blocks after which the blocks' plain attributes
+(flags, sizes, attention kinds, :func:`settings_period`) repeat. Of ``N`` units the first
+``K = TRACED_BLOCKS`` are traced:
 
 - the nodes of the last traced unit (``K - 1``) are copied ``N - K`` times; in each copy an
   argument from unit ``K - 1`` is read from the same copy, one from unit ``K - 2`` (the
@@ -28,15 +30,16 @@ the fewest blocks after which the blocks' plain attributes (flags, sizes, attent
 
 Units ``K - 2`` and ``K - 1`` must match node for node (op, name base, shape, dtype, wiring,
 constants; what each reads of the unit before it counted from that unit's end, as the first
-block may differ: DeepSeek-V3's is dense, the others mixtures of experts), else a unit of more
-blocks is tried (:class:`UnitsDiffer`); the blocks' ops must be contiguous, no unit may read
-one other than itself and the one before it (T5's blocks read the position bias of the
-first), nothing after the blocks may read an earlier unit, no block may write a buffer or hold
-a sub-graph, and the trace must cover at most half the blocks; otherwise
+block may differ: DeepSeek-V3's is dense, the others mixtures of experts), and no unit may read
+one other than itself and the one before it (T5's blocks read the position bias of the first),
+else a unit of more blocks is tried, and then the stack is traced whole (:class:`UnitsDiffer`);
+the trace must cover at most half a stack's blocks, or the stack is traced whole. The blocks'
+ops must be contiguous, nothing after the blocks may read an earlier unit, and no block may
+write a buffer or hold a sub-graph; otherwise, or where every stack is traced whole,
 :class:`NotDeepenable`, and the caller traces the whole model. Model code may still treat a
-block beyond the traced ones differently (by its index, in code only), so a written graph,
-like a rescaled one (:mod:`autoplan.trace.rescale`), is a search-time estimate: the plan that
-runs is made on a trace of the whole model.
+block beyond the traced ones differently (by its index, in code only), so a written graph, like
+a rescaled one (:mod:`autoplan.trace.rescale`), is a search-time estimate: the plan that runs
+is made on a trace of the whole model.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from autoplan.trace.graph import TracedGraph
 from autoplan.trace.tracer import describe
 
 __all__ = ["MIN_BLOCKS", "NotDeepenable", "PERIODS", "TRACED_BLOCKS", "UnitsDiffer", "deepened_trace",
-           "repeated_stack", "settings_period"]
+           "repeated_stack", "repeated_stacks", "settings_period"]
 
 TRACED_BLOCKS = 3  # K units: unit K-1 is copied, its match with unit K-2 gives the copies' wiring
 PERIODS = (1, 2, 3, 4, 6)  # blocks per unit tried, fewest first (Gemma 2 alternates two kinds of attention)
@@ -80,11 +83,12 @@ class Stack:
     length: int
 
 
-def repeated_stack(module: torch.nn.Module) -> Stack | None:
-    """The longest ``nn.ModuleList`` / ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules whose
-    modules after the first are of one class, with parameters of equal names and shapes (None:
-    no such stack)."""
-    best: Stack | None = None
+def repeated_stacks(module: torch.nn.Module) -> list[Stack]:
+    """Every ``nn.ModuleList`` / ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules whose
+    modules after the first are of one class, with parameters of equal names and shapes (an
+    encoder's and a decoder's, a vision tower's and a language model's), longest first, none
+    inside another."""
+    found: list[Stack] = []
     for path, child in module.named_modules():
         if not isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) or len(child) < MIN_BLOCKS \
                 or not all(name.isdigit() for name, _ in child.named_children()):
@@ -94,9 +98,22 @@ def repeated_stack(module: torch.nn.Module) -> Stack | None:
         if not first or any(type(b) is not type(blocks[0]) for b in blocks) or any(
                 [(name, tuple(p.shape)) for name, p in b.named_parameters()] != first for b in blocks[1:]):
             continue
-        if best is None or len(child) > best.length:
-            best = Stack(path, len(child))
-    return best
+        found.append(Stack(path, len(child)))
+    chosen: list[Stack] = []
+    for stack in sorted(found, key=lambda s: -s.length):
+        if not any(_nested(stack.path, other.path) or _nested(other.path, stack.path) for other in chosen):
+            chosen.append(stack)
+    return chosen
+
+
+def repeated_stack(module: torch.nn.Module) -> Stack | None:
+    """The longest of :func:`repeated_stacks` (None: there is none)."""
+    stacks = repeated_stacks(module)
+    return stacks[0] if stacks else None
+
+
+def _nested(inner: str, outer: str) -> bool:
+    return outer == "" or inner == outer or inner.startswith(outer + ".")
 
 
 _PLAIN = (bool, int, float, str, type(None))
@@ -183,6 +200,7 @@ class _Blocks:
     (by their FQN) and its ops (by their innermost module), in graph order."""
 
     def __init__(self, gm: torch.fx.GraphModule, targets: dict[str, str | None], stack: Stack, period: int) -> None:
+        self.stack = stack
         self.params: dict[int, list[torch.fx.Node]] = {}
         self.ops: dict[int, list[torch.fx.Node]] = {}
         self.where: dict[torch.fx.Node, tuple[str, int, int]] = {}  # node -> (kind, block, position)
@@ -218,7 +236,7 @@ class _Blocks:
                 return (kind, position)
             if block == index - 1 and kind == "op":  # counted from its end: a first block may differ
                 return ("previous", position - len(self.ops[block]))
-            raise NotDeepenable(f"{node.name} reads {arg.name}, of another block")
+            raise UnitsDiffer(f"{node.name} reads {arg.name}, of a unit before the previous one", self.stack)
 
         value = node.meta.get("val")
         shape = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
@@ -246,7 +264,12 @@ def _rename_stack(meta: dict, stack: Stack, shift: int) -> dict:
 
 
 class UnitsDiffer(NotDeepenable):
-    """The last two traced units differ: a longer period may repeat."""
+    """The last two traced units of ``stack`` differ, or read a unit before the previous one: a
+    longer period may repeat, else the stack is traced whole."""
+
+    def __init__(self, message: str, stack: Stack) -> None:
+        super().__init__(message)
+        self.stack = stack
 
 
 def _steps(blocks: _Blocks, stack: Stack, k: int, period: int) -> dict[str, int]:
@@ -254,47 +277,59 @@ def _steps(blocks: _Blocks, stack: Stack, k: int, period: int) -> dict[str, int]
     number from one unit to the next."""
     previous, last = blocks.ops.get(k - 2, []), blocks.ops.get(k - 1, [])
     if not last or len(previous) != len(last):
-        raise UnitsDiffer(f"the last two traced units have {len(previous)} and {len(last)} ops")
+        raise UnitsDiffer(f"the last two traced units have {len(previous)} and {len(last)} ops", stack)
     if [_param_name(p.name, stack, period) for p in blocks.params.get(k - 2, [])] != \
             [p.name for p in blocks.params.get(k - 1, [])]:
-        raise UnitsDiffer("the last two traced units have different parameters")
+        raise UnitsDiffer("the last two traced units have different parameters", stack)
     step: dict[str, int] = {}
     for x, y in zip(previous, last):
         if blocks.encode(x, k - 2) != blocks.encode(y, k - 1):
-            raise UnitsDiffer(f"{x.name} and {y.name} differ")
+            raise UnitsDiffer(f"{x.name} and {y.name} differ", stack)
         base, first = _split_name(x.name)
         _, second = _split_name(y.name)
         if step.setdefault(base, second - first) != second - first or second <= first:
-            raise UnitsDiffer(f"{x.name} and {y.name} are not numbered one unit apart")
+            raise UnitsDiffer(f"{x.name} and {y.name} are not numbered one unit apart", stack)
     return step
 
 
-def deepened_trace(spec: ModelSpec, stack: Stack | None = None) -> TracedGraph:
+def deepened_trace(spec: ModelSpec, stacks: list[Stack] | None = None) -> TracedGraph:
     """The traced graph of ``spec`` written from a trace of the first ``TRACED_BLOCKS`` units of
-    its longest repeated stack, a unit the fewest blocks that repeat (``PERIODS``, multiples of
-    the period of the blocks' settings, :func:`settings_period`; module docstring);
-    :class:`NotDeepenable` where it cannot."""
-    stack = stack or repeated_stack(spec.module)
-    if stack is None:
+    each of its repeated stacks (:func:`repeated_stacks`), a unit the fewest blocks that repeat
+    (``PERIODS``, multiples of the period of the blocks' settings, :func:`settings_period`;
+    module docstring). A stack whose units do not repeat within that is traced whole;
+    :class:`NotDeepenable` where every stack is."""
+    stacks = repeated_stacks(spec.module) if stacks is None else stacks
+    if not stacks:
         raise NotDeepenable("no stack of repeated blocks")
-    least = settings_period(list(spec.module.get_submodule(stack.path)))
-    if least is None:
-        raise NotDeepenable("the blocks' settings repeat with no period of at most six blocks")
+    periods = {stack: _periods(spec.module, stack) for stack in stacks}
     refusal: NotDeepenable | None = None
-    for period in PERIODS:
-        if period % least or stack.length % period or 2 * TRACED_BLOCKS * period > stack.length:
-            continue
+    while True:
+        chosen = {stack: left[0] for stack, left in periods.items() if isinstance(left, list) and left}
+        if not chosen:
+            raise refusal or NotDeepenable("; ".join(left for left in periods.values() if isinstance(left, str)))
         try:
-            return _written(spec, stack, period)
-        except UnitsDiffer as e:
+            return _written(spec, chosen)
+        except UnitsDiffer as e:  # a longer period for that stack, or that stack whole
             refusal = e
-    raise refusal or NotDeepenable(f"{stack.length} blocks are too few to write from a trace of some")
+            periods[e.stack] = periods[e.stack][1:]
 
 
-def _written(spec: ModelSpec, stack: Stack, period: int) -> TracedGraph:
-    """:func:`deepened_trace` with units of ``period`` blocks: ``K`` units traced, of ``n``."""
-    k, n = TRACED_BLOCKS, stack.length // period
-    with _cut_to(spec.module, stack, k * period):
+def _periods(module: torch.nn.Module, stack: Stack) -> list[int] | str:
+    """The periods to try for ``stack``, fewest blocks first, or why there is none."""
+    least = settings_period(list(module.get_submodule(stack.path)))
+    if least is None:
+        return "the blocks' settings repeat with no period of at most six blocks"
+    found = [period for period in PERIODS
+             if not period % least and not stack.length % period and 2 * TRACED_BLOCKS * period <= stack.length]
+    return found or f"{stack.length} blocks are too few to write from a trace of some"
+
+
+def _written(spec: ModelSpec, periods: dict[Stack, int]) -> TracedGraph:
+    """:func:`deepened_trace` with units of ``periods[stack]`` blocks: ``K`` units of each stack
+    traced, the others written."""
+    with contextlib.ExitStack() as cuts:
+        for stack, period in periods.items():
+            cuts.enter_context(_cut_to(spec.module, stack, TRACED_BLOCKS * period))
         try:
             exported = export_model(spec)
         except Exception as e:  # the model may need every block (it indexes them by its config)
@@ -302,6 +337,18 @@ def _written(spec: ModelSpec, stack: Stack, period: int) -> TracedGraph:
     gm = exported.graph_module
     tidy_graph(gm)
     signature = exported.graph_signature
+    for stack, period in periods.items():
+        gm, signature = _write_stack(gm, signature, stack, period)
+    deep = copy.copy(exported)
+    deep._graph_signature = signature
+    deep._graph_module = gm
+    return describe(gm, deep, spec.module)
+
+
+def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stack: Stack, period: int
+                 ) -> tuple[torch.fx.GraphModule, ExportGraphSignature]:
+    """``gm`` and its signature with ``stack``'s ``K`` traced units written out to all of them."""
+    k, n = TRACED_BLOCKS, stack.length // period
     if any(_block_index(stack, target) is not None for target in signature.buffers_to_mutate.values()):
         raise NotDeepenable("a block writes a buffer")
     targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
@@ -397,11 +444,7 @@ def _written(spec: ModelSpec, stack: Stack, period: int) -> TracedGraph:
             input_specs.extend(new_specs.get(s.arg.name, []))
     output_specs = [OutputSpec(s.kind, TensorArgument(names.get(s.arg.name, s.arg.name)), s.target)
                     if isinstance(s.arg, TensorArgument) else s for s in signature.output_specs]
-    deep = copy.copy(exported)
-    deep._graph_signature = ExportGraphSignature(input_specs, output_specs)
-    module = torch.fx.GraphModule(gm, graph)
-    deep._graph_module = module
-    return describe(module, deep, spec.module)
+    return torch.fx.GraphModule(gm, graph), ExportGraphSignature(input_specs, output_specs)
 
 
 def _runs(gm: torch.fx.GraphModule, members: list[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:

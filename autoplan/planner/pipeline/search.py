@@ -21,7 +21,7 @@ from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
 from autoplan.trace.batch_coupling import batch_couplings, microbatch_split_refusal
-from autoplan.trace.deepen import deepened_trace, repeated_stack
+from autoplan.trace.deepen import deepened_trace, repeated_stacks
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer, make_layers
 from autoplan.trace.microbatch import batch_size, microbatch_inputs
@@ -177,9 +177,9 @@ def microbatch_graphs(spec: ModelSpec) -> BatchSizeGraphs:
     of its repeated stack (:mod:`autoplan.trace.deepen`), or rescaled from two traces
     (:mod:`autoplan.trace.rescale`)."""
     batch = batch_size(spec.example_inputs)
-    stack = repeated_stack(spec.module)
-    deepen = None if stack is None else \
-        (lambda size: deepened_trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, batch // size)), stack))
+    stacks = repeated_stacks(spec.module)
+    deepen = None if not stacks else \
+        (lambda size: deepened_trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, batch // size)), stacks))
     return BatchSizeGraphs(lambda size: trace_microbatch(spec, batch // size),
                            lambda gm, exported: describe(gm, exported, spec.module), deepen)
 
