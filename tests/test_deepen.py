@@ -218,3 +218,38 @@ def test_pipeline_plan_is_the_same_with_written_graphs(name: str, monkeypatch: p
     assert len(written.stages) > 1
     assert written.decisions() == traced.decisions()
     assert written.graph_hash == traced.graph_hash
+
+
+class _Expert(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)
+
+
+class _MixtureBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = torch.nn.ModuleList(_Expert() for _ in range(10))  # longer than the stack
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + sum(expert(x) for expert in self.experts)
+
+
+class _Mixture(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(_MixtureBlock() for _ in range(7)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+def test_a_list_of_experts_is_part_of_its_block() -> None:
+    torch.manual_seed(0)
+    model = _Mixture()
+    spec = make_model_spec(model, (torch.randn(4, 16),), lambda out, x: out.mean())
+    assert [stack.path for stack in repeated_stacks(model)] == ["blocks"]
+    assert _nodes(deepened_trace(spec)) == _nodes(trace(spec))

@@ -86,13 +86,13 @@ class Stack:
 def repeated_stacks(module: torch.nn.Module) -> list[Stack]:
     """Every ``nn.ModuleList`` / ``nn.Sequential`` of at least ``MIN_BLOCKS`` modules whose
     modules after the first are of one class, with parameters of equal names and shapes (an
-    encoder's and a decoder's, a vision tower's and a language model's), longest first, none
-    inside another."""
+    encoder's and a decoder's, a vision tower's and a language model's), outermost first, none
+    inside another (a block's list of experts is part of the block)."""
     found: list[Stack] = []
     for path, child in module.named_modules():
-        if not isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) or len(child) < MIN_BLOCKS \
-                or not all(name.isdigit() for name, _ in child.named_children()):
-            continue
+        if not path or not isinstance(child, (torch.nn.ModuleList, torch.nn.Sequential)) \
+                or len(child) < MIN_BLOCKS or not all(name.isdigit() for name, _ in child.named_children()):
+            continue  # (the user's module itself is not cut: the trace calls it)
         blocks = list(child)[1:]  # the first block may differ (T5's holds the position bias)
         first = [(name, tuple(p.shape)) for name, p in blocks[0].named_parameters()]
         if not first or any(type(b) is not type(blocks[0]) for b in blocks) or any(
@@ -100,7 +100,7 @@ def repeated_stacks(module: torch.nn.Module) -> list[Stack]:
             continue
         found.append(Stack(path, len(child)))
     chosen: list[Stack] = []
-    for stack in sorted(found, key=lambda s: -s.length):
+    for stack in sorted(found, key=lambda s: (s.path.count("."), -s.length)):
         if not any(_nested(stack.path, other.path) or _nested(other.path, stack.path) for other in chosen):
             chosen.append(stack)
     return chosen
@@ -108,12 +108,11 @@ def repeated_stacks(module: torch.nn.Module) -> list[Stack]:
 
 def repeated_stack(module: torch.nn.Module) -> Stack | None:
     """The longest of :func:`repeated_stacks` (None: there is none)."""
-    stacks = repeated_stacks(module)
-    return stacks[0] if stacks else None
+    return max(repeated_stacks(module), key=lambda s: s.length, default=None)
 
 
 def _nested(inner: str, outer: str) -> bool:
-    return outer == "" or inner == outer or inner.startswith(outer + ".")
+    return inner == outer or inner.startswith(outer + ".")
 
 
 _PLAIN = (bool, int, float, str, type(None))
