@@ -30,16 +30,17 @@ Gemma 3's five to one; the period is the fewest blocks after which the blocks' p
 
 Units ``K - 2`` and ``K - 1`` must match node for node (op, name base, shape, dtype, wiring,
 constants; what each reads of the unit before it counted from that unit's end, as the first
-block may differ: DeepSeek-V3's is dense, the others mixtures of experts), and no unit may read
-one other than itself and the one before it (T5's blocks read the position bias of the first),
-else a unit of more blocks is tried, and then the stack is traced whole (:class:`UnitsDiffer`);
-the trace must cover at most half a stack's blocks, or the stack is traced whole. The blocks'
-ops must be contiguous, nothing after the blocks may read an earlier unit, and no block may
-write a buffer or hold a sub-graph; otherwise, or where every stack is traced whole,
-:class:`NotDeepenable`, and the caller traces the whole model. Model code may still treat a
-block beyond the traced ones differently (by its index, in code only), so a written graph, like
-a rescaled one (:mod:`autoplan.trace.rescale`), is a search-time estimate: the plan that runs
-is made on a trace of the whole model.
+block may differ: DeepSeek-V3's is dense, the others mixtures of experts), and a unit may read
+only itself, the one before it and the first (T5's blocks read the first block's position bias:
+then four units are traced, so that the last two read the first alike and the copies read it
+too), else a unit of more blocks is tried, and then the stack is traced whole
+(:class:`UnitsDiffer`); the trace must cover at most half a stack's blocks, or the stack is
+traced whole. The blocks' ops must be contiguous, nothing after the blocks may read an earlier
+unit, and no block may write a buffer or hold a sub-graph; otherwise, or where every stack is
+traced whole, :class:`NotDeepenable`, and the caller traces the whole model. Model code may
+still treat a block beyond the traced ones differently (by its index, in code only), so a
+written graph, like a rescaled one (:mod:`autoplan.trace.rescale`), is a search-time estimate:
+the plan that runs is made on a trace of the whole model.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from autoplan.trace.tracer import describe
 __all__ = ["MIN_BLOCKS", "NotDeepenable", "PERIODS", "TRACED_BLOCKS", "UnitsDiffer", "deepened_trace",
            "repeated_stack", "repeated_stacks", "settings_period"]
 
-TRACED_BLOCKS = 3  # K units: unit K-1 is copied, its match with unit K-2 gives the copies' wiring
+TRACED_BLOCKS = 3  # K units (4 where units read the first): unit K-1 is copied, its match with K-2 wires them
 PERIODS = (1, 2, 3, 4, 6)  # blocks per unit tried, fewest first (Gemma 2 alternates two kinds of attention)
 MIN_BLOCKS = 6  # fewer blocks than this: the whole model is traced (little to save)
 
@@ -223,8 +224,8 @@ class _Blocks:
     def encode(self, node: torch.fx.Node, index: int) -> tuple:
         """``node`` of block ``index`` as plain data: its op, target, value's shape and dtype,
         and its arguments with every node written by where it is (this block's op or
-        parameter at a position, the previous block's op at a position from its end, or a
-        node outside the blocks by name)."""
+        parameter at a position, the previous block's op at a position from its end, the first
+        block's op at a position, or a node outside the blocks by name)."""
 
         def where(arg: torch.fx.Node) -> tuple:
             found = self.where.get(arg)
@@ -235,6 +236,8 @@ class _Blocks:
                 return (kind, position)
             if block == index - 1 and kind == "op":  # counted from its end: a first block may differ
                 return ("previous", position - len(self.ops[block]))
+            if block == 0 and kind == "op":  # what the first unit computes for all (T5's position bias)
+                return ("first", position)
             raise UnitsDiffer(f"{node.name} reads {arg.name}, of a unit before the previous one", self.stack)
 
         value = node.meta.get("val")
@@ -266,9 +269,10 @@ class UnitsDiffer(NotDeepenable):
     """The last two traced units of ``stack`` differ, or read a unit before the previous one: a
     longer period may repeat, else the stack is traced whole."""
 
-    def __init__(self, message: str, stack: Stack) -> None:
+    def __init__(self, message: str, stack: Stack, more_units: bool = False) -> None:
         super().__init__(message)
         self.stack = stack
+        self.more_units = more_units  # the same units may match with one more traced
 
 
 def _steps(blocks: _Blocks, stack: Stack, k: int, period: int) -> dict[str, int]:
@@ -283,7 +287,9 @@ def _steps(blocks: _Blocks, stack: Stack, k: int, period: int) -> dict[str, int]
     step: dict[str, int] = {}
     for x, y in zip(previous, last):
         if blocks.encode(x, k - 2) != blocks.encode(y, k - 1):
-            raise UnitsDiffer(f"{x.name} and {y.name} differ", stack)
+            # a unit reading the first: the second reads it as the previous one, the third on alike
+            reads_first = k - 2 == 1 and any(blocks.where.get(a, ("", -1, 0))[1] == 0 for a in y.all_input_nodes)
+            raise UnitsDiffer(f"{x.name} and {y.name} differ", stack, more_units=reads_first)
         base, first = _split_name(x.name)
         _, second = _split_name(y.name)
         if step.setdefault(base, second - first) != second - first or second <= first:
@@ -300,35 +306,38 @@ def deepened_trace(spec: ModelSpec, stacks: list[Stack] | None = None) -> Traced
     stacks = repeated_stacks(spec.module) if stacks is None else stacks
     if not stacks:
         raise NotDeepenable("no stack of repeated blocks")
-    periods = {stack: _periods(spec.module, stack) for stack in stacks}
+    plans = {stack: _plans(spec.module, stack) for stack in stacks}
     refusal: NotDeepenable | None = None
     while True:
-        chosen = {stack: left[0] for stack, left in periods.items() if isinstance(left, list) and left}
+        chosen = {stack: left[0] for stack, left in plans.items() if isinstance(left, list) and left}
         if not chosen:
-            raise refusal or NotDeepenable("; ".join(left for left in periods.values() if isinstance(left, str)))
+            raise refusal or NotDeepenable("; ".join(left for left in plans.values() if isinstance(left, str)))
         try:
             return _written(spec, chosen)
-        except UnitsDiffer as e:  # a longer period for that stack, or that stack whole
+        except UnitsDiffer as e:  # one more unit traced, a longer period, or that stack whole
             refusal = e
-            periods[e.stack] = periods[e.stack][1:]
+            (period, units), *rest = plans[e.stack]
+            more = [(period, units + 1)] if e.more_units and 2 * (units + 1) * period <= e.stack.length else []
+            plans[e.stack] = more + rest
 
 
-def _periods(module: torch.nn.Module, stack: Stack) -> list[int] | str:
-    """The periods to try for ``stack``, fewest blocks first, or why there is none."""
+def _plans(module: torch.nn.Module, stack: Stack) -> list[tuple[int, int]] | str:
+    """The (period, units traced) to try for ``stack``, fewest blocks first, or why there is
+    none."""
     least = settings_period(list(module.get_submodule(stack.path)))
     if least is None:
         return "the blocks' settings repeat with no period of at most six blocks"
-    found = [period for period in PERIODS
+    found = [(period, TRACED_BLOCKS) for period in PERIODS
              if not period % least and not stack.length % period and 2 * TRACED_BLOCKS * period <= stack.length]
     return found or f"{stack.length} blocks are too few to write from a trace of some"
 
 
-def _written(spec: ModelSpec, periods: dict[Stack, int]) -> TracedGraph:
-    """:func:`deepened_trace` with units of ``periods[stack]`` blocks: ``K`` units of each stack
-    traced, the others written."""
+def _written(spec: ModelSpec, plans: dict[Stack, tuple[int, int]]) -> TracedGraph:
+    """:func:`deepened_trace` with ``plans[stack] = (period, units)``: that many units of
+    ``period`` blocks of each stack traced, the others written."""
     with contextlib.ExitStack() as cuts:
-        for stack, period in periods.items():
-            cuts.enter_context(_cut_to(spec.module, stack, TRACED_BLOCKS * period))
+        for stack, (period, units) in plans.items():
+            cuts.enter_context(_cut_to(spec.module, stack, units * period))
         try:
             exported = export_model(spec)
         except Exception as e:  # the model may need every block (it indexes them by its config)
@@ -336,18 +345,18 @@ def _written(spec: ModelSpec, periods: dict[Stack, int]) -> TracedGraph:
     gm = exported.graph_module
     tidy_graph(gm)
     signature = exported.graph_signature
-    for stack, period in periods.items():
-        gm, signature = _write_stack(gm, signature, stack, period)
+    for stack, (period, units) in plans.items():
+        gm, signature = _write_stack(gm, signature, stack, period, units)
     deep = copy.copy(exported)
     deep._graph_signature = signature
     deep._graph_module = gm
     return describe(gm, deep, spec.module)
 
 
-def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stack: Stack, period: int
-                 ) -> tuple[torch.fx.GraphModule, ExportGraphSignature]:
-    """``gm`` and its signature with ``stack``'s ``K`` traced units written out to all of them."""
-    k, n = TRACED_BLOCKS, stack.length // period
+def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stack: Stack, period: int,
+                 units: int) -> tuple[torch.fx.GraphModule, ExportGraphSignature]:
+    """``gm`` and its signature with ``stack``'s ``units`` traced units written out to all."""
+    k, n = units, stack.length // period
     if any(_block_index(stack, target) is not None for target in signature.buffers_to_mutate.values()):
         raise NotDeepenable("a block writes a buffer")
     targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
@@ -403,7 +412,9 @@ def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stac
                 kind, block, position = found
                 if block == k - 1:
                     return copies[j][position] if kind == "param" else ops[position]
-                return previous[position]  # the block before's op (checked by _steps)
+                if block == k - 2:
+                    return previous[position]  # the unit before's op (checked by _steps)
+                return env[arg]  # the first unit's (checked by _steps)
 
             for node in last_ops:
                 base, number = _split_name(node.name)
