@@ -275,6 +275,14 @@ class UnitsDiffer(NotDeepenable):
         self.more_units = more_units  # the same units may match with one more traced
 
 
+class StacksDiffer(NotDeepenable):
+    """The units of some stacks differ (:class:`UnitsDiffer`, in ``refusals``)."""
+
+    def __init__(self, refusals: list[UnitsDiffer]) -> None:
+        super().__init__("; ".join(str(r) for r in refusals))
+        self.refusals = refusals
+
+
 def _steps(blocks: _Blocks, stack: Stack, k: int, period: int) -> dict[str, int]:
     """Check that units ``k - 2`` and ``k - 1`` match node for node; each name base's step in
     number from one unit to the next."""
@@ -314,11 +322,12 @@ def deepened_trace(spec: ModelSpec, stacks: list[Stack] | None = None) -> Traced
             raise refusal or NotDeepenable("; ".join(left for left in plans.values() if isinstance(left, str)))
         try:
             return _written(spec, chosen)
-        except UnitsDiffer as e:  # one more unit traced, a longer period, or that stack whole
-            refusal = e
-            (period, units), *rest = plans[e.stack]
-            more = [(period, units + 1)] if e.more_units and 2 * (units + 1) * period <= e.stack.length else []
-            plans[e.stack] = more + rest
+        except StacksDiffer as e:  # one more unit traced, a longer period, or that stack whole
+            for differs in e.refusals:
+                stack, ((period, units), *rest) = differs.stack, plans[differs.stack]
+                more = differs.more_units and 2 * (units + 1) * period <= stack.length
+                plans[stack] = [(period, units + 1)] * more + rest
+                refusal = differs
 
 
 def _plans(module: torch.nn.Module, stack: Stack) -> list[tuple[int, int]] | str:
@@ -345,6 +354,15 @@ def _written(spec: ModelSpec, plans: dict[Stack, tuple[int, int]]) -> TracedGrap
     gm = exported.graph_module
     tidy_graph(gm)
     signature = exported.graph_signature
+    targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
+    refusals = []  # every stack checked before any is written: one trace tells what each needs
+    for stack, (period, units) in plans.items():
+        try:
+            _steps(_Blocks(gm, targets, stack, period), stack, units, period)
+        except UnitsDiffer as e:
+            refusals.append(e)
+    if refusals:
+        raise StacksDiffer(refusals)
     for stack, (period, units) in plans.items():
         gm, signature = _write_stack(gm, signature, stack, period, units)
     deep = copy.copy(exported)
