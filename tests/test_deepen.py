@@ -14,8 +14,8 @@ import transformers as tf
 from autoplan.load import make_model_spec
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.options import PlanOptions
-from autoplan.trace.deepen import (MIN_BLOCKS, NotDeepenable, UnitsDiffer, deepened_trace, repeated_stack,
-    repeated_stacks, settings_period)
+from autoplan.trace.deepen import (MIN_BLOCKS, NotDeepenable, UnitsDiffer, deepened_trace, repeated_stacks,
+    settings_period)
 from autoplan.trace.layers import make_layers
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.repeated import find_classes
@@ -168,7 +168,7 @@ def test_blocks_that_differ_are_traced() -> None:
     with pytest.raises(UnitsDiffer, match="2 and 3 ops"):  # block 2 differs from block 1, in code only
         deepened_trace(_stack_spec(differs=range(2, 3)))
     shallow = _spec(lambda: llama.build(layers=MIN_BLOCKS - 1, batch=BATCH, seq=16))
-    assert repeated_stack(shallow.module) is None
+    assert repeated_stacks(shallow.module) == []
 
 
 def test_a_block_the_trace_did_not_see_is_planned_on_the_trace() -> None:

@@ -62,7 +62,7 @@ from autoplan.trace.graph import TracedGraph
 from autoplan.trace.tracer import describe
 
 __all__ = ["MIN_BLOCKS", "NotDeepenable", "PERIODS", "TRACED_BLOCKS", "UnitsDiffer", "deepened_trace",
-           "repeated_stack", "repeated_stacks", "settings_period"]
+           "repeated_stacks", "settings_period"]
 
 TRACED_BLOCKS = 3  # K units (4 where units read the first): unit K-1 is copied, its match with K-2 wires them
 PERIODS = (1, 2, 3, 4, 6)  # blocks per unit tried, fewest first (Gemma 2 alternates two kinds of attention)
@@ -105,11 +105,6 @@ def repeated_stacks(module: torch.nn.Module) -> list[Stack]:
         if not any(_nested(stack.path, other.path) or _nested(other.path, stack.path) for other in chosen):
             chosen.append(stack)
     return chosen
-
-
-def repeated_stack(module: torch.nn.Module) -> Stack | None:
-    """The longest of :func:`repeated_stacks` (None: there is none)."""
-    return max(repeated_stacks(module), key=lambda s: s.length, default=None)
 
 
 def _nested(inner: str, outer: str) -> bool:
@@ -200,7 +195,7 @@ class _Blocks:
     (by their FQN) and its ops (by their innermost module), in graph order."""
 
     def __init__(self, gm: torch.fx.GraphModule, targets: dict[str, str | None], stack: Stack, period: int) -> None:
-        self.stack = stack
+        self.stack, self.period = stack, period
         self.params: dict[int, list[torch.fx.Node]] = {}
         self.ops: dict[int, list[torch.fx.Node]] = {}
         self.where: dict[torch.fx.Node, tuple[str, int, int]] = {}  # node -> (kind, block, position)
@@ -354,32 +349,33 @@ def _written(spec: ModelSpec, plans: dict[Stack, tuple[int, int]]) -> TracedGrap
     gm = exported.graph_module
     tidy_graph(gm)
     signature = exported.graph_signature
-    targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
-    refusals = []  # every stack checked before any is written: one trace tells what each needs
+    refusals = []  # every stack checked, written or not: one trace tells what each needs
     for stack, (period, units) in plans.items():
+        targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
+        blocks = _Blocks(gm, targets, stack, period)
         try:
-            _steps(_Blocks(gm, targets, stack, period), stack, units, period)
+            step = _steps(blocks, stack, units, period)
         except UnitsDiffer as e:
             refusals.append(e)
+            continue
+        if not refusals:  # (writing one stack renames the others' nodes alike: their checks stand)
+            gm, signature = _write_stack(gm, signature, stack, blocks, step)
     if refusals:
         raise StacksDiffer(refusals)
-    for stack, (period, units) in plans.items():
-        gm, signature = _write_stack(gm, signature, stack, period, units)
     deep = copy.copy(exported)
     deep._graph_signature = signature
     deep._graph_module = gm
     return describe(gm, deep, spec.module)
 
 
-def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stack: Stack, period: int,
-                 units: int) -> tuple[torch.fx.GraphModule, ExportGraphSignature]:
-    """``gm`` and its signature with ``stack``'s ``units`` traced units written out to all."""
-    k, n = units, stack.length // period
+def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stack: Stack, blocks: _Blocks,
+                 step: dict[str, int]) -> tuple[torch.fx.GraphModule, ExportGraphSignature]:
+    """``gm`` and its signature with ``stack``'s traced units (``blocks``, checked by
+    :func:`_steps`, which gave ``step``) written out to all."""
+    period, k = blocks.period, max(blocks.ops) + 1
+    n = stack.length // period
     if any(_block_index(stack, target) is not None for target in signature.buffers_to_mutate.values()):
         raise NotDeepenable("a block writes a buffer")
-    targets = {s.arg.name: s.target for s in signature.input_specs if isinstance(s.arg, TensorArgument)}
-    blocks = _Blocks(gm, targets, stack, period)
-    step = _steps(blocks, stack, k, period)
     last_ops, last_params = blocks.ops[k - 1], blocks.params.get(k - 1, [])
     if not last_params:
         raise NotDeepenable("the blocks lift no parameters")
