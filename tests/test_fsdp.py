@@ -2,9 +2,10 @@
 
 Which inputs an op keeps for its backward decides where the program gathers a parameter again
 in the backward; the search chooses sharded storage where a memory budget makes replication
-infeasible on a data-parallel node; ``--manual fsdp=`` writes FSDP and FSDP × TP plans (HSDP
-is refused in one line); their programs (1-D, 2x2, checkpointed, pipelined) pass ``--check`` on 2 and 4 gloo processes
-with every gather, re-gather and reduce-scatter counted."""
+infeasible on a data-parallel node; ``--manual fsdp=`` writes FSDP and FSDP × TP plans, and
+with ``dp=`` HSDP plans (the batch over both axes); their programs (1-D, 2x2, checkpointed,
+pipelined) pass ``--check`` on 2 and 4 gloo processes with every gather, re-gather and
+reduce-scatter counted."""
 
 from __future__ import annotations
 
@@ -128,19 +129,37 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
         2: {"llama fsdp": ("llama", "fsdp=2"), "gpt2 fsdp checkpointed": ("gpt2", "fsdp=2,ac=full"),
             "nanogpt fsdp 2 microbatches": ("nanogpt", "fsdp=2,microbatches=2")},
         4: {"gpt2 fsdp x tp": ("gpt2", "fsdp=2,tp=2"), "nanogpt fsdp 4": ("nanogpt", "fsdp=4"),
-            "llama 2 stages x fsdp checkpointed": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full")},
+            "llama 2 stages x fsdp checkpointed": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full"),
+            "nanogpt hsdp": ("nanogpt", "dp=2,fsdp=2"), "llama hsdp checkpointed": ("llama", "dp=2,fsdp=2,ac=full")},
     }[world]
     plans = {label: (model, _manual(model, text, world)) for label, (model, text) in cases.items()}
-    for label, (_, plan) in plans.items():
+    for label, (model_name, plan) in plans.items():
         assert _sharded_and_gathered(plan), label
+        if "hsdp" in label:
+            _assert_hsdp(plan, frozenset(name for name, _ in _spec(model_name).module.named_buffers()))
     assert "gathered at use" in summary_text(next(iter(plans.values()))[1])
     write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
     assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600), plans)
 
 
-def test_hsdp_is_refused_in_one_line() -> None:
-    with pytest.raises(AutoplanError, match=r"^--manual dp= with fsdp= \(HSDP\)[^\n]*$"):
-        _manual("nanogpt", "dp=2,fsdp=2", 4)
+def _assert_hsdp(plan: Plan, buffers: frozenset[str] = frozenset()) -> None:
+    """HSDP on a ``dp × fsdp`` mesh: the batch split over both axes, every parameter the
+    ``fsdp`` degree divides stored sharded over axis 1 and replicated over axis 0, its
+    gradient all-reduced over axis 0 and reduce-scattered over axis 1."""
+    assert plan.mesh == [2, 2]
+    assert all(spec == ["S(0)", "S(0)"] for spec in plan.inputs.values()), plan.inputs
+    stored = {fqn: spec for fqn, spec in plan.params.items() if fqn not in buffers}
+    assert stored and all(spec[0] == "R" and spec[1].startswith("S(") for spec in stored.values()), stored
+    gradients = {(c.kind, c.mesh_axis) for c in plan.collectives if c.tensor == "gradient"}
+    assert {("all_reduce", 0), ("reduce_scatter", 1)} <= gradients, gradients
+
+
+def test_hsdp_splits_the_batch_over_both_axes() -> None:
+    plan = _manual("nanogpt", "dp=2,fsdp=2", 4)
+    _assert_hsdp(plan)
+    fsdp = _manual("nanogpt", "fsdp=4", 4)
+    # half the parameter shards of FSDP over all four, none of its activation all-gathers per parameter twice
+    assert plan.predicted.memory_bytes.params == pytest.approx(2 * fsdp.predicted.memory_bytes.params, rel=0.05)
 
 
 def test_manual_precision_is_costed_and_checked() -> None:

@@ -4,8 +4,8 @@
 plan: ``pp`` stages of equal layer counts, each on a ``dp × fsdp × tp`` mesh (axes of degree 1
 left out); over the ``dp`` axis every parameter is replicated and the batch sharded (data
 parallelism); over the ``fsdp`` axis the batch is sharded too and every parameter stored
-sharded, gathered at use (FSDP / ZeRO-3; ``dp`` and ``fsdp`` together, HSDP, are refused: a plan
-shards a dim over one mesh axis at most, and the batch would need two); over the
+sharded, gathered at use (FSDP / ZeRO-3; ``dp`` and ``fsdp`` together are HSDP: the batch split
+over both axes, each parameter replicated over ``dp`` and sharded over ``fsdp``); over the
 ``tp`` axis every weight matrix is sharded and used in place, as a column or a row of a
 Megatron pair (:func:`manual_rule`). ``zero=1`` shards each trained parameter's optimizer state
 over the ``dp`` axis, ``zero=2`` its reduced gradient too (ZeRO-1/2).
@@ -192,7 +192,7 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
                 return False
         return tp_axis is None or tensor_parallel_allows(info, spec[tp_axis], sharded_weights)
 
-    return StorageRule(allow, ZeroStage(manual.zero, dp_axis))
+    return StorageRule(allow, ZeroStage(manual.zero, dp_axis), dims_over_axes=len(batch_axes) > 1)
 
 
 def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights: frozenset[str]) -> bool:
@@ -249,9 +249,6 @@ def manual_layer_count(spec: ModelSpec) -> int:
 def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Plan:
     """The manual plan as a runnable :class:`Plan` (raises a one-line error if it cannot be)."""
     size = manual.dp * manual.fsdp * manual.tp
-    if manual.dp > 1 and manual.fsdp > 1:
-        raise AutoplanError("--manual dp= with fsdp= (HSDP) shards the batch over two mesh axes, which a plan "
-                            "cannot express yet: use dp= or fsdp= alone")
     if size * manual.pp != options.devices:
         raise AutoplanError(f"dp·fsdp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
     mesh = manual.mesh

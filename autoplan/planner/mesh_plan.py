@@ -153,10 +153,13 @@ class StorageRule:
     ``rule(info, spec)`` says whether a value may be stored in ``spec`` (or an op produce it).
     With ``sharded_state``, a trained parameter must take a ZeRO-1/2 strategy it accepts where
     one exists (none accepted: plain storage only); without it the ZeRO strategies are free
-    choices."""
+    choices. ``dims_over_axes`` lets strategies split one dim over several mesh axes
+    (:func:`~autoplan.strategies.candidates.enumerate_strategies`), as a rule that shards the
+    batch over two axes needs."""
 
     allowed: PlacementRule
     sharded_state: Callable[[Strategy], bool] | None = None
+    dims_over_axes: bool = False  # a tensor dim may be split over several mesh axes (HSDP's batch)
 
     def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
         return self.allowed(info, spec)
@@ -210,8 +213,9 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     node = view.fx_nodes[name]
     if info.kind == "output":
         return _output_class_strategies(len(mesh_shape), len(view.inputs[name]))
+    over_axes = allow_storage is not None and allow_storage.dims_over_axes
     if info.kind in STORED_KINDS:
-        strategies = storage_strategies(info.shape or (), mesh_shape)
+        strategies = storage_strategies(info.shape or (), mesh_shape, over_axes)
         if info.kind == "activation":  # a value received from an earlier stage arrives whole, and its
             strategies = [s for s in strategies if all(p == R for p in s.output_spec)]  # gradient leaves whole
         elif allow_storage is not None:
@@ -252,7 +256,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     else:
         differentiable = frozenset(i for i, g in zip(input_names, grad_inputs) if g)
         strategies = enumerate_strategies(imap, input_names, mesh_shape, differentiable,
-                                          allow_partial=is_floating(info.dtype))
+                                          allow_partial=is_floating(info.dtype), dims_over_axes=over_axes)
         kind = "op"
         if allow_storage is not None:  # a rule may also constrain what ops produce (manual plans)
             strategies = [s for s in strategies if allow_storage(info, s.output_specs[0])] or strategies

@@ -180,9 +180,6 @@ class PlanOptions:
         object.__setattr__(self, "pins", tuple(pins.texts()))
         object.__setattr__(self, "pin_set", pins)
         dp, fsdp = pins.degree(PinKind.DATA_PARALLEL), pins.degree(PinKind.SHARDED_DATA_PARALLEL)
-        if (dp or 1) > 1 and (fsdp or 1) > 1:
-            raise AutoplanError("pins dp= and fsdp= together (HSDP) shard the batch over two mesh axes, which a plan "
-                                "cannot express yet: pin one of them")
         zero = pins.structure(PinKind.ZERO)
         if zero is not None and (dp or 1) < 2:
             raise AutoplanError(f"pin {zero.text!r} shards over the dp axis: pin dp=2 or more too")

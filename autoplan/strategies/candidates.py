@@ -93,12 +93,15 @@ def strategy_name(inputs: tuple[ShardingSpec | None, ...], outputs: tuple[Shardi
 
 def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tuple[int, ...],
                          differentiable_inputs: frozenset[str] = frozenset(),
-                         allow_partial: bool = True) -> list[Strategy]:
+                         allow_partial: bool = True, dims_over_axes: bool = False) -> list[Strategy]:
     """Every valid strategy of an op with index map ``imap`` on a mesh of ``mesh_shape``.
 
     ``input_names`` fixes the order of ``Strategy.input_specs``. Each mesh axis gets a
-    distinct shardable letter, no letter, or (linear ops on floating values, when
-    ``allow_partial``) partial sums.
+    shardable letter, no letter, or (linear ops on floating values, when ``allow_partial``)
+    partial sums. Two axes get distinct letters unless ``dims_over_axes``: then a letter may
+    be split over several axes (``S(0)S(0)``: the batch over both axes of HSDP), the first
+    axis cutting the dim into blocks and the next cutting each block, as DTensor lays out
+    ``[Shard(0), Shard(0)]``.
     """
     options = [NO_LETTER] + imap.shardable_letters() + ([PARTIAL] if imap.linear and allow_partial else [])
     per_axis = [options if n > 1 else [NO_LETTER] for n in mesh_shape]  # one device: nothing to split or sum
@@ -106,7 +109,7 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
     seen: set[tuple] = set()
     for assignment in itertools.product(*per_axis):
         real = [a for a in assignment if a not in (NO_LETTER, PARTIAL)]
-        if len(real) != len(set(real)):
+        if not dims_over_axes and len(real) != len(set(real)):
             continue
         in_specs: list[ShardingSpec | None] = []
         valid = True
@@ -156,21 +159,24 @@ def replicated_strategy(num_inputs: int, num_outputs: int, mesh_ndim: int) -> St
     return Strategy(strategy_name(ins, outs), ins, outs, 1)
 
 
-def tensor_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
+def tensor_specs(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims_over_axes: bool = False
+                 ) -> list[ShardingSpec]:
     """Every valid spec of a stored tensor (parameter, buffer, user input): per mesh axis
-    replicated or sharded on a dim no other axis shards (an axis of one device: replicated)."""
+    replicated or sharded on a dim no other axis shards (with ``dims_over_axes``: any dim; an
+    axis of one device: replicated)."""
     options: list[Placement] = [R] + [S(d) for d in range(len(shape)) if shape[d] > 1]
     specs = []
     for spec in itertools.product(*[options if n > 1 else [R] for n in mesh_shape]):
         dims = [p.dim for p in spec if p.is_shard]
-        if len(dims) == len(set(dims)) and is_valid(spec, shape, mesh_shape):
+        if (dims_over_axes or len(dims) == len(set(dims))) and is_valid(spec, shape, mesh_shape):
             specs.append(tuple(spec))
     return specs
 
 
-def storage_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> list[Strategy]:
+def storage_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims_over_axes: bool = False
+                       ) -> list[Strategy]:
     """Strategies of a placeholder: one per spec it may be stored in."""
-    return [Strategy(spec_name(spec), (), (spec,), 1) for spec in tensor_specs(shape, mesh_shape)]
+    return [Strategy(spec_name(spec), (), (spec,), 1) for spec in tensor_specs(shape, mesh_shape, dims_over_axes)]
 
 
 def sharded_state_strategies(stored: Strategy, shape: tuple[int, ...], mesh_shape: tuple[int, ...],

@@ -80,7 +80,8 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
         return options.allow_storage is None or options.allow_storage(info, spec)
 
     # the parameters an earlier stage stored keep their placements; the options' ZeRO rule holds
-    allow_storage = StorageRule(allowed, options.allow_storage.sharded_state if options.allow_storage else None)
+    rule = options.allow_storage
+    allow_storage = StorageRule(allowed, rule.sharded_state if rule else None, rule is not None and rule.dims_over_axes)
 
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
