@@ -108,5 +108,23 @@ def is_valid(spec: ShardingSpec, shape: tuple[int, ...], mesh_shape: tuple[int, 
     return True
 
 
+def reduce_scatter_first(src: ShardingSpec, dst: ShardingSpec) -> tuple[int, ...]:
+    """The mesh axes whose partial sums a resharding ``src → dst`` reduce-scatters before it
+    all-reduces any other axis: each axis going ``P → S(d)`` where ``d`` is sharded by no other
+    axis (in ``src`` or ``dst``), when some other axis goes ``P → R``. The all-reduce then
+    moves a shard, not the whole tensor: HSDP's gradient, partial over both axes of a
+    ``dp × fsdp`` mesh, is reduce-scattered inside the ``fsdp`` group and its shard all-reduced
+    across, as FSDP2 reduces it. Empty where the order does not matter."""
+    if not any(s.is_partial and d.is_replicate for s, d in zip(src, dst)):
+        return ()
+    first = []
+    for axis, (s, d) in enumerate(zip(src, dst)):
+        if s.is_partial and d.is_shard and not any(
+                p.is_shard and p.dim == d.dim for i, spec in enumerate((src, dst)) for j, p in enumerate(spec)
+                if j != axis):
+            first.append(axis)
+    return tuple(first)
+
+
 def num_elements_local(shape: tuple[int, ...], spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(local_shape(shape, spec, mesh_shape))

@@ -34,7 +34,7 @@ from autoplan.cost_models import (
     steps_time,
 )
 from autoplan.errors import AutoplanError
-from autoplan.sharding import P, R, S, is_valid
+from autoplan.sharding import P, R, S, is_valid, reduce_scatter_first
 
 LINK = LinkSpec(bandwidth=1e9, latency=1e-6)
 
@@ -140,8 +140,9 @@ def test_reshard_steps_1d(src, dst, expected) -> None:
         ((P, P), (R, R), [(ALL_REDUCE, 0, FULL), (ALL_REDUCE, 1, FULL)]),
         # reduce-scatter on axis 0 shrinks the buffer the second one reads
         ((P, P), (S(0), S(1)), [(REDUCE_SCATTER, 0, FULL), (REDUCE_SCATTER, 1, FULL / 2)]),
-        # nothing sharded: outer axis first
-        ((P, P), (R, S(1)), [(ALL_REDUCE, 0, FULL), (REDUCE_SCATTER, 1, FULL)]),
+        # partial sums reduce-scattered before the other axis is all-reduced (HSDP's gradient)
+        ((P, P), (R, S(1)), [(REDUCE_SCATTER, 1, FULL), (ALL_REDUCE, 0, FULL / 4)]),
+        ((P, P), (S(0), R), [(REDUCE_SCATTER, 0, FULL), (ALL_REDUCE, 1, FULL / 2)]),
         # something sharded: inner axis first, so the all-reduce moves the gathered tensor
         ((P, S(1)), (R, R), [(ALL_GATHER, 1, FULL), (ALL_REDUCE, 0, FULL)]),
         # gather before all-to-all
@@ -183,7 +184,8 @@ def test_reshard_time_uses_each_axis_link() -> None:
 
 def test_reshard_steps_are_dtensors_own_plan() -> None:
     """For every pair of specs on a (2, 4) mesh, the collectives costed are those DTensor's
-    redistribution planner runs, in its order (the emitted program redistributes with it; the
+    redistribution planner runs, in its order (the emitted program redistributes with it, in
+    two steps where partial sums are reduce-scattered first; the
     program reaches partial targets locally, so those pairs are checked with the partial
     axes replicated on DTensor's side). Runs DTensor's planner on a fake process group."""
     import itertools
@@ -211,8 +213,12 @@ def test_reshard_steps_are_dtensors_own_plan() -> None:
             ours = reshard_steps(src, dst, shape, 4, mesh_shape)
             if any(t.is_partial and not c.is_partial for c, t in zip(src, dst)):
                 continue  # made locally by the program, see reshard_steps
-            infos = _gen_transform_infos_non_cached(DTensorSpec(mesh, dtensor(src), meta),
-                                                    DTensorSpec(mesh, dtensor(dst), meta))
+            # the program reduce-scatters first where the cost model does: two redistributions
+            first = reduce_scatter_first(src, dst)
+            mid = tuple(d if i in first else s for i, (s, d) in enumerate(zip(src, dst)))
+            hops = [(src, mid), (mid, dst)] if first else [(src, dst)]
+            infos = [info for a, b in hops for info in _gen_transform_infos_non_cached(
+                DTensorSpec(mesh, dtensor(a), meta), DTensorSpec(mesh, dtensor(b), meta))]
             theirs = []
             for info in infos:
                 a, b = info.src_dst_placements

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial
 
 from autoplan.codegen.dtensor_program import ShardedProgram
+from autoplan.codegen.redistribution import reduce_to
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -168,8 +169,8 @@ class GradientBuckets:
         if tuple(grad.placements) == expected:
             return grad.to_local(), None
         if all(grad.placements[i].is_partial() for i in axes):
-            return grad.redistribute(self.mesh, expected).to_local(), None
-        done = grad.redistribute(self.mesh, p.placements)
+            return reduce_to(grad, self.mesh, expected).to_local(), None
+        done = reduce_to(grad, self.mesh, p.placements)
         return torch.zeros_like(done.to_local()), done
 
     def _finish(self) -> None:

@@ -85,7 +85,7 @@ from autoplan.codegen.parameter_regather import GatheredParameters
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
 from autoplan.codegen.precision import compute_precision, gathered_dtype
-from autoplan.codegen.redistribution import reduce_gradient_on_edge, redistribute, to_dtensor_placements
+from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, redistribute, to_dtensor_placements
 from autoplan.codegen.sharded_state import gradient_placements
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
@@ -432,7 +432,7 @@ class PipelineProgram(torch.nn.Module):
             target = self.gradient_targets.get(id(p))
             if target is not None:  # ZeRO-2: reduced (or sliced) into the gradient's own placements
                 if tuple(g.placements) != tuple(target):
-                    p.grad = g.redistribute(p.device_mesh, target)
+                    p.grad = reduce_to(g, p.device_mesh, target)
                 continue
             if g.placements == p.placements:
                 continue
@@ -441,7 +441,7 @@ class PipelineProgram(torch.nn.Module):
                    and p.placements[i].is_replicate() for i in axes):
                 buckets.setdefault((p.device_mesh, axes, g.dtype), []).append(p)
             else:
-                p.grad = g.redistribute(p.device_mesh, p.placements)
+                p.grad = reduce_to(g, p.device_mesh, p.placements)
         for (mesh, axes, _), members in buckets.items():
             flat = torch.cat([p.grad.to_local().reshape(-1) for p in members])
             for axis in axes:

@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.errors import AutoplanError
-from autoplan.sharding import parse_placement
+from autoplan.sharding import P, R, S, ShardingSpec, parse_placement, reduce_scatter_first
 
 
 def to_dtensor_placements(specs: Sequence[str]) -> tuple[DPlacement, ...]:
@@ -42,6 +42,22 @@ def shard_batch(tensor: torch.Tensor, placements: Sequence[str | DPlacement], me
     if any(isinstance(p, Partial) for p in dplacements):
         raise AutoplanError("a batch cannot be cut into partial sums: give R or S(d) placements")
     return distribute_tensor(tensor.detach(), mesh, dplacements, src_data_rank=None).to_local()
+
+
+def _planned_spec(placements: Sequence[DPlacement]) -> ShardingSpec:
+    return tuple(S(p.dim) if isinstance(p, Shard) else P if isinstance(p, Partial) else R for p in placements)
+
+
+def reduce_to(value: DTensor, mesh: DeviceMesh, target: Sequence[DPlacement]) -> DTensor:
+    """``value.redistribute(mesh, target)``, with partial sums reduce-scattered before other
+    axes are all-reduced where the cost model orders them so
+    (:func:`~autoplan.sharding.reduce_scatter_first`: HSDP's gradient is reduce-scattered over
+    the sharding axis, then its shard all-reduced over the replicating one)."""
+    first = reduce_scatter_first(_planned_spec(value.placements), _planned_spec(target))
+    if first:
+        value = value.redistribute(mesh, [t if i in first else c
+                                          for i, (c, t) in enumerate(zip(value.placements, target))])
+    return value.redistribute(mesh, tuple(target))
 
 
 def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
@@ -105,7 +121,7 @@ class _PlannedRedistribute(torch.autograd.Function):
             # Redistribute gives the gradient's GLOBAL stride to the contiguous LOCAL result of
             # its collective: gradients of transposed values must be made contiguous first
             grad = _contiguous(grad) if not grad.is_contiguous() else grad
-            grad = grad.redistribute(ctx.mesh, ctx.target)
+            grad = reduce_to(grad, ctx.mesh, ctx.target)
         return grad, None, None, None, None
 
 
@@ -130,7 +146,7 @@ def reduce_gradient_on_edge(before: Any, after: Any, target: tuple[DPlacement, .
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and tuple(grad.placements) != target:
-            return grad.redistribute(mesh, target)
+            return reduce_to(grad, mesh, target)
         return grad
 
     after.register_hook(reduce)
@@ -211,7 +227,7 @@ def _redistribute_value(value: Any, specs: list[str] | None, mesh: DeviceMesh) -
     to_partial = [i for i, (c, t) in enumerate(zip(current, target))
                   if isinstance(t, Partial) and not isinstance(c, Partial)]
     if not to_partial:
-        return value.redistribute(mesh, target)
+        return reduce_to(value, mesh, target)
     # DTensor's public redistribute refuses to make a Partial. Go to Replicate on those axes
     # (the others to their target), then split the value into n addends of value / n.
     mid = [Replicate() if i in to_partial else t for i, t in enumerate(target)]

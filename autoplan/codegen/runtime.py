@@ -30,6 +30,7 @@ from autoplan.codegen.gradient_buckets import GradientBuckets
 from autoplan.codegen.materialize import has_meta_tensors, initialise
 from autoplan.codegen.optimizer import build_optimizer, refuse_unsupported
 from autoplan.codegen.precision import compute_precision
+from autoplan.codegen.redistribution import reduce_to
 from autoplan.codegen.sharded_state import ShardedOptimizerState
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
@@ -217,7 +218,7 @@ def _reduce_gradient(target: tuple[Placement, ...] | None, param: torch.Tensor) 
     if isinstance(grad, DTensor) and isinstance(param, DTensor):
         placements = target if target is not None else param.placements
         if grad.placements != placements:
-            param.grad = grad.redistribute(param.device_mesh, placements)
+            param.grad = reduce_to(grad, param.device_mesh, placements)
 
 
 def decision_digest(plan: Plan) -> str:

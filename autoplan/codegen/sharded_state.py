@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from autoplan.codegen.redistribution import to_dtensor_placements
+from autoplan.codegen.redistribution import reduce_to, to_dtensor_placements
 from autoplan.plan_schema import ParamStorage
 
 
@@ -78,7 +78,7 @@ class ShardedOptimizerState:
             grad = param.grad
             param.grad = None
             if grad is not None:
-                master.grad = grad.redistribute(master.device_mesh, master.placements)
+                master.grad = reduce_to(grad, master.device_mesh, master.placements)
 
     def after_step(self) -> None:
         """Rebuild each parameter from the updated shards (the planned all-gathers)."""

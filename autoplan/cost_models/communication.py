@@ -26,7 +26,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from autoplan.sharding import Placement, R, ShardingSpec, local_shape, spec_name
+from autoplan.sharding import Placement, R, ShardingSpec, local_shape, reduce_scatter_first, spec_name
 
 from .hardware import LinkSpec
 
@@ -172,8 +172,10 @@ def _reshard_steps(
     Per axis: P→R all-reduce, P→S(d) reduce-scatter, S(d)→R all-gather, S(d)→S(e) all-to-all;
     R→S(d) and R→P are local (slice, split). S(d)→P is local too (zero padding) where no other
     axis shards dim d; otherwise the axis is gathered first. Partial targets are reached from
-    replicated ones (the program makes partial sums locally); everything else follows
-    DTensor's greedy order (:func:`_axis_transforms`). Each step's ``nbytes`` is computed from
+    replicated ones (the program makes partial sums locally). Partial axes that become shards
+    are reduce-scattered before other partial axes are all-reduced
+    (:func:`~autoplan.sharding.reduce_scatter_first`, as the program orders them); everything
+    else follows DTensor's greedy order (:func:`_axis_transforms`). Each step's ``nbytes`` is computed from
     the spec in force at that moment. Mesh axes of size 1 never communicate.
     """
     if not len(src) == len(dst) == len(mesh_shape):
@@ -187,6 +189,11 @@ def _reshard_steps(
             cur[axis] = t
     mid = tuple(R if t.is_partial and not c.is_partial else t for c, t in zip(cur, dst))
     steps: list[CollectiveStep] = []
+    for axis in reduce_scatter_first(tuple(cur), dst):  # partial sums reduce-scattered before all-reduced
+        before = float(math.prod(local_shape(shape, tuple(cur), mesh_shape)) * itemsize)
+        cur[axis] = dst[axis]
+        if mesh_shape[axis] > 1:
+            steps.append(CollectiveStep(REDUCE_SCATTER, axis, before))
     for axis, target in _axis_transforms(cur, mid, mesh_shape):
         kind = _transform_kind(cur[axis], target)
         before = float(math.prod(local_shape(shape, tuple(cur), mesh_shape)) * itemsize)

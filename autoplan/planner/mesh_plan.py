@@ -165,6 +165,18 @@ class StorageRule:
         return self.allowed(info, spec)
 
 
+def splits_dims_over_axes(ctx: CostContext, rule: StorageRule | None = None) -> bool:
+    """Whether strategies on ``ctx``'s mesh may split one tensor dim over several mesh axes:
+    where a rule asks for it (``--manual dp=,fsdp=``), and on a mesh whose axes communicate over
+    different links (a mesh across nodes: the batch over both axes with parameters sharded
+    inside a node and replicated across is HSDP). On a mesh of one link a dim split over two
+    axes adds little to what the 1-D mesh of their product offers, and is left out to keep
+    the ILP small."""
+    if rule is not None and rule.dims_over_axes:
+        return True
+    return len({link for link, n in zip(ctx.links, ctx.mesh_shape) if n > 1}) > 1
+
+
 def _num_outputs(node: fx.Node) -> int:
     """How many values an op returns (a tuple or list of them, or one)."""
     value = node.meta.get("val")
@@ -213,7 +225,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     node = view.fx_nodes[name]
     if info.kind == "output":
         return _output_class_strategies(len(mesh_shape), len(view.inputs[name]))
-    over_axes = allow_storage is not None and allow_storage.dims_over_axes
+    over_axes = splits_dims_over_axes(ctx, allow_storage)
     if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape, over_axes)
         if info.kind == "activation":  # a value received from an earlier stage arrives whole, and its
