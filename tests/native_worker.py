@@ -101,6 +101,12 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
     "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
 }
+# cases for 4 processes: HSDP on a 2x2 mesh (FSDP2's fully_shard on a 2-D mesh)
+HSDP_CASES: dict[str, tuple[str, str, str]] = {
+    "blocks_hsdp": ("residual_blocks", "dp=2,fsdp=2", "hsdp"),
+    "blocks_hsdp_checkpointed_bf16": ("residual_blocks", "dp=2,fsdp=2,ac=full,precision=bf16", "hsdp"),
+    "llama_hsdp_ignored_tokens": ("llama_ignored_tokens", "dp=2,fsdp=2,ac=full", "hsdp"),
+}
 # cases for one process: the plan of one device runs the model itself
 SINGLE_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_single_checkpointed": ("residual_blocks", "dp=1,ac=full", "single"),
@@ -150,7 +156,7 @@ def run_case(name: str, world: int) -> dict:
         spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
         plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
     else:
-        module_name, text, expected = {**MANUAL_CASES, **SINGLE_CASES}[name]
+        module_name, text, expected = {**MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name]
         spec = make_model_spec(*BUILDERS[module_name]())
         model, inputs = spec.module, spec.example_inputs
         plan = _manual_plan(spec, text.format(world=world), world)

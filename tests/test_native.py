@@ -4,8 +4,8 @@ parallelize_module with ColwiseParallel/RowwiseParallel) and match the single de
 plans are not recognised.
 
 One launch of 2 gloo processes runs the multi-device cases of tests/native_worker.py, one of
-1 process the one-device cases; the tests read their results. A planning-only test (no process
-group) checks that a 2-D plan is refused.
+4 the HSDP cases (2x2), one of 1 process the one-device cases; the tests read their results. A
+planning-only test (no process group) checks that a 2-D plan other than HSDP is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from native_worker import CASES, MANUAL_CASES, SINGLE_CASES
+from native_worker import CASES, HSDP_CASES, MANUAL_CASES, SINGLE_CASES
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -28,15 +28,17 @@ WORLD = 2
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
+    hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *HSDP_CASES, timeout=300)
     return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in [*CASES, *MANUAL_CASES]},
-            **{name: [single[0][name]] for name in SINGLE_CASES}}
+            **{name: [single[0][name]] for name in SINGLE_CASES},
+            **{name: [hsdp[r][name] for r in range(4)] for name in HSDP_CASES}}
 
 
 def _case(results, name: str) -> list[dict]:
     return on_every_rank(results[name], name)
 
 
-@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *SINGLE_CASES])
+@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *HSDP_CASES, *SINGLE_CASES])
 def test_runs_the_expected_program_and_matches_single_device(results, name):
     for res in _case(results, name):
         assert res["recognised"] == res["expected"], res["reason"]
@@ -79,7 +81,7 @@ def test_non_matching_plans_run_on_the_interpreter(results, name, needle):
     assert needle in res["reason"]
 
 
-def test_two_dimensional_plan_is_not_recognised():
+def test_two_dimensional_plan_other_than_hsdp_is_not_recognised():
     sys.path.insert(0, str(ROOT / "examples"))
     import mlp
 
@@ -91,7 +93,7 @@ def test_two_dimensional_plan_is_not_recognised():
     spec = make_model_spec(model, inputs, mlp.loss_fn)
     plan, graph = plan_spec(spec, make_options(4, "h100", (2, 2)))
     found = recognise(spec, graph, plan)
-    assert found.kind == "none" and "not 1-D" in found.reason
+    assert found.kind == "none" and "is 2-D and the plan is not HSDP" in found.reason
 
 
 @pytest.mark.parametrize("name", ["blocks_fsdp", "blocks_fsdp_checkpointed", "blocks_fsdp_selective",
@@ -132,12 +134,30 @@ def test_bf16_plans_run_natively_under_autocast(results, name):
         assert res["moved"]["backward"]["reduce_scatter"] == ["float32"]
 
 
+@pytest.mark.parametrize("name", ["blocks_hsdp", "blocks_hsdp_checkpointed_bf16"])
+def test_hsdp_plans_run_fully_shard_on_the_2d_mesh(results, name):
+    """HSDP (``dp=2,fsdp=2`` on 4 ranks): FSDP2 on the named 2-D mesh, each group gathered over
+    axis 1, its gradient reduce-scattered over axis 1 and the shard all-reduced over axis 0;
+    each rank computes its quarter of the batch."""
+    res = _case(results, name)[0]
+    assert res["program"] == "hsdp" and res["fsdp_groups"] == 4
+    assert all(spec == ["R", "S(0)"] for fqn, spec in res["params"].items())
+    assert all(spec == ["S(0)", "S(0)"] for spec in res["inputs"].values())
+    assert res["executed"]["backward"] == {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 4}
+    assert res["executed"]["forward"] == {"all_gather": 4, "all_reduce": 2}  # the loss over each axis
+    assert res["executed"] == res["observable"] == res["planned"]
+    if name.endswith("bf16"):
+        assert res["moved"]["forward"]["all_gather"] == ["bfloat16"]
+        assert res["moved"]["backward"]["reduce_scatter"] == ["float32"] == res["moved"]["backward"]["all_reduce"]
+
+
 def test_accumulating_fsdp_plans_run_on_the_interpreter(results):
     res = _case(results, "blocks_fsdp_accumulated")[0]
     assert res["program"] == "none" and "microbatches" in res["reason"]
 
 
-@pytest.mark.parametrize("name", ["llama_fsdp_ignored_tokens", "llama_ddp_ignored_tokens"])
+@pytest.mark.parametrize("name", ["llama_fsdp_ignored_tokens", "llama_ddp_ignored_tokens",
+                                  "llama_hsdp_ignored_tokens"])
 def test_a_token_mean_cross_entropy_divides_by_the_global_batchs_count(results, name):
     """The ranks' halves of the batch count different numbers of targets (most of the first
     half's labels are ignored): each rank's cross-entropy divides by the global count, so the
@@ -145,8 +165,9 @@ def test_a_token_mean_cross_entropy_divides_by_the_global_batchs_count(results, 
     all-reduced in the forward as the plan lists it."""
     res = _case(results, name)[0]
     assert res["token_mean"] and res["program"] == res["expected"]
-    assert res["planned_by_plan"]["forward"]["all_reduce"] == 2  # the count and the loss value
-    assert res["executed"]["forward"]["all_reduce"] == 2
+    axes = 2 if "hsdp" in name else 1  # the count and the loss value, over each mesh axis
+    assert res["planned_by_plan"]["forward"]["all_reduce"] == 2 * axes
+    assert res["executed"]["forward"]["all_reduce"] == 2 * axes
     assert res["executed"] == res["planned"]
 
 

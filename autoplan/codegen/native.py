@@ -7,7 +7,7 @@ Recognition reads only the plan and the traced graph; it is deliberately conserv
 taken natively only when the native program does what the plan says (same placements, same
 collectives up to DDP's bucketing) and provably computes the same loss and gradients.
 
-Patterns (1-D meshes, one stage, one microbatch):
+Patterns (1-D meshes but for HSDP's 2-D one, one stage, one microbatch):
 
 ``"single"`` — a plan of one device: the user's module (a copy) itself.
 
@@ -40,7 +40,16 @@ stores, and such plans run on the interpreter. Under a bf16 plan every group has
 ``MixedPrecisionPolicy``: parameters gathered and computed with in bf16, gradients reduced in
 fp32 into the fp32 shards (the optimizer's master weights), as the plan costs the gathers.
 
-Each of the three checkpoints the plan's recomputed layers
+``"hsdp"`` — FSDP on a 2-D ``dp × fsdp`` mesh: the batch split over both axes (each rank's
+slice is its mesh coordinate read row-major, as DTensor lays out ``[Shard(0), Shard(0)]``), every
+parameter replicated over axis 0 and stored sharded on dim 0 over axis 1 (``[R, S(0)]``), read
+whole. ``fully_shard`` on the named 2-D mesh is FSDP2's HSDP: per group an all-gather over axis
+1 before the forward and again before the backward, the gradient reduce-scattered over axis 1
+and its shard all-reduced over axis 0 (the order the plan costs:
+:func:`~autoplan.sharding.reduce_scatter_first`). The loss and a cross-entropy's token count are
+all-reduced over each axis in turn, as the plan reduces them.
+
+Each of the four checkpoints the plan's recomputed layers
 (:attr:`~autoplan.plan_schema.Plan.recompute`), which must name modules, with
 ``torch.distributed._composable.checkpoint`` (non-reentrant, the module's parameter names
 unchanged): the backward runs the module's forward again, keeping the outputs of its matrix
@@ -106,7 +115,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
-from autoplan.codegen.native_patterns import CollectiveMapping, recognise, shard_dim
+from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, recognise
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -138,8 +147,8 @@ class NativeProgram(torch.nn.Module):
         self.input_names = list(graph.input_names)
         self.redistributions: list[tuple[str, str, str]] = []
         self._n = mesh.size()
-        self._coord = mesh.get_local_rank()
-        self._input_dims = [shard_dim(plan.inputs.get(name, ["R"])) for name in self.input_names]
+        self._coord = _batch_slice(mesh)
+        self._input_dims = [batch_dim(plan.inputs.get(name, ["R"])) for name in self.input_names]
         self._output_placements = self._model_output_placements(graph, plan)
         self._dtensor_output = any(isinstance(p, Shard) for kind_, p in styles.values() if kind_ == "rowwise")
         self.collective_map = self._collective_map()
@@ -177,13 +186,14 @@ class NativeProgram(torch.nn.Module):
             outs = [DTensor.from_local(o, self.mesh, rep, run_check=False) if isinstance(o, torch.Tensor) else o
                     for o in _model_outputs(output, local_loss)]
             return (loss, *outs)
-        if self.kind in ("ddp", "fsdp"):
+        if self.kind in ("ddp", "fsdp", "hsdp"):
             local = self._local_inputs(inputs)
+            groups = [self.mesh.get_group(axis) for axis in range(self.mesh.ndim)]
             with warnings.catch_warnings():
                 # the loss reads the model's outputs out of place: FSDP2's warning about in-place
                 # ops on a returned view does not apply
                 warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
-                with GlobalTokenMean(self.mesh.get_group(), self._n) if self.token_mean else nullcontext() as mean:
+                with GlobalTokenMean(groups, self._n) if self.token_mean else nullcontext() as mean:
                     output = self._call(self.module, tuple(local))
                     local_loss = self.loss_fn(output, *local)
             if mean is not None:
@@ -191,9 +201,10 @@ class NativeProgram(torch.nn.Module):
             # The value of the global loss (the mean of equal shards' means); the gradient of
             # the local one, which DDP's all-reduce and FSDP's reduce-scatter average over ranks.
             total = local_loss.detach().clone()
-            dist.all_reduce(total, group=self.mesh.get_group())
+            for group in groups:  # over each mesh axis, as the plan reduces the loss
+                dist.all_reduce(total, group=group)
             loss = local_loss + (total / self._n - local_loss.detach())
-            loss = DTensor.from_local(loss, self.mesh, rep, run_check=False)
+            loss = DTensor.from_local(loss, self.mesh, rep * self.mesh.ndim, run_check=False)
             outs = _model_outputs(output, local_loss)
             wrapped = [DTensor.from_local(o, self.mesh, pl, run_check=False) if isinstance(o, torch.Tensor) else o
                        for o, pl in zip(outs, self._output_placements)]
@@ -224,6 +235,7 @@ class NativeProgram(torch.nn.Module):
         checkpointed = f", {len(self.plan.recompute)} checkpointed layer(s)" if self.plan.recompute else ""
         runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
                 "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups)",
+                "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups)",
                 "tensor_parallel": "parallelize_module (ColwiseParallel/RowwiseParallel)"}[self.kind]
         return f"native: {runs}{checkpointed}"
 
@@ -253,7 +265,7 @@ class NativeProgram(torch.nn.Module):
     def _grouped_by_fsdp(self, c: PlannedCollective) -> bool:
         """Whether FSDP2 runs ``c`` as part of its per-group collectives (a parameter's gather or
         a gradient's reduce-scatter)."""
-        return self.kind == "fsdp" and c.tensor in ("parameter", "gradient")
+        return self.kind in ("fsdp", "hsdp") and c.tensor in ("parameter", "gradient")
 
     def _collective_map(self) -> list[CollectiveMapping]:
         out = []
@@ -268,7 +280,7 @@ class NativeProgram(torch.nn.Module):
             elif self.token_mean and c.tensor == "loss count":
                 native = "GlobalTokenMean: the cross-entropy's token count, all-reduced in the forward"
             elif c.where.endswith("-> output"):
-                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind in ("ddp", "fsdp") else \
+                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind in ("ddp", "fsdp", "hsdp") else \
                     "DTensor: the loss's redistribute to Replicate"
             elif self.kind == "tensor_parallel":
                 native = "DTensor inside RowwiseParallel's output redistribute (or its backward)"
@@ -281,7 +293,8 @@ class NativeProgram(torch.nn.Module):
                 f"{sum(c.count for c in grouped)} parameter all-gathers and gradient reduce-scatters, "
                 f"{nbytes:.0f} bytes",
                 f"FSDP2: per fully_shard group ({self.fsdp_groups}), one all-gather in the forward, one in the "
-                "backward and one reduce-scatter of the gradients; the same bytes in fewer calls", False))
+                "backward and one reduce-scatter of the gradients (HSDP: and one all-reduce of the reduced shard "
+                "over axis 0); the same bytes in fewer calls", False))
         if grads and self.kind == "ddp":
             nbytes = sum(c.bytes * c.count for c in grads)
             out.append(CollectiveMapping(
@@ -304,10 +317,12 @@ class NativeProgram(torch.nn.Module):
         gathers and reduce-scatters become one per ``fully_shard`` group."""
         counts: Counter[str] = Counter()
         grads = 0
-        if self.kind == "fsdp" and phase in ("forward", "backward"):
+        if self.kind in ("fsdp", "hsdp") and phase in ("forward", "backward"):
             counts["all_gather"] += self.fsdp_groups
             if phase == "backward":
                 counts["reduce_scatter"] += self.fsdp_groups
+                if self.kind == "hsdp":
+                    counts["all_reduce"] += self.fsdp_groups
         for c in self.plan.collectives_in(phase):
             if self._grouped_by_fsdp(c) or self._loss_not_recomputed(c):
                 continue
@@ -318,6 +333,15 @@ class NativeProgram(torch.nn.Module):
         if grads:
             counts["all_reduce"] += len(self.ddp_buckets())
         return dict(counts)
+
+
+def _batch_slice(mesh: DeviceMesh) -> int:
+    """Which of the mesh's equal slices of a batch this rank computes: its coordinate read
+    row-major, as DTensor lays out a dim sharded over every axis (``[Shard(0), Shard(0)]``)."""
+    index = 0
+    for size, coordinate in zip(mesh.shape, mesh.get_coordinate() or ()):
+        index = index * size + coordinate
+    return index
 
 
 def _model_outputs(output: Any, loss: Any) -> list[Any]:
@@ -363,8 +387,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         checkpoint(module.get_submodule(layer.layer), **selective)
     if found.kind == "single":
         return NativeProgram("single", module, spec, graph, plan, mesh, {})
-    if found.kind == "fsdp":
-        # every group re-gathers in the backward what it freed after the forward, the root too:
+    if found.kind in ("fsdp", "hsdp"):
+        # on a 2-D mesh FSDP2 replicates over axis 0 and shards over axis 1 (HSDP); every group re-gathers in the backward what it freed after the forward, the root too:
         # the plan re-gathers every weight a backward reads
         blocks = sharded_blocks(module, plan)
         policy = mixed_precision_policy(plan.precision)
@@ -375,7 +399,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         if meta:
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
-        return NativeProgram("fsdp", module, spec, graph, plan, mesh, {}, fsdp_groups=len(blocks) + root_group,
+        return NativeProgram(found.kind, module, spec, graph, plan, mesh, {}, fsdp_groups=len(blocks) + root_group,
                              token_mean=found.token_mean)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel

@@ -1,10 +1,12 @@
 """Recognising the plans PyTorch runs natively: one device, pure data parallelism (DDP),
-fully sharded data parallelism (FSDP2's ``fully_shard``), each with checkpointed layers, and
+fully sharded data parallelism (FSDP2's ``fully_shard``, and HSDP on a 2-D mesh), each with
+checkpointed layers, and
 Megatron column/row pairs (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``), and the
 collectives each native program runs in place of the plan's."""
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +70,13 @@ def shard_dim(specs: Sequence[str] | None) -> int | None:
     return p.dim if p.is_shard else None
 
 
+def batch_dim(specs: Sequence[str] | None) -> int | None:
+    """The dim a user input is split on over every mesh axis (``S(d)`` on a 1-D mesh,
+    ``[S(d), S(d)]`` on HSDP's 2-D one), else None."""
+    dims = {shard_dim([s]) for s in specs or ()}
+    return dims.pop() if len(dims) == 1 else None
+
+
 def _is_partial(specs: Sequence[str] | None) -> bool:
     return specs is not None and len(specs) == 1 and not parse_placement(specs[0]).is_replicate \
         and not parse_placement(specs[0]).is_shard
@@ -119,18 +128,26 @@ def _writes_buffers(graph: TracedGraph) -> bool:
     return bool(getattr(ep.graph_signature, "buffers_to_mutate", {}))
 
 
+_HYBRID = ["R", "S(0)"]  # HSDP's parameter on a (replicate, shard) mesh
+
+
 def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
-    """``"replicated"`` when every parameter is whole on every device, ``"sharded"`` when every
-    one is stored sharded on its dim 0 and every op reads it whole (gathered at use: ZeRO-3 /
-    FSDP), else a reason."""
-    if all(_is_r(p) for p in plan.params.values()):
+    """``"replicated"`` when every parameter is whole on every device of a 1-D mesh,
+    ``"sharded"`` when every one is stored sharded on its dim 0 (on a 2-D mesh: replicated over
+    axis 0 and sharded on dim 0 over axis 1, HSDP) and every op reads it whole (gathered at
+    use: ZeRO-3 / FSDP), else a reason."""
+    hybrid = len(plan.mesh) == 2
+    if not hybrid and all(_is_r(p) for p in plan.params.values()):
         return "replicated"
     parameters = dict(spec.module.named_parameters(remove_duplicate=False))
     for fqn, specs in plan.params.items():
         storage = plan.storage.get(fqn)
         if fqn not in parameters and _is_r(specs):
             continue  # a buffer, kept whole on every rank as FSDP keeps it
-        if shard_dim(specs) != 0 or storage is None or shard_dim(storage.param) != 0:
+        if hybrid:
+            if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
+                return f"{fqn} is {_spec(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP)"
+        elif shard_dim(specs) != 0 or storage is None or shard_dim(storage.param) != 0:
             return f"{fqn} is {_spec(specs)}: neither replicated nor stored sharded on dim 0"
     for node, p in _planned_ops(graph, plan):
         for value, specs in zip(_tensor_inputs(node), p.inputs):
@@ -150,7 +167,7 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
         specs = plan.inputs.get(name, ["R"])
         if _is_r(specs):
             continue
-        d = shard_dim(specs)
+        d = batch_dim(specs)
         if d is None or not isinstance(node, torch.Tensor) or node.shape[d] % n:
             return f"input {name} is {_spec(specs)}: not evenly batch-sharded"
         sharded_inputs += 1
@@ -175,7 +192,8 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
                 return f"{node.name} makes partial sums and is not the loss"
             if _target_name(node) not in _MEAN_OPS and not token_mean:
                 return f"the loss is {_target_name(node)}, not a mean: the ranks' gradient average would differ"
-    return Recognised("ddp" if storage == "replicated" else "fsdp", {}, token_mean=token_mean)
+    kind = "ddp" if storage == "replicated" else "hsdp" if len(plan.mesh) == 2 else "fsdp"
+    return Recognised(kind, {}, token_mean=token_mean)
 
 
 def _is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:
@@ -319,19 +337,21 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     """Which native pattern ``plan`` reduces to: ``kind`` is ``"single"``, ``"ddp"``,
     ``"fsdp"`` or ``"tensor_parallel"``, or ``"none"`` (then ``reason`` says why, for the pattern
     that came closest)."""
-    if len(plan.mesh) != 1:
-        return Recognised("none", {}, f"mesh {plan.mesh} is not 1-D")
+    if len(plan.mesh) > 2:
+        return Recognised("none", {}, f"mesh {plan.mesh} has more than two axes")
     if plan.scheduled:
         return Recognised("none", {}, "pipeline stages or microbatches")
     unrecomputable = _unrecomputable(spec, plan)
     if unrecomputable:
         return Recognised("none", {}, unrecomputable)
-    n = plan.mesh[0]
+    n = math.prod(plan.mesh)
     if n == 1:
         return Recognised("single", {})
     found = _recognise_data_parallel(spec, graph, plan, n)
     if isinstance(found, Recognised):
         return found
+    if len(plan.mesh) != 1:
+        return Recognised("none", {}, f"mesh {plan.mesh} is 2-D and the plan is not HSDP ({found})")
     if plan.recompute:
         return Recognised("none", {}, f"not data parallel ({found}); layers recomputed under tensor parallelism")
     tp = _recognise_tp(spec, graph, plan)

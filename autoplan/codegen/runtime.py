@@ -286,7 +286,9 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
     if mesh is None:
-        mesh = init_device_mesh(ctx.device_type, tuple(plan.mesh))
+        # named axes: FSDP2 takes a 2-D mesh as HSDP's (replicate, shard) only when they are named
+        mesh = init_device_mesh(ctx.device_type, tuple(plan.mesh),
+                                mesh_dim_names=tuple(f"axis{i}" for i in range(len(plan.mesh))))
     elif tuple(mesh.shape) != tuple(plan.mesh):
         raise AutoplanError(f"the plan is for mesh {plan.mesh} but the given mesh is {list(mesh.shape)}")
     tensors = _model_tensors(spec.module)

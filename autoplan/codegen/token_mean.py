@@ -15,6 +15,7 @@ averaged gradient is the gradient of that mean. The count is all-reduced once pe
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,9 +33,9 @@ class GlobalTokenMean(TorchFunctionMode):
     index targets, no class weights) divides by the global batch's token count; ``calls``
     counts them."""
 
-    def __init__(self, group: dist.ProcessGroup, ranks: int) -> None:
+    def __init__(self, groups: Sequence[dist.ProcessGroup], ranks: int) -> None:
         super().__init__()
-        self.group = group
+        self.groups = list(groups)  # the count is all-reduced over each in turn (each mesh axis)
         self.ranks = ranks
         self.calls = 0
 
@@ -49,7 +50,8 @@ class GlobalTokenMean(TorchFunctionMode):
             return func(*args, **kwargs)
         summed = func(**{**given, "reduction": "sum"})
         count = (given["target"] != given["ignore_index"]).sum()
-        dist.all_reduce(count, group=self.group)
+        for group in self.groups:
+            dist.all_reduce(count, group=group)
         self.calls += 1
         return summed * (self.ranks / count)
 
