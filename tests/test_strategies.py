@@ -34,6 +34,35 @@ def test_linear_on_a_1d_mesh_has_batch_row_column_and_partial() -> None:
     assert len(specs) == 4
 
 
+def test_a_dim_is_split_over_two_mesh_axes_across_nodes_or_where_a_rule_asks() -> None:
+    """HSDP's batch: ``S(0)`` on both axes of a 2-D mesh. Offered where a rule asks for it
+    (``--manual dp=,fsdp=``) and on a mesh whose axes cross nodes; not on one node, where the
+    1-D mesh of the same devices offers it."""
+    from autoplan.cost_models import OptimizerSpec, load_cluster
+    from autoplan.cost_models.step_costs import CostContext
+    from autoplan.planner.mesh_plan import StorageRule, splits_dims_over_axes
+
+    node = op_node(lambda x, w: F.linear(x, w), torch.randn(8, 16), torch.randn(32, 16), target="linear")
+    names = [n.name for n in tensor_input_nodes(node)]
+    both = ((((S(0), S(0)), (R, R)), (S(0), S(0))))
+    for over, expected in ((False, False), (True, True)):
+        specs = {(s.input_specs, s.output_spec) for s in enumerate_strategies(
+            index_map_for(node), names, (2, 2), frozenset(names), dims_over_axes=over)}
+        assert (both in specs) == expected
+    assert ((S(0), S(0)) in tensor_specs((8, 16), (2, 2), dims_over_axes=True)) \
+        and (S(0), S(0)) not in tensor_specs((8, 16), (2, 2))
+
+    cluster = load_cluster("h100")  # 8 devices a node
+    optimizer = OptimizerSpec("adamw")
+
+    def ctx(mesh: tuple[int, ...]) -> CostContext:
+        return CostContext(mesh, cluster.mesh_links(mesh), cluster.device, optimizer)
+
+    assert splits_dims_over_axes(ctx((2, 8)))  # axis 0 across nodes, axis 1 inside one
+    assert not splits_dims_over_axes(ctx((2, 4)))  # one node
+    assert splits_dims_over_axes(ctx((2, 4)), StorageRule(lambda info, spec: True, dims_over_axes=True))
+
+
 def test_a_dim_the_mesh_does_not_divide_is_absent() -> None:
     node = op_node(lambda x, w: F.linear(x, w), torch.randn(6, 16), torch.randn(32, 16), target="linear")
     outs = {s.output_spec for s in _strategies(node, (4,))}
