@@ -131,6 +131,9 @@ class CostContext:
     # parameter → consumer edges of the graph being planned (that carry a gradient): each bucketed
     # gradient reduction pays this share of one collective's latency (see steps_seconds)
     parameter_edges: int = 0
+    # a mesh across nodes may split a dim over its axes (HSDP's batch: planner.mesh_plan.splits_dims_over_axes);
+    # off for the stages of a pipeline, which the search keeps small
+    across_nodes_hybrid: bool = True
     cache: dict = field(default_factory=dict)
 
 

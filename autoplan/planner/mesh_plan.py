@@ -169,12 +169,13 @@ def splits_dims_over_axes(ctx: CostContext, rule: StorageRule | None = None) -> 
     """Whether strategies on ``ctx``'s mesh may split one tensor dim over several mesh axes:
     where a rule asks for it (``--manual dp=,fsdp=``), and on a mesh whose axes communicate over
     different links (a mesh across nodes: the batch over both axes with parameters sharded
-    inside a node and replicated across is HSDP). On a mesh of one link a dim split over two
-    axes adds little to what the 1-D mesh of their product offers, and is left out to keep
-    the ILP small."""
+    inside a node and replicated across is HSDP) unless ``ctx`` is a pipeline stage's
+    (:attr:`CostContext.across_nodes_hybrid`: the stage search keeps stages inside nodes where
+    it can, and its ILPs small). On a mesh of one link a dim split over two axes adds little
+    to what the 1-D mesh of their product offers, and is left out to keep the ILP small."""
     if rule is not None and rule.dims_over_axes:
         return True
-    return len({link for link, n in zip(ctx.links, ctx.mesh_shape) if n > 1}) > 1
+    return ctx.across_nodes_hybrid and len({link for link, n in zip(ctx.links, ctx.mesh_shape) if n > 1}) > 1
 
 
 def _num_outputs(node: fx.Node) -> int:

@@ -67,10 +67,15 @@ plan stands, else it is searched and planned again on the trace and the fastest 
 turn (:func:`_winner_traced`; a trace of a real-size model takes seconds). (The
 search's estimates run 1–9% above the exact plans, not by the same factor for every pipeline:
 near ties are settled exactly.) Where an exact plan proves slower than other candidates'
-estimates, up to ``SECOND_ROUND`` of those are planned exactly too, best first: an estimate
-can also run low (a weight tied across stages is stored as the first stage chose, which the
-layer costs do not know: GPT-2 124M's 4-stage pipeline on 8 H100s, estimated 3.71 ms, planned
-at 5.33 ms, where one stage on 4x2 estimated 4.45 ms is planned at 4.2 ms).
+estimates, or than ``SECOND_ROUND_MARGIN`` above it, up to ``SECOND_ROUND`` of those are
+planned exactly too, best first: an estimate can also run low (a weight tied across stages is
+stored as the first stage chose, which the layer costs do not know: GPT-2 124M's 4-stage
+pipeline on 8 H100s, estimated 3.71 ms, planned at 5.33 ms, where one stage on 4x2 estimated
+4.45 ms is planned at 4.2 ms), and the estimate of a whole batch recomputing every layer runs
+high (Llama 3.1 8B's shape on 2 nodes of 8 H100s: HSDP on 2x8 with every layer recomputed,
+estimated 2.27 s, is planned at 1.84 s, where 16 microbatches accumulated on the same mesh,
+estimated 1.98 s, are planned at 2.04 s). One stage on all the devices is a candidate on each
+of its logical meshes (:func:`~autoplan.planner.pipeline.search.search_submesh`).
 
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
@@ -108,7 +113,7 @@ from autoplan.plan_schema import Alternative, Plan
 from autoplan.planner.options import PlannerOptions
 from autoplan.planner.pipeline.assemble import assemble_pipeline, no_plan_fits
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions, candidate_name, interleave
-from autoplan.planner.pipeline.exact import RERANK_MARGIN, SECOND_ROUND, TRIMMED_MARGIN, split_budget
+from autoplan.planner.pipeline.exact import RERANK_MARGIN, SECOND_ROUND, SECOND_ROUND_MARGIN, TRIMMED_MARGIN, split_budget
 from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
     normalize_schedule, pipeline_time)
@@ -248,9 +253,10 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     outcomes = _planned_side_by_side(spec, close, first, schedule)
     planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
     as_asked = {id(c) for c in close} if first is options else set()  # planned with the options' tie-break
-    if planned:  # estimated faster than the fastest exact plan: planned exactly too
+    if planned:  # estimated about as fast as the fastest exact plan, or faster: planned exactly too
         fastest = min(p.predicted.step_time_s for p, _ in planned)
-        under = [c for c in candidates if id(c) not in searched and c.step_time_s < fastest][:SECOND_ROUND]
+        under = [c for c in candidates if id(c) not in searched
+                 and c.step_time_s < fastest * (1 + SECOND_ROUND_MARGIN)][:SECOND_ROUND]
         searched += [id(c) for c in under]
         if under:
             planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, replace(options, canonical=False),

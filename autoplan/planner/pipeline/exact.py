@@ -22,7 +22,8 @@ from autoplan.trace.subgraph import extract
 
 BUDGET_RETRIES = 2  # times a rank's stages are planned again when one's memory share proves too small
 RERANK_MARGIN = 0.05  # of those, the ones within 5% of the search's best are planned exactly; the fastest wins
-SECOND_ROUND = 3  # then up to this many more whose estimates beat the fastest exact plan
+SECOND_ROUND = 3  # then up to this many more whose estimates come within SECOND_ROUND_MARGIN of the fastest exact plan
+SECOND_ROUND_MARGIN = 0.15  # the estimates of whole-batch plans recomputing every layer run up to ~20% high
 TRIMMED_MARGIN = 0.5  # and the best that recomputes nothing, within 50%, where all of those recompute
 
 
@@ -88,7 +89,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
     selective = tuple(i for i in recomputed if start + i in candidate.selective)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
-                      options.optimizer, microbatches=candidate.microbatches,
+                      options.optimizer, microbatches=candidate.microbatches, across_nodes_hybrid=stages == 1,
                       activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                       recompute_regions=regions(candidate.layers[start + i] for i in recomputed),
                       recompute_saved=saved_outputs(sub, (candidate.layers[start + i] for i in selective)))

@@ -230,10 +230,11 @@ def tied_layers(graph: TracedGraph, layers: list[Layer]) -> set[int]:
     return out
 
 
-def layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: int, in_flight: int) -> LayerCosts:
+def layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: int, in_flight: int,
+                stages: int = 1) -> LayerCosts:
     cluster = options.cluster
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
-                      microbatches=microbatches, activations_in_flight=in_flight)
+                      microbatches=microbatches, activations_in_flight=in_flight, across_nodes_hybrid=stages == 1)
     return LayerCosts(options, ctx)
 
 

@@ -41,7 +41,10 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     logical mesh) that fits; ``boundaries`` adds the correction of every boundary inside a
     stage (:meth:`LayerCosts.boundary`). Stages holding a tied parameter share one logical
     mesh: with several meshes, the DP runs once for each mesh those stages may take (each of
-    ``tied_meshes``, default all), and each run's best is a candidate."""
+    ``tied_meshes``, default all), and each run's best is a candidate. One stage on all the
+    devices has a candidate per logical mesh: its estimates err by mesh (a 1-D mesh across
+    nodes recomputing every layer, estimated faster than HSDP on its 2-D one, is slower
+    planned exactly), so the exact plans settle between them."""
     stages = options.devices // submesh.size
     # interleaved: the exact plans count each of a rank's INTERLEAVE chunks as a stage
     in_flight = activations_in_flight(schedule, microbatches, stages * (INTERLEAVE if schedule in INTERLEAVED else 1))
@@ -49,7 +52,7 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
         costs = {}
     for mesh in meshes:
         if mesh not in costs:
-            costs[mesh] = layer_costs(options, mesh, microbatches, in_flight)
+            costs[mesh] = layer_costs(options, mesh, microbatches, in_flight, stages)
     reads = layer_inputs(graph, layers, options.optimizer.mixed_precision)
     link = link_between_stages(options, submesh)
     boundary = cut_bytes(graph, layers)
@@ -82,13 +85,16 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             assert best is not None
             return best
 
-        for tied_mesh in ((tied_meshes or meshes) if tied and len(meshes) > 1 else [None]):
-            def cost_fn(start: int, end: int, candidate: SubMesh, tied_mesh: tuple[int, ...] | None = tied_mesh,
+        per_mesh = stages == 1 and len(meshes) > 1
+        runs = [[m] for m in meshes] if per_mesh else \
+            [[m] for m in (tied_meshes or meshes)] if tied and len(meshes) > 1 else [None]
+        for tied_mesh in runs:
+            def cost_fn(start: int, end: int, candidate: SubMesh, pinned: list[tuple[int, ...]] | None = tied_mesh,
                         stage_cost=stage_cost) -> StageCost:
                 if candidate != submesh:
                     return StageCost(0.0, 0.0, feasible=False)
-                holds_tied = tied_mesh is not None and any(start <= i < end for i in tied)
-                return stage_cost(start, end, [tied_mesh] if holds_tied else meshes)
+                holds_tied = pinned is not None and (per_mesh or any(start <= i < end for i in tied))
+                return stage_cost(start, end, pinned if holds_tied else meshes)
 
             try:
                 solution = solve_inter_op(problem, cost_fn)
@@ -104,8 +110,11 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
                    for c in found):
                 continue  # the run without recomputation found it too
             step = pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule)
+            # the tied parameter's mesh, where the run pinned it (one stage: its only mesh)
+            shared = logical[0] if tied and (per_mesh or len(meshes) == 1 and len(cuts) == 1) \
+                else tied_mesh[0] if tied_mesh is not None and tied else None
             found.append(PipelineCandidate(microbatches, submesh, logical, cuts, step, graph, layers, schedule, costs,
-                                           boundaries, recomputed, selective, tied_mesh=tied_mesh))
+                                           boundaries, recomputed, selective, tied_mesh=shared))
     return found
 
 
@@ -356,7 +365,7 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
         mesh_costs.pairs.update(pairs)
     for i, c in zip(picked, best):
         again = search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh,
-                               list(c.costs or {}), boundaries=True, costs=c.costs,
+                               searched_meshes(c), boundaries=True, costs=c.costs,
                                tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
         if again:
             candidates[i] = again[0]
@@ -364,6 +373,12 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
                c.tied_mesh): c
               for c in sorted(candidates, key=lambda c: c.step_time_s, reverse=True)}  # the fastest of equals kept
     return sorted(unique.values(), key=lambda c: c.step_time_s)
+
+
+def searched_meshes(candidate: PipelineCandidate) -> list[tuple[int, ...]]:
+    """The logical meshes to search ``candidate``'s sub-mesh on again: its own where it is one
+    stage (one candidate per mesh, :func:`search_submesh`), else every mesh it was searched on."""
+    return list(candidate.meshes) if len(candidate.cuts) == 1 else list(candidate.costs or {})
 
 
 def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> dict[tuple[str, str], float]:
@@ -402,6 +417,6 @@ def on_traced_graph(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch
     graph = graphs.trace(batch // candidate.microbatches)
     layers = pinned_layers(graph, popts, options)
     again = search_submesh(graph, layers, options, popts, candidate.schedule, candidate.microbatches,
-                           candidate.submesh, list(candidate.costs or {}), boundaries=True,
+                           candidate.submesh, searched_meshes(candidate), boundaries=True,
                            tied_meshes=[candidate.tied_mesh] if candidate.tied_mesh else None)
     return min(again, key=lambda c: c.step_time_s) if again else None
