@@ -237,6 +237,17 @@ def test_stage_pins_place_layers_and_checkpoint_pins_recompute_them() -> None:
     assert plan.pins[0].holds[0] == "h.0"
 
 
+def test_hsdp_pins_split_the_batch_over_both_axes_and_a_pin_may_say_so() -> None:
+    import fsdp_cases
+
+    spec = make_model_spec(*fsdp_cases.nanogpt(), name="nanogpt")
+    plan = plan_model(spec, PlanOptions(4, "cpu", pins=("dp=2", "fsdp=2", "idx=[S(0), S(0)]")))
+    assert plan.mesh == [2, 2] and len(plan.stages) == 1
+    assert plan.inputs == {"idx": ["S(0)", "S(0)"], "targets": ["S(0)", "S(0)"]}
+    assert all(spec[0] == "R" for spec in plan.params.values())  # replicated over dp, sharded over fsdp
+    assert any(spec[1].startswith("S(") for spec in plan.params.values())
+
+
 def test_a_checkpoint_pin_holds_without_a_pipeline_too() -> None:
     plan = _plan("h.0=checkpoint", pipeline=False)
     assert [r.layer for r in plan.recompute] == ["h.0"]

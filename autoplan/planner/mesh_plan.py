@@ -203,19 +203,21 @@ def pinned_strategies(info: NodeInfo, strategies: list[Strategy], mesh_shape: tu
     return kept
 
 
-def offered_output_specs(view: GraphView, name: str, mesh_shape: tuple[int, ...]) -> list[ShardingSpec]:
+def offered_output_specs(view: GraphView, name: str, mesh_shape: tuple[int, ...], dims_over_axes: bool = False
+                         ) -> list[ShardingSpec]:
     """The output specs the strategies of node ``name`` offer on ``mesh_shape``, before any
-    rule or pin (what a pin may choose from)."""
+    rule or pin (what a pin may choose from); ``dims_over_axes``: with one dim split over
+    several axes (:func:`splits_dims_over_axes`)."""
     info = view.graph.nodes[name]
     node = view.fx_nodes[name]
     if info.kind in STORED_KINDS:
-        return tensor_specs(info.shape or (), mesh_shape)
+        return tensor_specs(info.shape or (), mesh_shape, dims_over_axes)
     imap = index_map_for(node) if info.shape is not None or node.meta.get("val") is not None else None
     if imap is None:
         return [(R,) * len(mesh_shape)]
     differentiable = frozenset(i for i in view.inputs[name] if view.needs_grad[i])
     strategies = enumerate_strategies(imap, view.inputs[name], mesh_shape, differentiable,
-                                      allow_partial=is_floating(info.dtype))
+                                      allow_partial=is_floating(info.dtype), dims_over_axes=dims_over_axes)
     return list(dict.fromkeys(s.output_specs[0] for s in strategies)) or [(R,) * len(mesh_shape)]
 
 

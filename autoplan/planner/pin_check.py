@@ -75,11 +75,12 @@ def _mesh_problem(view: GraphView, pins: PinSet, mesh: tuple[int, ...]) -> str |
         pin = pins.of_kind(PinKind.PLACEMENT)[0]
         return (f"pin {pin.text!r} names {ndim} mesh ax{'is' if ndim == 1 else 'es'}, and mesh {mesh_label(mesh)} "
                 f"has {len(mesh)}")
-    for name, info in view.graph.nodes.items():
+    hybrid = (pins.degree(PinKind.DATA_PARALLEL) or 1) > 1 and (pins.degree(PinKind.SHARDED_DATA_PARALLEL) or 1) > 1
+    for name, info in view.graph.nodes.items():  # HSDP's pins split the batch over two axes
         held = pins.value_pins(info)
         if not held:
             continue
-        offered = offered_output_specs(view, name, mesh)
+        offered = offered_output_specs(view, name, mesh, hybrid)
         if any(all(p.allows(spec, mesh) for p in held) for spec in offered):
             continue
         choices = ", ".join("[" + ", ".join(spec_to_json(s)) + "]" for s in offered)
