@@ -85,16 +85,18 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             assert best is not None
             return best
 
+        # each run pins the meshes some stages may take: one stage, each mesh in turn; the stages
+        # holding a tied parameter, each mesh they may share; else none (every stage its fastest)
         per_mesh = stages == 1 and len(meshes) > 1
-        runs = [[m] for m in meshes] if per_mesh else \
+        runs: list[list[tuple[int, ...]] | None] = [[m] for m in meshes] if per_mesh else \
             [[m] for m in (tied_meshes or meshes)] if tied and len(meshes) > 1 else [None]
-        for tied_mesh in runs:
-            def cost_fn(start: int, end: int, candidate: SubMesh, pinned: list[tuple[int, ...]] | None = tied_mesh,
+        for pinned in runs:
+            def cost_fn(start: int, end: int, candidate: SubMesh, pinned: list[tuple[int, ...]] | None = pinned,
                         stage_cost=stage_cost) -> StageCost:
                 if candidate != submesh:
                     return StageCost(0.0, 0.0, feasible=False)
-                holds_tied = pinned is not None and (per_mesh or any(start <= i < end for i in tied))
-                return stage_cost(start, end, pinned if holds_tied else meshes)
+                held = pinned is not None and (per_mesh or any(start <= i < end for i in tied))
+                return stage_cost(start, end, pinned if held else meshes)
 
             try:
                 solution = solve_inter_op(problem, cost_fn)
@@ -110,9 +112,9 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
                    for c in found):
                 continue  # the run without recomputation found it too
             step = pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule)
-            # the tied parameter's mesh, where the run pinned it (one stage: its only mesh)
-            shared = logical[0] if tied and (per_mesh or len(meshes) == 1 and len(cuts) == 1) \
-                else tied_mesh[0] if tied_mesh is not None and tied else None
+            # the tied parameter's mesh: the pinned one, or one stage's only mesh
+            one_stage_mesh = per_mesh or (len(meshes) == 1 and len(cuts) == 1)
+            shared = None if not tied else logical[0] if one_stage_mesh else pinned[0] if pinned else None
             found.append(PipelineCandidate(microbatches, submesh, logical, cuts, step, graph, layers, schedule, costs,
                                            boundaries, recomputed, selective, tied_mesh=shared))
     return found
