@@ -216,6 +216,37 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     assert exact <= corrected + 1e-12
 
 
+def test_recomputing_a_layer_inside_a_stage_is_costed_in_its_pairs_plan() -> None:
+    """Alone, a Llama block receives its input replicated, and its fastest plan on a mesh across
+    nodes computes its first ops on the whole batch before it shards them; recomputing it
+    inside a stage, after the block before it, runs the block as the pair's plan runs it: for
+    less, and for more than nothing."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autoplan.cost_models.step_costs import CostContext
+    from autoplan.planner.options import PlanOptions
+    from autoplan.planner.pipeline import LayerCosts
+    from autoplan.planner.recompute import RecomputeMode
+
+    config = LlamaConfig(hidden_size=2048, num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=8,
+                         intermediate_size=7168, vocab_size=32000, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (64, 2048))
+    graph = trace(make_model_spec(model, {"input_ids": ids, "labels": ids}, name="llama"))
+    first, second = make_layers(graph, find_classes(graph))[1:3]
+    assert first.signature == second.signature  # two decoder blocks
+    options = PlanOptions(32, "h100", precision="bf16", plan_only=True).planner_options()
+    mesh = (4, 8)
+    costs = LayerCosts(options, CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
+                                            options.optimizer))
+    costs.boundary(graph, first, second)
+    alone = costs.recompute_seconds(graph, second, RecomputeMode.FULL)
+    assert alone == costs.recomputed(graph, second)[0] - costs.cost(graph, second)[0]
+    assert 0 < costs.recompute_seconds(graph, second, RecomputeMode.FULL, before=first) < alone
+
+
 def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
     """A value received from the stage before arrives whole (and its gradient goes back whole);
     the model's outputs other than the loss leave no stage (a pipelined step returns only the
@@ -355,6 +386,28 @@ def test_close_pipelines_are_planned_exactly_and_the_fastest_wins(small_gpt, mon
     assert len(exact) >= 2
     assert all("planned exactly" in a.reason for a in exact)
     assert all(plan.predicted.step_time_s <= a.predicted.step_time_s for a in exact)
+
+
+def test_the_best_whole_batch_is_planned_exactly_where_the_best_accumulates() -> None:
+    """The search's estimate of a whole batch recomputing its layers runs high: where the best
+    candidate accumulates microbatches on one stage, the best whole-batch candidate on one
+    stage is planned exactly beside it, within a margin; a pipeline at the top, or a whole batch
+    already among the close ones, or one beyond the margin, adds nothing."""
+    from autoplan.planner.pipeline import PipelineCandidate, _whole_batch_rival
+    from autoplan.planner.pipeline.exact import WHOLE_BATCH_MARGIN
+    from autoplan.solvers.inter_op import SubMesh
+
+    def candidate(microbatches: int, stages: int, seconds: float) -> PipelineCandidate:
+        cuts = [(i, i + 1) for i in range(stages)]
+        return PipelineCandidate(microbatches, SubMesh(4, 8), [(4, 8)] * stages, cuts, seconds, None, [])
+
+    accumulated, whole, pipeline = candidate(16, 1, 2.5), candidate(1, 1, 2.9), candidate(8, 2, 2.6)
+    candidates = [accumulated, pipeline, whole]
+    assert _whole_batch_rival(candidates, [accumulated]) == [whole]
+    assert _whole_batch_rival(candidates, [accumulated, whole]) == []
+    assert _whole_batch_rival([pipeline, accumulated, whole], [pipeline]) == []
+    far = candidate(1, 1, 2.5 * (1 + WHOLE_BATCH_MARGIN) * 1.01)
+    assert _whole_batch_rival([accumulated, far], [accumulated]) == []
 
 
 def test_stages_on_their_own_logical_meshes_pass_check(tmp_path: Path) -> None:

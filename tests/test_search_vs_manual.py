@@ -94,3 +94,27 @@ def test_hsdp_across_two_nodes_beats_fsdp_over_both_and_never_the_found_plan() -
         assert hsdp is not None and fsdp is not None
         assert hsdp.comm_s < fsdp.comm_s
         assert found <= hsdp.step_time_s * (1 + 1e-6)
+
+
+def test_hsdp_is_searched_across_nodes_where_replication_fits() -> None:
+    """Four nodes of eight H100s, a Llama shape in bf16 with every layer recomputed: plain data
+    parallelism fits in memory, so sharded storage is not needed for memory's sake, but HSDP
+    (``dp=4,fsdp=8``: each gradient reduce-scattered inside a node and only its shard reduced
+    across nodes) is faster than replicating the parameters. The plan found on that mesh is
+    never slower than it."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=8,
+                         intermediate_size=7168, vocab_size=32000, max_position_embeddings=2048)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (64, 2048))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, name="llama")
+    options = PlanOptions(32, "h100", precision="bf16", stages=1, microbatches=1, mesh=(4, 8), recompute="all")
+    replicated = cost_manual(spec, options.planner_options(), parse_manual("dp=32,ac=full")).predicted
+    hsdp = cost_manual(spec, options.planner_options(), parse_manual("dp=4,fsdp=8,ac=full")).predicted
+    assert replicated is not None and hsdp is not None  # both fit
+    assert hsdp.step_time_s < replicated.step_time_s
+    found = plan_model(spec, options).predicted.step_time_s
+    assert found <= hsdp.step_time_s * (1 + 1e-6)

@@ -521,9 +521,13 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     choices (:func:`_group`), and with it the parameters' sharded optimizer state (ZeRO-1/2:
     one all-gather per step, a reduce-scatter for an all-reduce). A plan that fits without
     them may be beaten by one that shards for the optimizer's sake alone (a ZeRO-2 step can
-    cost less than a replicated one); that plan is not searched. With ``gathered_storage``
-    they are among the choices from the start (the stage search's layer costs, whose
-    problems are trimmed to fit memory later)."""
+    cost less than a replicated one); on one node that plan is not searched. On a mesh across
+    nodes (:func:`splits_dims_over_axes`) it is: there HSDP, the batch over both axes and the
+    parameters gathered inside a node, reduces a shard of each gradient across nodes where a
+    replicated parameter reduces all of it (Llama 3.1 8B's shape on 4x8 H100s, every layer
+    recomputed: 1.86 s per step against 2.54 s), so both problems are solved and the faster
+    plan is kept. With ``gathered_storage`` they are among the choices from the start (the
+    stage search's layer costs, whose problems are trimmed to fit memory later)."""
     peaks = memory_budget is not None  # the budget bounds the peak: kept values and the backward's moments
     if gathered_storage:
         grouping = _group(view, classes, strat, gathered_storage=True)
@@ -534,6 +538,12 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     problem = _build_problem(view, classes, strat, grouping, ctx, None, peaks)
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
     if memory_budget is None or fastest.peak <= memory_budget:
+        if splits_dims_over_axes(ctx):
+            gathered = _group(view, classes, strat, gathered_storage=True)
+            other = _build_problem(view, classes, strat, gathered, ctx, memory_budget, peaks)
+            answer = solve_intra_op(other, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
+            if answer.objective < fastest.objective * (1 - 1e-9):  # faster beyond rounding, not a tie
+                return gathered, other, answer
         if canonical:
             fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=True)
         return grouping, problem, fastest
@@ -631,9 +641,9 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
 
 
 def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext,
-                     kept: frozenset[str] = frozenset()) -> tuple[float, float]:
-    """(seconds added, bytes freed) per step by recomputing every op of ``graph`` in the
-    backward under ``result``'s strategies (as one region, costed as
+                     kept: frozenset[str] = frozenset(), only: frozenset[str] | None = None) -> tuple[float, float]:
+    """(seconds added, bytes freed) per step by recomputing every op of ``graph`` (or of its
+    nodes in ``only``) in the backward under ``result``'s strategies (as one region, costed as
     :func:`~autoplan.cost_models.step_costs.op_cost` and :func:`edge_cost` cost a recomputed
     node): each op's forward and the forward resharding of its inputs run once more; the
     outputs of ops that only the graph itself reads are no longer kept. The ops in ``kept``
@@ -644,7 +654,7 @@ def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext
     added = freed = 0.0
     for name, cost in result.node_costs.items():
         info = graph.nodes[name]
-        if info.kind != "op":
+        if info.kind != "op" or (only is not None and name not in only):
             continue
         if name not in kept:
             added += cost.compute_s / (1.0 + (ctx.backward_factor if result.needs_grad[name] else 0.0))

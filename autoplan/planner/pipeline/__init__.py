@@ -34,7 +34,8 @@ boundary activations (and receiving their gradients) over the link to the next s
 Activation checkpointing. Where a range's fastest plans do not fit, recomputing layers in the
 backward is the other way to fit (:meth:`RangeTable.plan`): each layer's fastest plan is also
 costed recomputed (:func:`~autoplan.planner.mesh_plan.recompute_change`: one forward more, its
-redistributions again, only what it hands on kept; no second ILP), and layers are recomputed one
+redistributions again, only what it hands on kept; no second ILP; with the boundaries costed, its
+seconds as the pair's plan runs the layer: :meth:`LayerCosts.recompute_seconds`), and layers are recomputed one
 by one, the one freeing the most bytes per second it adds first, until the range fits; this
 where trimming alone does not fit (see :meth:`RangeTable.plan` for why it comes second). Where
 recomputing every layer is not enough, the layers are trimmed as well, counting on only a
@@ -75,7 +76,10 @@ pipeline on 8 H100s, estimated 3.71 ms, planned at 5.33 ms, where one stage on 4
 high (Llama 3.1 8B's shape on 2 nodes of 8 H100s: HSDP on 2x8 with every layer recomputed,
 estimated 2.27 s, is planned at 1.84 s, where 16 microbatches accumulated on the same mesh,
 estimated 1.98 s, are planned at 2.04 s). One stage on all the devices is a candidate on each
-of its logical meshes (:func:`~autoplan.planner.pipeline.search.search_submesh`).
+of its logical meshes (:func:`~autoplan.planner.pipeline.search.search_submesh`). On 4 nodes the
+whole batch's estimate runs further above its exact plan than that margin, so where the best
+candidate accumulates microbatches on one stage, the best whole batch on one stage is planned
+exactly beside it, within ``WHOLE_BATCH_MARGIN`` (:func:`_whole_batch_rival`).
 
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
@@ -113,7 +117,8 @@ from autoplan.plan_schema import Alternative, Plan
 from autoplan.planner.options import PlannerOptions
 from autoplan.planner.pipeline.assemble import assemble_pipeline, no_plan_fits
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions, candidate_name, interleave
-from autoplan.planner.pipeline.exact import RERANK_MARGIN, SECOND_ROUND, SECOND_ROUND_MARGIN, TRIMMED_MARGIN, split_budget
+from autoplan.planner.pipeline.exact import (RERANK_MARGIN, SECOND_ROUND, SECOND_ROUND_MARGIN, TRIMMED_MARGIN,
+    WHOLE_BATCH_MARGIN, split_budget)
 from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
     normalize_schedule, pipeline_time)
@@ -176,6 +181,26 @@ def _trimmed_rival(candidates: list[PipelineCandidate], close: list[PipelineCand
     if plain.step_time_s > close[0].step_time_s * (1 + TRIMMED_MARGIN):
         return []
     return [plain]
+
+
+def _whole_batch_rival(candidates: list[PipelineCandidate], close: list[PipelineCandidate]
+                       ) -> list[PipelineCandidate]:
+    """The best candidate running the whole batch on one stage, where the best of all
+    accumulates microbatches on one stage, none of ``close`` runs the whole batch, and it is
+    within ``WHOLE_BATCH_MARGIN`` of the best. Accumulation is searched where the whole batch
+    fits only by recomputing layers, and the search's estimate of a whole batch recomputing
+    every layer runs high where accumulation's does not (Llama 3.1 8B's shape on 4 nodes of 8
+    H100s: HSDP on 4x8, every layer recomputed, estimated 2.94 s and planned at 1.86 s; 16
+    microbatches accumulated on the same mesh, estimated 2.53 s, planned at 2.13 s), so the
+    exact plans settle it."""
+    if not close or len(close[0].cuts) != 1 or close[0].microbatches == 1:
+        return []
+    if any(len(c.cuts) == 1 and c.microbatches == 1 for c in close):
+        return []
+    whole = next((c for c in candidates if len(c.cuts) == 1 and c.microbatches == 1), None)
+    if whole is None or whole.step_time_s > close[0].step_time_s * (1 + WHOLE_BATCH_MARGIN):
+        return []
+    return [whole]
 
 
 def _first_planned(spec: ModelSpec, candidates: list[PipelineCandidate], graphs: BatchSizeGraphs, batch: int,
@@ -246,7 +271,9 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     schedule = popts.schedule or "1f1b"
     search_s = time.perf_counter() - start - graphs.trace_s
     close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
-    close += _trimmed_rival(candidates, close)
+    for rival in _trimmed_rival(candidates, close) + _whole_batch_rival(candidates, close):
+        if all(rival is not c for c in close):
+            close.append(rival)
     searched = [id(c) for c in close]
     batch = batch_size(spec.example_inputs)
     first = _rival_options(options, len(close))

@@ -25,6 +25,7 @@ RERANK_MARGIN = 0.05  # of those, the ones within 5% of the search's best are pl
 SECOND_ROUND = 3  # then up to this many more whose estimates come within SECOND_ROUND_MARGIN of the fastest exact plan
 SECOND_ROUND_MARGIN = 0.15  # the estimates of whole-batch plans recomputing every layer run up to ~20% high
 TRIMMED_MARGIN = 0.5  # and the best that recomputes nothing, within 50%, where all of those recompute
+WHOLE_BATCH_MARGIN = 0.5  # and the best whole batch on one stage, within 50%, where the best accumulates
 
 
 def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedule: str

@@ -42,6 +42,9 @@ class LayerCosts:
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
     trim_paths: dict[tuple, TrimPath] = field(default_factory=dict)  # by the layers' signature counts
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
+    # the seconds recomputing the second layer of a pair adds, in the pair's plan, by
+    # (first signature, second signature, mode) (:meth:`boundary`)
+    recompute_in_pair: dict[tuple[str, str, RecomputeMode], float] = field(default_factory=dict)
     # recomputing a fastest plan, by (signature, mode)
     changes: dict[tuple[str, RecomputeMode], tuple[float, float]] = field(default_factory=dict)
     # the backward's transient of a fastest plan, kept (mode None) or recomputed, by (signature, mode)
@@ -155,7 +158,10 @@ class LayerCosts:
         could be a stage boundary); together, it may stay sharded: the correction is usually a
         saving. Memory is not corrected: apart, the handed-on value counts in both layers, which
         errs on the safe side (the pair's own plan may differ from both layers', so a memory
-        correction taken from it can err on the unsafe side)."""
+        correction taken from it can err on the unsafe side).
+
+        The pair's plan also gives the seconds that recomputing the second layer adds where
+        it follows the first (:meth:`recompute_seconds`)."""
         key = (first.signature, second.signature)
         if key not in self.pairs:
             sub = extract(graph, list(first.nodes) + list(second.nodes))
@@ -164,7 +170,26 @@ class LayerCosts:
                                    allow_storage=self.options.allow_storage, canonical=False,
                                    pins=self.options.pins)
             self.pairs[key] = result.solution.objective - self.cost(graph, first)[0] - self.cost(graph, second)[0]
+            only = frozenset(second.nodes)
+            for mode in RecomputeMode:
+                kept = saved_outputs(sub, [second]) if mode == RecomputeMode.SELECTIVE else frozenset()
+                self.recompute_in_pair[(*key, mode)] = recompute_change(sub, result, self.ctx, kept, only)[0]
         return self.pairs[key]
+
+    def recompute_seconds(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode,
+                          before: Layer | None = None) -> float:
+        """Seconds per step that recomputing ``layer``'s fastest plan in ``mode`` adds: its own ops
+        in the plan of the pair it forms with the layer ``before`` it, where it follows that
+        layer inside a stage and their pair is costed (:meth:`boundary`); else in its own plan
+        (:meth:`recomputed`). Alone, a layer receives its inputs replicated, and its plan may
+        compute its first ops replicated before it shards them (Llama 3.1 8B's block on a 4x8
+        mesh: its RMSNorm's upcast on the whole batch), which recomputing would run again; in
+        the pair it takes them as the layer before hands them on (the block's recomputation
+        costed 17% less there)."""
+        key = None if before is None else (before.signature, layer.signature, mode)
+        if key in self.recompute_in_pair:
+            return self.recompute_in_pair[key]
+        return self.recomputed(graph, layer, mode)[0] - self.cost(graph, layer)[0]
 
 
 def layer_transients(sub: TracedGraph, layer: Layer, result: IntraOpResult, ctx: CostContext
@@ -269,7 +294,7 @@ class RangeTable:
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: LayerCosts, boundaries: bool,
                  reads: list[dict[str, tuple[int, float]]] | None = None,
                  policy: RecomputePolicy | None = None) -> None:
-        self.graph, self.layers, self.costs = graph, layers, costs
+        self.graph, self.layers, self.costs, self.boundaries = graph, layers, costs, boundaries
         self.policy = policy or costs.options.recompute  # which layers may be recomputed
         self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision) if reads is None else reads
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
@@ -366,12 +391,15 @@ class RangeTable:
 
     def _recompute_steps(self, how: RecomputeMode) -> list[tuple[float, float]]:
         """Every layer's (seconds added, bytes freed) when its fastest plan is recomputed in ``how``
-        (:meth:`LayerCosts.recomputed`)."""
+        (:meth:`LayerCosts.recomputed`), the seconds, with ``boundaries``, in the plan of the pair
+        it forms with the layer before it (:meth:`LayerCosts.recompute_seconds`). (The bytes
+        freed stay the layer's own: they free what its own plan keeps.)"""
         if how not in self.recompute_steps:
             steps = []
-            for layer in self.layers:
+            for i, layer in enumerate(self.layers):
                 plain, again = self.costs.cost(self.graph, layer), self.costs.recomputed(self.graph, layer, how)
-                steps.append((again[0] - plain[0], plain[1] - again[1]))
+                before = self.layers[i - 1] if i and self.boundaries else None
+                steps.append((self.costs.recompute_seconds(self.graph, layer, how, before), plain[1] - again[1]))
             self.recompute_steps[how] = steps
         return self.recompute_steps[how]
 

@@ -360,11 +360,12 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     for c in best:
         for mesh_costs in (c.costs or {}).values():
             tables.setdefault(id(mesh_costs), (mesh_costs, c))
-    pool: TaskPool[dict[tuple[str, str], float]] = TaskPool(options.jobs)
+    pool: TaskPool[tuple[dict, dict]] = TaskPool(options.jobs)
     for mesh_costs, c in tables.values():
         pool.submit(partial(_boundary_costs, mesh_costs, c))
-    for (mesh_costs, _), pairs in zip(tables.values(), pool.results()):
+    for (mesh_costs, _), (pairs, recompute_in_pair) in zip(tables.values(), pool.results()):
         mesh_costs.pairs.update(pairs)
+        mesh_costs.recompute_in_pair.update(recompute_in_pair)
     for i, c in zip(picked, best):
         again = search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh,
                                searched_meshes(c), boundaries=True, costs=c.costs,
@@ -383,13 +384,14 @@ def searched_meshes(candidate: PipelineCandidate) -> list[tuple[int, ...]]:
     return list(candidate.meshes) if len(candidate.cuts) == 1 else list(candidate.costs or {})
 
 
-def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> dict[tuple[str, str], float]:
+def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> tuple[dict, dict]:
     """The boundary corrections of every pair of adjacent layers of ``candidate``'s graph on
-    ``costs``' logical mesh (:meth:`LayerCosts.boundary`)."""
+    ``costs``' logical mesh, and the seconds recomputing the second layer of each adds in the
+    pair's plan (:meth:`LayerCosts.boundary`)."""
     layers = candidate.layers
     for first, second in zip(layers, layers[1:]):
         costs.boundary(candidate.graph, first, second)
-    return costs.pairs
+    return costs.pairs, costs.recompute_in_pair
 
 
 def traced_twin(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int, options: PlannerOptions,
