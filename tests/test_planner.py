@@ -200,21 +200,30 @@ def test_mesh_choice_keeps_the_cheapest() -> None:
     assert all(plan.predicted.step_time_s <= c + 1e-12 for c in costs)
 
 
-def test_two_v100_nodes_get_tensor_parallel_inside_and_data_parallel_across() -> None:
-    """With 25 Gbit/s between nodes, Megatron sharding stays on the NVLink axis (8 GPUs of a
-    node) and only data parallelism crosses nodes."""
+def test_two_v100_nodes_are_crossed_by_data_parallelism_only() -> None:
+    """With 25 Gbit/s between nodes only data parallelism crosses them: the batch is split
+    across the nodes, no parameter is sharded over that axis, and no large activation crosses
+    it. Inside a node the plan is no slower than Megatron sharding on the NVLink axis (the
+    ``--manual dp=2,tp=8`` plan); with the gradients reduce-scattered inside a node before
+    they cross it (ZeRO-2 over both axes), data parallelism over all 16 GPUs beats it."""
     import gpt
 
+    from autoplan.planner.manual import cost_manual, parse_manual
+
     model, inputs = gpt.build(hidden=1024, layers=4, heads=16, seq=1024, vocab=8192, batch=16, device="meta")
-    graph = trace(make_model_spec(model, inputs, gpt.loss_fn))
-    plan = plan_traced(graph, make_options(16, "v100-16g"))
+    spec = make_model_spec(model, inputs, gpt.loss_fn)
+    graph = trace(spec)
+    options = make_options(16, "v100-16g")
+    plan = plan_traced(graph, options)
     assert plan.mesh == [2, 8]
-    assert plan.params["h.0.mlp.c_fc.weight"] == ["R", "S(0)"]
-    assert plan.params["h.0.mlp.c_proj.weight"] == ["R", "S(1)"]
     assert plan.inputs["idx"][0] == "S(0)"  # the batch is split across the nodes
+    assert all(placement[0] == "R" for placement in plan.params.values())
     hidden_activation = 16 * 1024 * 1024 * 4  # one [batch, seq, hidden] fp32 tensor
     cross_node = [c for c in plan.collectives_in("forward") if c.mesh_axis == 0]
     assert sum(c.bytes * c.count for c in cross_node) < hidden_activation / 32  # no big activation crosses nodes
+    megatron = cost_manual(spec, options, parse_manual("dp=2,tp=8")).predicted
+    assert megatron is not None
+    assert plan.predicted.step_time_s <= megatron.step_time_s * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("example, mesh", [("gpt2", (2, 2)), ("gpt", (4,)), ("resnet", (2, 2)), ("bert", (4,))])

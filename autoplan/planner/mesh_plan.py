@@ -541,9 +541,9 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
         if splits_dims_over_axes(ctx):
             gathered = _group(view, classes, strat, gathered_storage=True)
             other = _build_problem(view, classes, strat, gathered, ctx, memory_budget, peaks)
-            answer = solve_intra_op(other, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
+            answer = solve_intra_op(other, solver=solver, time_limit_s=time_limit_s, canonical=False)
             if answer.objective < fastest.objective * (1 - 1e-9):  # faster beyond rounding, not a tie
-                return gathered, other, answer
+                grouping, problem, fastest = gathered, other, answer
         if canonical:
             fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=True)
         return grouping, problem, fastest
