@@ -172,7 +172,8 @@ def splits_dims_over_axes(ctx: CostContext, rule: StorageRule | None = None) -> 
     inside a node and replicated across is HSDP) unless ``ctx`` is a pipeline stage's
     (:attr:`CostContext.across_nodes_hybrid`: the stage search keeps stages inside nodes where
     it can, and its ILPs small). On a mesh of one link a dim split over two axes adds little
-    to what the 1-D mesh of their product offers, and is left out to keep the ILP small."""
+    to what the 1-D mesh of their product offers, and is left out to keep the ILP small. Where
+    it splits them, sharded storage is among the ILP's choices too (:func:`_solve`)."""
     if rule is not None and rule.dims_over_axes:
         return True
     return ctx.across_nodes_hybrid and len({link for link, n in zip(ctx.links, ctx.mesh_shape) if n > 1}) > 1

@@ -34,8 +34,9 @@ boundary activations (and receiving their gradients) over the link to the next s
 Activation checkpointing. Where a range's fastest plans do not fit, recomputing layers in the
 backward is the other way to fit (:meth:`RangeTable.plan`): each layer's fastest plan is also
 costed recomputed (:func:`~autoplan.planner.mesh_plan.recompute_change`: one forward more, its
-redistributions again, only what it hands on kept; no second ILP; with the boundaries costed, its
-seconds as the pair's plan runs the layer: :meth:`LayerCosts.recompute_seconds`), and layers are recomputed one
+redistributions again, only what it hands on kept; no second ILP; with the boundaries costed,
+the seconds as the plan of the layer's pair with the one before runs it:
+:meth:`LayerCosts.recompute_seconds`), and layers are recomputed one
 by one, the one freeing the most bytes per second it adds first, until the range fits; this
 where trimming alone does not fit (see :meth:`RangeTable.plan` for why it comes second). Where
 recomputing every layer is not enough, the layers are trimmed as well, counting on only a

@@ -23,7 +23,7 @@ from autoplan.trace.subgraph import extract
 BUDGET_RETRIES = 2  # times a rank's stages are planned again when one's memory share proves too small
 RERANK_MARGIN = 0.05  # of those, the ones within 5% of the search's best are planned exactly; the fastest wins
 SECOND_ROUND = 3  # then up to this many more whose estimates come within SECOND_ROUND_MARGIN of the fastest exact plan
-SECOND_ROUND_MARGIN = 0.15  # the estimates of whole-batch plans recomputing every layer run up to ~20% high
+SECOND_ROUND_MARGIN = 0.15  # the estimates of whole-batch plans recomputing every layer run high
 TRIMMED_MARGIN = 0.5  # and the best that recomputes nothing, within 50%, where all of those recompute
 WHOLE_BATCH_MARGIN = 0.5  # and the best whole batch on one stage, within 50%, where the best accumulates
 

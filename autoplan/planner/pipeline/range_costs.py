@@ -393,7 +393,9 @@ class RangeTable:
         """Every layer's (seconds added, bytes freed) when its fastest plan is recomputed in ``how``
         (:meth:`LayerCosts.recomputed`), the seconds, with ``boundaries``, in the plan of the pair
         it forms with the layer before it (:meth:`LayerCosts.recompute_seconds`). (The bytes
-        freed stay the layer's own: they free what its own plan keeps.)"""
+        freed stay the layer's own: they free what its own plan keeps. The first layer of a
+        later stage is costed in the pair too, though its inputs come from the stage before: one
+        layer per stage.)"""
         if how not in self.recompute_steps:
             steps = []
             for i, layer in enumerate(self.layers):

@@ -16,7 +16,7 @@ from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOpti
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
     link_between_stages, tied_layers)
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
-from autoplan.planner.recompute import RecomputePolicy
+from autoplan.planner.recompute import RecomputeMode, RecomputePolicy
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
@@ -31,6 +31,8 @@ from autoplan.trace.tracer import describe, trace
 
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
+BoundaryCorrections = dict[tuple[str, str], float]  # LayerCosts.pairs
+PairRecomputation = dict[tuple[str, str, RecomputeMode], float]  # LayerCosts.recompute_in_pair
 
 
 def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOptions, popts: PipelineOptions,
@@ -360,7 +362,7 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     for c in best:
         for mesh_costs in (c.costs or {}).values():
             tables.setdefault(id(mesh_costs), (mesh_costs, c))
-    pool: TaskPool[tuple[dict, dict]] = TaskPool(options.jobs)
+    pool: TaskPool[tuple[BoundaryCorrections, PairRecomputation]] = TaskPool(options.jobs)
     for mesh_costs, c in tables.values():
         pool.submit(partial(_boundary_costs, mesh_costs, c))
     for (mesh_costs, _), (pairs, recompute_in_pair) in zip(tables.values(), pool.results()):
@@ -384,7 +386,8 @@ def searched_meshes(candidate: PipelineCandidate) -> list[tuple[int, ...]]:
     return list(candidate.meshes) if len(candidate.cuts) == 1 else list(candidate.costs or {})
 
 
-def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate) -> tuple[dict, dict]:
+def _boundary_costs(costs: LayerCosts, candidate: PipelineCandidate
+                    ) -> tuple[BoundaryCorrections, PairRecomputation]:
     """The boundary corrections of every pair of adjacent layers of ``candidate``'s graph on
     ``costs``' logical mesh, and the seconds recomputing the second layer of each adds in the
     pair's plan (:meth:`LayerCosts.boundary`)."""
