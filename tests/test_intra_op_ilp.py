@@ -32,7 +32,7 @@ from autoplan.solvers.intra_op import (
 )
 from autoplan.solvers.intra_op import solve as solve_module
 from autoplan.solvers.intra_op.run import extract_choices
-from autoplan.solvers.intra_op.trimming import TrimPath
+from autoplan.solvers.intra_op.trimming import TrimPath, TrimWalk
 from autoplan.solvers.units import format_bytes, format_seconds
 
 SOLVERS = ["highs", "cbc"]
@@ -469,6 +469,23 @@ def test_one_trimming_walk_answers_every_budget_as_its_own_walk_does(seed: int) 
     for budget in budgets + budgets[::-1]:
         assert path.choices_at(budget) == trim_memory_together(problems, counts, fastest, budget), budget
 
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_paths_of_other_counts_that_share_one_walk_answer_as_their_own_walks(seed: int) -> None:
+    """Paths of the same problems standing for other numbers of copies share one
+    :class:`TrimWalk` (the greedy's order does not depend on the counts), taken in turns
+    and as far as each asks, and each gives every budget the choices a walk of its own stops at."""
+    problems = [random_problem(3000 + seed), random_problem(4000 + seed)]
+    fastest = [solve_intra_op(p).choices for p in problems]
+    walk = TrimWalk(problems, fastest)
+    rng = random.Random(seed)
+    for counts in ([1, 1], [1, 3], [2, 1], [4, 5], [1, 3]):
+        merged = _merged(problems, counts)
+        least, most = least_memory(merged), evaluate(merged, fastest[0] + fastest[1])[1]
+        path = TrimPath(problems, counts, fastest, walk)
+        for budget in [least - 1.0, most + 1.0] + [math.floor(rng.uniform(least, most)) + 0.5 for _ in range(4)]:
+            assert path.choices_at(budget) == trim_memory_together(problems, counts, fastest, budget), (counts, budget)
 
 def _merged(problems: list[IntraOpProblem], counts: list[int]) -> IntraOpProblem:
     """Independent problems as one, each problem's costs and memory scaled by its count."""

@@ -13,11 +13,12 @@ from autoplan.cost_models import LinkSpec
 from autoplan.cost_models.step_costs import CostContext, value_itemsize
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.mesh_plan import IntraOpResult, PreparedPlan, plan_intra_op, prepare_intra_op, recompute_change
+from autoplan.planner.mesh_plan import (IntraOpResult, PreparedPlan, plan_intra_op, prepare_intra_op, recompute_change,
+                                       splits_dims_over_axes)
 from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
     regions, saved_outputs)
 from autoplan.solvers import evaluate
-from autoplan.solvers.intra_op.trimming import TrimPath
+from autoplan.solvers.intra_op.trimming import TrimPath, TrimWalk
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
 from autoplan.trace.graph import TracedGraph
@@ -41,6 +42,9 @@ class LayerCosts:
     fast_choices: dict[str, list[int]] = field(default_factory=dict)
     trims: dict[tuple, tuple[float, float] | None] = field(default_factory=dict)
     trim_paths: dict[tuple, TrimPath] = field(default_factory=dict)  # by the layers' signature counts
+    trim_walks: dict[tuple[str, ...], TrimWalk] = field(default_factory=dict)  # by their signatures (any counts)
+    # (seconds, bytes) of a walk's choices after so many switches: budgets between two steps share them
+    trim_steps: dict[tuple[tuple, int], tuple[float, float]] = field(default_factory=dict)
     pairs: dict[tuple[str, str], float] = field(default_factory=dict)  # boundary corrections
     # the seconds recomputing the second layer of a pair adds, in the pair's plan, by
     # (first signature, second signature, mode) (:meth:`boundary`)
@@ -55,9 +59,10 @@ class LayerCosts:
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
-        the edge-cost memo or the trimming walks or the layers' graphs (:meth:`restore` puts the
-        options back)."""
-        return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={}, prepared={})
+        the edge-cost memo or the trimming walks (and what they found) or the layers' graphs
+        (:meth:`restore` puts the options back)."""
+        return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={}, trim_walks={},
+                       trim_steps={}, prepared={})
 
     def _prepared(self, graph: TracedGraph, layer: Layer) -> tuple[Layer, TracedGraph, PreparedPlan]:
         """The first layer of ``layer``'s signature costed, its own graph and its strategies on
@@ -92,6 +97,9 @@ class LayerCosts:
                 self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
                     sub, result, self.ctx, saved_outputs(sub, [layer]))
                 self.transients.update(layer_transients(sub, layer, result, self.ctx))
+                if splits_dims_over_axes(self.ctx):  # its ILP had gathered storage among the choices
+                    self.problems.setdefault(layer.signature, result.problem)  # (mesh_plan._solve):
+                    self.fast_choices.setdefault(layer.signature, result.solution.choices)  # the storage ILP
                 self.cache[key] = (result.solution.objective, result.solution.memory)
         return self.cache[key]
 
@@ -100,6 +108,8 @@ class LayerCosts:
         once (its fastest answer is where trimming starts): a layer that does not fit sheds
         parameter, gradient and optimizer-state memory through FSDP and ZeRO-1/2 as well as
         through tensor parallelism."""
+        if layer.signature not in self.problems and splits_dims_over_axes(self.ctx):
+            self.cost(graph, layer)  # the fastest plan's ILP is this one there: solved once
         if layer.signature not in self.problems:
             _, sub, prepared = self._prepared(graph, layer)
             result = plan_intra_op(sub, prepared.classes, self.ctx.mesh_shape, self.ctx, None,
@@ -140,16 +150,20 @@ class LayerCosts:
             problems = [self.problems[sig] for sig in signatures]
             path_key = key[0]
             if path_key not in self.trim_paths:
-                self.trim_paths[path_key] = TrimPath(problems, [counts[sig] for sig in signatures],
-                                                     [self.fast_choices[sig] for sig in signatures])
-            choices = self.trim_paths[path_key].choices_at(budget)
-            total = None
-            if choices is not None:
+                starts = [self.fast_choices[sig] for sig in signatures]
+                if tuple(signatures) not in self.trim_walks:
+                    self.trim_walks[tuple(signatures)] = TrimWalk(problems, starts)
+                self.trim_paths[path_key] = TrimPath(problems, [counts[sig] for sig in signatures], starts,
+                                                     self.trim_walks[tuple(signatures)])
+            path = self.trim_paths[path_key]
+            steps = path.steps_to(budget)
+            if steps is not None and (path_key, steps) not in self.trim_steps:
                 total = (0.0, 0.0)
-                for sig, problem, chosen in zip(signatures, problems, choices):
+                for sig, problem, chosen in zip(signatures, problems, path.choices_after(steps)):
                     seconds, memory = evaluate(problem, chosen)
                     total = add_costs(total, (counts[sig] * seconds, counts[sig] * memory))
-            self.trims[key] = total
+                self.trim_steps[path_key, steps] = total
+            self.trims[key] = None if steps is None else self.trim_steps[path_key, steps]
         return self.trims[key]
 
     def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
@@ -364,7 +378,8 @@ class RangeTable:
         kept = self._layer_transients(None)
         if not modes:
             return self._largest(None, start, end)
-        return max(self._layer_transients(modes[i])[i] if i in modes else kept[i] for i in range(start, end))
+        by_mode = {how: self._layer_transients(how) for how in set(modes.values())}
+        return max(by_mode[modes[i]][i] if i in modes else kept[i] for i in range(start, end))
 
     def _layer_transients(self, mode: RecomputeMode | None) -> list[float]:
         """Every layer's :meth:`LayerCosts.transient` in ``mode``."""
@@ -529,17 +544,20 @@ class RangeTable:
         memory -= excess
         applied: dict[int, tuple[RecomputeMode, float, float]] = {}  # layer -> (mode, seconds added, bytes freed)
 
-        def change(i: int, how: RecomputeMode) -> tuple[float, float]:  # (seconds added, bytes freed) beyond now
-            step_seconds, step_bytes = self._recompute_steps(how)[i]
-            _, added, freed = applied.get(i, (how, 0.0, 0.0))
-            return step_seconds - added, step_bytes - freed
-
-        def apply(i: int, how: RecomputeMode) -> None:
+        def apply_in_turn(layers: list[int], how: RecomputeMode, room: float | None = None) -> None:
+            # recompute each of ``layers`` in ``how`` (what it adds and frees beyond what it does
+            # now), one by one until the kept bytes fit ``room`` (all of them where None); one
+            # loop, no call per layer: the search runs it millions of times
             nonlocal seconds, memory
-            added, freed = change(i, how)
-            _, before_s, before_b = applied.get(i, (how, 0.0, 0.0))
-            applied[i] = (how, before_s + added, before_b + freed)
-            seconds, memory = seconds + added, memory - freed
+            steps = self._recompute_steps(how)
+            for i in layers:
+                if room is not None and memory <= room:
+                    break
+                step_seconds, step_bytes = steps[i]
+                _, before_s, before_b = applied.get(i, (how, 0.0, 0.0))
+                added, freed = step_seconds - before_s, step_bytes - before_b
+                applied[i] = (how, before_s + added, before_b + freed)
+                seconds, memory = seconds + added, memory - freed
 
         def as_now() -> RangePlan:
             return self._with_transient(start, end, RangePlan(seconds + joins, memory, frozenset(applied),
@@ -570,8 +588,7 @@ class RangeTable:
             assert plan is not None
             return self._with_transient(start, end, plan)
 
-        for i in sorted(pinned):
-            apply(i, RecomputeMode.FULL)
+        apply_in_turn(sorted(pinned), RecomputeMode.FULL)
         others = [i for i in candidates if i not in pinned]
         phases = [mode] if mode is not None else [RecomputeMode.SELECTIVE, RecomputeMode.FULL]
         found: list[RangePlan] = []  # each phase's answer: fitting, or every layer recomputed so and trimmed
@@ -582,10 +599,10 @@ class RangeTable:
             # the layers by the seconds each adds per byte it frees, from what the phases before
             # recomputed: all they could (else the range fitted), so the table's order holds
             order = [i for i in self._recompute_order(tuple(phases[:phase + 1]), every) if i in within]
-            for i in order:
-                if not every and (room is None or memory <= room):
-                    break
-                apply(i, how)
+            if every:
+                apply_in_turn(order, how)
+            elif room is not None:
+                apply_in_turn(order, how, room)
             if room is None or memory <= room:
                 found.append(as_now())
                 break
