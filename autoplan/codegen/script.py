@@ -31,6 +31,7 @@ which may have been written under another plan or device count.
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -126,7 +127,10 @@ def main() -> int:
 
 
 def shutdown() -> None:
-    """Leave together: no rank tears its connections down while another still uses them."""
+    """Leave together: no rank tears its connections down while another still uses them. The
+    program's objects (a DDP reducer holds the process group) are collected first, while the
+    interpreter is whole: gloo's threads freed at its finalisation can abort the process."""
+    gc.collect()
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
