@@ -31,7 +31,7 @@ from autoplan.solvers.intra_op import (
     trim_memory_together,
 )
 from autoplan.solvers.intra_op import solve as solve_module
-from autoplan.solvers.intra_op.run import extract_choices
+from autoplan.solvers.intra_op.run import extract_choices, run_model
 from autoplan.solvers.intra_op.trimming import TrimPath, TrimWalk
 from autoplan.solvers.units import format_bytes, format_seconds
 
@@ -114,11 +114,38 @@ def test_reduced_model_value_plus_constant_is_the_objective(seed: int) -> None:
     if not reduced.active:
         return
     model = build_model(problem, reduced)
-    model.lp.solve(pulp.HiGHS(msg=False))
+    run_model(model, "highs", None, None)
     choices = extract_choices(model, reduced, problem.num_groups)
-    lp_total = pulp.value(model.lp.objective) * model.scale + reduced.constant
+    lp_total = model.objective_value() * model.scale + reduced.constant
     assert lp_total == pytest.approx(evaluate(problem, choices)[0], rel=1e-6)
 
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_pulps_model_for_cbc_has_the_arrays_rows_columns_and_costs(seed: int) -> None:
+    """CBC solves pulp's model of the arrays HiGHS reads: the same columns (binary where the
+    arrays say), every row with the same entries and bounds, the same objective."""
+    problem = random_problem(seed, budget_share=0.5)
+    reduced = reduce_problem(problem)
+    if not reduced.active:
+        return
+    model = build_model(problem, reduced)
+    lp, variables = model.to_pulp()
+    column = {var.name: k for k, var in enumerate(variables)}
+    binary = [k for k, var in enumerate(variables)
+              if var.cat == pulp.LpInteger and (var.lowBound, var.upBound) == (0, 1)]
+    assert binary == sorted(model.binaries.tolist())
+    starts, columns, coefficients, lower, upper = model.matrix()
+    ends = [*starts[1:], len(columns)]
+    constraints = list(lp.constraints())
+    assert len(constraints) == model.num_rows
+    for r, constraint in enumerate(constraints):
+        entries = {column[var.name]: x for var, x in constraint.items()}
+        assert entries == dict(zip(columns[starts[r]:ends[r]].tolist(), coefficients[starts[r]:ends[r]].tolist()))
+        bound = -constraint.constant
+        assert (bound == upper[r]) and (constraint.sense == pulp.LpConstraintEQ) == (lower[r] == upper[r])
+    objective = {column[var.name]: x for var, x in lp.objective.items()}
+    assert objective == {k: c for k, c in enumerate(model.costs.tolist()) if c}
 
 def test_self_edge_counts_only_its_diagonal() -> None:
     self_edge = Edge(0, 0, [[5.0, -100.0], [-100.0, 1.0]])
@@ -290,7 +317,7 @@ def test_time_limit_stop_is_reported_with_its_gap(monkeypatch, solver: str) -> N
 
     def stopped_early(model, *args, **kwargs):
         run = real_run(model, *args, **kwargs)
-        value = pulp.value(model.lp.objective)
+        value = model.objective_value()
         run.sol_status = pulp.LpSolutionIntegerFeasible
         run.bound = value - 0.25 * abs(value)
         return run

@@ -57,9 +57,9 @@ def test_only_pulps_cbc_deprecation_is_silenced() -> None:
     assert [str(w.message) for w in caught] == ["another API is deprecated"]
 
 
-def _highs_runs(monkeypatch) -> list[backends.RelaxationFirstHiGHS]:
+def _highs_runs(monkeypatch) -> list[backends.HighsBackend]:
     """Every HiGHS backend the next solves make, kept to read after them."""
-    made: list[backends.RelaxationFirstHiGHS] = []
+    made: list[backends.HighsBackend] = []
     make = backends.make_backend
 
     def keep(*args, **kwargs):

@@ -8,7 +8,7 @@ One module per job:
 
 * :mod:`.problem`: the data, its validation, the exact cost ``f(x)`` and memory of an assignment;
 * :mod:`.preprocess`: (P1)-(P5), a smaller model with the same answer;
-* :mod:`.ilp`: the pulp model, equations (0)-(4) and (6) (and the tie-break row (5));
+* :mod:`.ilp`: the model as arrays, equations (0)-(4) and (6) (and the tie-break row (5));
 * :mod:`.backends`: solver names, availability and fallback, solver settings;
 * :mod:`.run`: running a solver, its status and bound, the choices it made;
 * :mod:`.solve`: :func:`solve_intra_op`, from problem to solution;

@@ -1,10 +1,10 @@
-"""The ILP solvers pulp can run for us: their names, which one runs, and how it is set up.
+"""The ILP solvers: their names, which one runs, and how it is set up.
 
-HiGHS (``highspy``, the default) and CBC (the binary pulp bundles) both run single-threaded,
-so a solve is deterministic for a given build. HiGHS solves the linear relaxation first
-(:class:`RelaxationFirstHiGHS`): where its optimum is integral it is the ILP's optimum, proven,
-at a third of the branch-and-bound's time on the intra-op models, whose relaxation is mostly
-integral; elsewhere the ILP is solved as before. A name is checked in one place,
+HiGHS (``highspy``, the default, run on the model's arrays) and CBC (the binary pulp bundles,
+through pulp's model) both run single-threaded, so a solve is deterministic for a given build.
+HiGHS solves the linear relaxation first (:class:`HighsBackend`): where its optimum is integral
+it is the ILP's optimum, proven, at a fraction of the branch-and-bound's time on the intra-op
+models, whose relaxation is mostly integral; elsewhere the ILP is solved as before. A name is checked in one place,
 :func:`check_solver_name`; when the requested solver cannot run the other one does, and a
 :class:`SolverFallbackWarning` says so.
 """
@@ -12,16 +12,22 @@ integral; elsewhere the ILP is solved as before. A name is checked in one place,
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 import warnings
 from collections.abc import Iterator
-from typing import Literal, cast, get_args
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
+import numpy as np
 import pulp
 
 from autoplan.errors import AutoplanError
 from autoplan.stdout_redirect import stdout_fd_redirected
+
+if TYPE_CHECKING:
+    from autoplan.solvers.intra_op.ilp import IlpModel
 
 SolverName = Literal["highs", "cbc"]
 SOLVER_NAMES: tuple[SolverName, ...] = get_args(SolverName)
@@ -64,91 +70,116 @@ def _highs_banner_silenced() -> None:
 INTEGRALITY_TOL = 1e-9  # a relaxed binary this close to 0 or 1 counts as integral
 
 
-class RelaxationFirstHiGHS(pulp.HiGHS):
-    """pulp's HiGHS that first solves the model with its integer columns relaxed to continuous.
-    An optimal relaxation whose integer columns all lie within INTEGRALITY_TOL of an integer is
-    an optimum of the ILP (it is feasible, and no integer point beats the relaxation), and its
-    objective the proven bound (``relaxation_bound``); otherwise the integer columns are
-    restored and the ILP is solved from the start (``relaxation_bound`` None), from the
-    variables' current values as its first incumbent with ``warm_start`` (the canonical
-    tie-break starts from the optimum it breaks the tie of: it is feasible there, and the
-    search only has to prove it or beat it, in half the time on a 20,000-variable model)."""
+@dataclass
+class Answer:
+    """What a solve left: pulp's status and solution status, the column values (None without
+    any), and the proven bound in model units (None where unknown)."""
+
+    status: int
+    sol_status: int
+    values: np.ndarray | None
+    bound: float | None
+
+
+def _highs_status(highs: Any) -> tuple[int, int]:
+    """pulp's (status, solution status) for HiGHS's model status, as pulp's own HiGHS reads it:
+    a time or iteration limit without a solution is "not solved"."""
+    import highspy
+
+    kind = highspy.HighsModelStatus
+    status = highs.getModelStatus()
+    if status == kind.kOptimal:
+        return pulp.LpStatusOptimal, pulp.LpSolutionOptimal
+    if status in (kind.kInfeasible, kind.kUnboundedOrInfeasible):
+        return pulp.LpStatusInfeasible, pulp.LpSolutionInfeasible
+    if status == kind.kUnbounded:
+        return pulp.LpStatusUnbounded, pulp.LpSolutionUnbounded
+    if status in (kind.kObjectiveBound, kind.kObjectiveTarget, kind.kInterrupt, kind.kTimeLimit,
+                  kind.kIterationLimit):
+        if status in (kind.kTimeLimit, kind.kIterationLimit) and highs.getObjectiveValue() == math.inf:
+            return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+        return pulp.LpStatusOptimal, pulp.LpSolutionIntegerFeasible
+    return pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound
+
+
+class HighsBackend:
+    """HiGHS (``highspy``) run on the model's arrays, the linear relaxation first: its integer
+    columns are relaxed to continuous and the relaxation solved by the simplex without presolve
+    (on the stage search's layer models several times faster than with it). An optimal
+    relaxation whose integer columns all lie within INTEGRALITY_TOL of an integer is an optimum
+    of the ILP (it is feasible, and no integer point beats the relaxation), and its objective
+    the proven bound (``relaxation_bound``); otherwise the integer columns are restored and the
+    ILP is solved from the start with presolve (``relaxation_bound`` None), from the model's
+    last values as its first incumbent with ``warm_start`` (the canonical tie-break starts
+    from the optimum it breaks the tie of: it is feasible there, and the search only has to
+    prove it or beat it, in half the time on a 20,000-variable model)."""
 
     relaxation_bound: float | None = None
 
-    def __init__(self, *args: object, warm_start: bool = False, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, time_limit_s: float | None, gap_rel: float, gap_abs: float,
+                 options: dict[str, Any] | None = None, warm_start: bool = False) -> None:
+        self.time_limit_s = time_limit_s
+        self.options = {"output_flag": False, "mip_rel_gap": gap_rel, "mip_abs_gap": gap_abs, "threads": 1,
+                        **(options or {})}
+        if time_limit_s is not None:
+            self.options["time_limit"] = float(time_limit_s)
         self.warm_start = warm_start
 
-    def buildSolverModel(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
-        """pulp's model for HiGHS, the same columns, bounds, costs and rows in the same order as
-        pulp's own ``buildSolverModel`` gives, passed in two calls instead of one per column and
-        one per row."""
+    def _highs(self, model: IlpModel) -> Any:
+        """A HiGHS instance holding the model: columns (costs, bounds), rows, integer columns."""
         import highspy
-        import numpy as np
 
-        inf = highspy.kHighsInf
-        highs = lp.solverModel
-        columns = lp.variables()
-        sign = -1.0 if lp.sense == pulp.LpMaximize else 1.0
-        objective = lp.objective if lp.objective is not None else {}
-        for index, var in enumerate(columns):
-            var.index = index
-        costs = np.array([sign * objective.get(var, 0.0) for var in columns], dtype=np.float64)
-        lower = np.array([-inf if var.lowBound is None else var.lowBound for var in columns], dtype=np.float64)
-        upper = np.array([inf if var.upBound is None else var.upBound for var in columns], dtype=np.float64)
+        highs = highspy.Highs()
+        for key, value in self.options.items():
+            highs.setOptionValue(key, value)
+        n = model.num_columns
         none_int, none_float = np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float64)
-        highs.addCols(len(columns), costs, lower, upper, 0, none_int, none_int, none_float)
-        integer = np.array([var.index for var in columns if var.cat == pulp.LpInteger], dtype=np.int32)
-        if integer.size and self.mip:
-            kinds = np.full(integer.size, highspy.HighsVarType.kInteger)
-            highs.changeColsIntegrality(integer.size, integer, kinds)
-        starts, indices, values, row_lower, row_upper = [], [], [], [], []
-        for index, constraint in enumerate(lp._constraints.values()):
-            constraint.index = index
-            starts.append(len(indices))
-            for var, coefficient in constraint.items():
-                if coefficient != 0:
-                    indices.append(var.index)
-                    values.append(coefficient)
-            lb, ub = constraint.getLb(), constraint.getUb()
-            row_lower.append(-inf if lb is None else lb)
-            row_upper.append(inf if ub is None else ub)
-        if starts:
-            highs.addRows(len(starts), np.array(row_lower, dtype=np.float64), np.array(row_upper, dtype=np.float64),
-                          len(indices), np.array(starts, dtype=np.int32), np.array(indices, dtype=np.int32),
-                          np.array(values, dtype=np.float64))
+        highs.addCols(n, model.costs, np.zeros(n), model.upper, 0, none_int, none_int, none_float)
+        starts, columns, coefficients, lower, upper = model.matrix()
+        inf = highspy.kHighsInf
+        if len(starts):
+            highs.addRows(len(starts), np.where(np.isinf(lower), -inf, lower), np.where(np.isinf(upper), inf, upper),
+                          len(columns), starts, columns, coefficients)
+        if model.binaries.size:
+            highs.changeColsIntegrality(model.binaries.size, model.binaries,
+                                        np.full(model.binaries.size, highspy.HighsVarType.kInteger))
+        return highs
 
-    def callSolver(self, lp: pulp.LpProblem) -> None:  # noqa: N802 - pulp's name
+    def solve(self, model: IlpModel) -> Answer:
         import highspy
-        import numpy as np
 
-        highs = lp.solverModel
+        highs = self._highs(model)
         self.relaxation_bound = None
-        variables = lp.variables()  # in column order: pulp numbered them so
-        integer = np.array([var.index for var in variables if var.cat == pulp.LpInteger], dtype=np.int32)
-        if integer.size and self.mip:
-            kinds = highspy.HighsVarType
+        integer = model.binaries
+        kinds = highspy.HighsVarType
+        if integer.size:
             highs.changeColsIntegrality(integer.size, integer, np.full(integer.size, kinds.kContinuous))
+            highs.setOptionValue("presolve", "off")
             started = time.perf_counter()
             highs.run()
+            highs.setOptionValue("presolve", "choose")
             if highs.getModelStatus() == highspy.HighsModelStatus.kOptimal:
-                values = np.asarray(highs.getSolution().col_value)[integer]
-                if np.all(np.abs(values - np.round(values)) <= INTEGRALITY_TOL):
+                values = np.asarray(highs.getSolution().col_value)
+                relaxed = values[integer]
+                if np.all(np.abs(relaxed - np.round(relaxed)) <= INTEGRALITY_TOL):
                     self.relaxation_bound = float(highs.getInfo().objective_function_value)
-                    return
+                    return Answer(pulp.LpStatusOptimal, pulp.LpSolutionOptimal, values, self.relaxation_bound)
             highs.changeColsIntegrality(integer.size, integer, np.full(integer.size, kinds.kInteger))
             # HiGHS 1.16 may report the branch-and-bound's objective beside a stale solution
             # of the relaxation's run unless its solver state is cleared in between
             highs.clearSolver()
-            if self.timeLimit is not None:  # the time limit covers both runs
-                highs.setOptionValue("time_limit", max(1e-3, float(self.timeLimit) - (time.perf_counter() - started)))
-        if self.warm_start:
+            if self.time_limit_s is not None:  # the time limit covers both runs
+                left = float(self.time_limit_s) - (time.perf_counter() - started)
+                highs.setOptionValue("time_limit", max(1e-3, left))
+        if self.warm_start and model.values is not None:
             start = highspy.HighsSolution()
-            start.col_value = [var.varValue or 0.0 for var in variables]
+            start.col_value = list(model.values)
             start.value_valid = True
             highs.setSolution(start)
         highs.run()
+        status, sol_status = _highs_status(highs)
+        values = np.asarray(highs.getSolution().col_value) if sol_status != pulp.LpSolutionNoSolutionFound else None
+        return Answer(status, sol_status, values, float(highs.getInfo().mip_dual_bound))
 
 
 def solver_available(name: SolverName) -> bool:
@@ -173,18 +204,18 @@ def pick_solver(requested: object) -> SolverName:
 
 
 def make_backend(name: SolverName, time_limit_s: float | None, mip_gap: float | None,
-                 log_path: str, exact_abs_gap: float | None = None, warm_start: bool = False) -> pulp.LpSolver:
-    """A pulp solver object. With ``exact_abs_gap`` (the tie-break solves): no relative gap,
-    that absolute gap, and rows held to EXACT_FEASIBILITY_TOL instead of the default 1e-7.
-    ``warm_start``: HiGHS starts from the variables' current values (CBC ignores it)."""
+                 log_path: str, exact_abs_gap: float | None = None, warm_start: bool = False
+                 ) -> HighsBackend | pulp.LpSolver:
+    """The backend that solves a model: :class:`HighsBackend`, or pulp's CBC. With
+    ``exact_abs_gap`` (the tie-break solves): no relative gap, that absolute gap, and rows held
+    to EXACT_FEASIBILITY_TOL instead of the default 1e-7. ``warm_start``: HiGHS starts from the
+    model's last values (CBC ignores it)."""
     exact = exact_abs_gap is not None
     gap_rel = 0.0 if exact else (DEFAULT_MIP_GAP if mip_gap is None else mip_gap)
     if name == "highs":
         _highs_banner_silenced()
         extra = {"primal_feasibility_tolerance": EXACT_FEASIBILITY_TOL} if exact else {}
-        return RelaxationFirstHiGHS(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,
-                                    gapAbs=exact_abs_gap if exact else HIGHS_ABS_GAP, threads=1,
-                                    warm_start=warm_start, **extra)
+        return HighsBackend(time_limit_s, gap_rel, exact_abs_gap if exact else HIGHS_ABS_GAP, extra, warm_start)
     options = [f"primalTolerance {EXACT_FEASIBILITY_TOL:g}"] if exact else []
     with _cbc_deprecation_silenced():
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,

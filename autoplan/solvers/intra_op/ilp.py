@@ -1,4 +1,4 @@
-r"""The pulp model of the intra-op ILP (data as in :mod:`~autoplan.solvers.intra_op.problem`).
+r"""The model of the intra-op ILP (data as in :mod:`~autoplan.solvers.intra_op.problem`), as arrays.
 
 Variables
 ---------
@@ -50,55 +50,137 @@ first and keeps such an optimum, which is the ILP's
 Numerics (P5): the objective is divided by its largest coefficient (costs in seconds are tiny
 next to solver tolerances) and rows (4) and (6) by ``M`` (their tolerance becomes relative;
 ``t`` is in units of ``M``).
+
+Columns and rows are kept as arrays (:class:`IlpModel`): columns ``s`` group by group, then
+each edge's ``e`` row by row, then ``t``; rows in the order the families are added. HiGHS
+reads them as they are (:class:`~autoplan.solvers.intra_op.backends.HighsBackend`); pulp's
+model of the same columns and rows (:meth:`IlpModel.to_pulp`) is built only for CBC. A layer's
+model has tens of thousands of ``e`` columns, and building them as pulp variables took longer
+than HiGHS takes to solve the model.
 """
 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
-from typing import Any
 
+import numpy as np
 import pulp
 
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
 from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow, fits_budget
 
-
-class ColumnCachedProblem(pulp.LpProblem):
-    """pulp's problem, whose ``variables()`` (the solver's columns) pulp gathers again from every
-    row and sorts by name on each call, several times per solve: here the list is kept while no
-    row is added and the objective is the same object (our models bring no variable in any
-    other way), so the solver gets the same columns in the same order."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._rows_added = 0
-        self._columns: tuple[int, object, list[pulp.LpVariable]] | None = None
-        super().__init__(*args, **kwargs)
-
-    def addConstraint(self, *args: Any, **kwargs: Any) -> None:  # noqa: N802 - pulp's name
-        self._rows_added += 1
-        super().addConstraint(*args, **kwargs)
-
-    def variables(self) -> list[pulp.LpVariable]:
-        cached = self._columns
-        if cached is None or cached[0] != self._rows_added or cached[1] is not self.objective:
-            cached = self._columns = (self._rows_added, self.objective, list(super().variables()))
-        return cached[2]
+INFINITY = math.inf
 
 
 @dataclass
 class IlpModel:
-    lp: pulp.LpProblem
-    s: dict[int, list[pulp.LpVariable]]  # active group -> one binary per choice
+    """The model as arrays: per column its objective coefficient and upper bound (every column
+    is at least 0; the ``s`` columns are binary), and the rows in compressed form, added in
+    blocks. ``values`` and ``status`` hold the last solve's answer
+    (:func:`~autoplan.solvers.intra_op.run.run_model`)."""
+
+    s: dict[int, np.ndarray]  # active group -> the columns of its binaries, one per choice
+    edge_columns: list[tuple[int, int, int, int, int]]  # (u, v, first column, rows, columns) per edge
+    costs: np.ndarray  # the objective being minimised, per column
+    objective: np.ndarray  # (0) as built, in model units (the tie-break replaces ``costs``)
+    upper: np.ndarray  # per column: 1 for a binary, infinite for a continuous one
+    binaries: np.ndarray  # the binary columns (int32)
     scale: float  # objective (0) coefficients were divided by this (P5)
-    objective: pulp.LpAffineExpression  # (0) as built, in model units
-    transient: pulp.LpVariable | None = None  # t, where the budget binds and there are peak rows
+    transient: int | None = None  # t's column, where the budget binds and there are peak rows
     peaks: list[PeakRow] = field(default_factory=list)  # the rows (6) added so far
+    values: np.ndarray | None = None  # the last solve's column values
+    status: int = pulp.LpStatusNotSolved  # the last solve's pulp status
+    # the rows, block by block (:meth:`add_rows`): entries per row, their columns and
+    # coefficients, the rows' bounds
+    _lengths: list[np.ndarray] = field(default_factory=list, init=False, repr=False)
+    _columns: list[np.ndarray] = field(default_factory=list, init=False, repr=False)
+    _coefficients: list[np.ndarray] = field(default_factory=list, init=False, repr=False)
+    _lower: list[np.ndarray] = field(default_factory=list, init=False, repr=False)
+    _upper: list[np.ndarray] = field(default_factory=list, init=False, repr=False)
+
+    @property
+    def num_columns(self) -> int:
+        return len(self.costs)
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(lengths) for lengths in self._lengths)
+
+    def add_rows(self, lengths: np.ndarray, columns: np.ndarray, coefficients: np.ndarray,
+                 lower: np.ndarray, upper: np.ndarray) -> None:
+        """Rows in compressed form: row ``r`` has ``lengths[r]`` entries, the next ones of
+        ``columns`` and ``coefficients``; ``lower <= row <= upper``. Zero coefficients are left
+        out."""
+        keep = coefficients != 0
+        if not keep.all():
+            row_of = np.repeat(np.arange(len(lengths)), lengths)
+            lengths = np.bincount(row_of[keep], minlength=len(lengths))
+            columns, coefficients = columns[keep], coefficients[keep]
+        self._lengths.append(np.asarray(lengths, dtype=np.int64))
+        self._columns.append(np.asarray(columns, dtype=np.int32))
+        self._coefficients.append(np.asarray(coefficients, dtype=np.float64))
+        self._lower.append(np.asarray(lower, dtype=np.float64))
+        self._upper.append(np.asarray(upper, dtype=np.float64))
+
+    def add_row(self, terms: list[tuple[int, float]], lower: float, upper: float) -> None:
+        """One row ``lower <= sum c x[column] <= upper`` over (column, c) ``terms``."""
+        columns, coefficients = zip(*terms) if terms else ((), ())
+        self.add_rows(np.array([len(columns)]), np.array(columns, dtype=np.int32),
+                      np.array(coefficients, dtype=np.float64), np.array([lower]), np.array([upper]))
+
+    def matrix(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(starts, columns, coefficients, lower, upper) of every row, in compressed form."""
+        lengths = _joined(self._lengths, np.int64)
+        starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int32) if len(lengths) else \
+            np.zeros(0, dtype=np.int32)
+        return (starts, _joined(self._columns, np.int32), _joined(self._coefficients, np.float64),
+                _joined(self._lower, np.float64), _joined(self._upper, np.float64))
+
+    def column_names(self) -> list[str]:
+        """A name per column, for pulp: ``s_g_i``, ``e_u_v_i_j``, ``transient``."""
+        names = [""] * self.num_columns
+        for g, columns in self.s.items():
+            for i, column in enumerate(columns):
+                names[column] = f"s_{g}_{i}"
+        for u, v, first, rows, cols in self.edge_columns:
+            for i in range(rows):
+                for j in range(cols):
+                    names[first + i * cols + j] = f"e_{u}_{v}_{i}_{j}"
+        if self.transient is not None:
+            names[self.transient] = "transient"
+        return names
+
+    def to_pulp(self) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
+        """pulp's model of these columns, rows and costs (for CBC), and its variables by column."""
+        lp = pulp.LpProblem("intra_op", pulp.LpMinimize)
+        binary = np.zeros(self.num_columns, dtype=bool)
+        binary[self.binaries] = True
+        variables = [_new_variable(lp, name, pulp.LpBinary if binary[k] else pulp.LpContinuous)
+                     for k, name in enumerate(self.column_names())]
+        starts, columns, coefficients, lower, upper = self.matrix()
+        ends = list(starts[1:]) + [len(columns)]
+        for r, (start, end) in enumerate(zip(starts, ends)):
+            expr = pulp.LpAffineExpression([(variables[c], float(x))
+                                            for c, x in zip(columns[start:end], coefficients[start:end])])
+            if lower[r] == upper[r]:
+                lp.addConstraint(expr == float(upper[r]), f"r{r}")
+            else:
+                if upper[r] < INFINITY:
+                    lp.addConstraint(expr <= float(upper[r]), f"r{r}")
+                if lower[r] > -INFINITY:
+                    lp.addConstraint(expr >= float(lower[r]), f"r{r}_lower")
+        lp.setObjective(pulp.LpAffineExpression([(variables[k], float(c)) for k, c in enumerate(self.costs) if c]))
+        return lp, variables
+
+    def objective_value(self) -> float:
+        """The current objective at the last solve's values."""
+        assert self.values is not None, "the model has not been solved"
+        return float(np.dot(self.costs, self.values))
 
 
-def _sanitize(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_]", "_", name)[:60]
+def _joined(blocks: list[np.ndarray], dtype: type) -> np.ndarray:
+    return np.concatenate(blocks) if blocks else np.zeros(0, dtype=dtype)
 
 
 def _new_variable(lp: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
@@ -108,82 +190,72 @@ def _new_variable(lp: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
     return pulp.LpVariable(name, lowBound=0, cat=cat)
 
 
-def _onehot_variables(lp: pulp.LpProblem, reduced: ReducedProblem
-                      ) -> dict[int, list[pulp.LpVariable]]:
-    return {
-        g: [_new_variable(lp, f"s_{g}_{i}", pulp.LpBinary)
-            for i in range(len(reduced.node_costs[g]))]
-        for g in reduced.active
-    }
-
-
-def _add_onehot_constraints(lp: pulp.LpProblem, s: dict, problem: IntraOpProblem) -> None:
-    """Equation (1): sum_i s[g,i] = 1 for every active group g."""
-    for g, variables in s.items():
-        expr = pulp.LpAffineExpression([(x, 1.0) for x in variables])
-        lp.addConstraint(expr == 1, f"onehot_{g}_{_sanitize(problem.group_name(g))}")
-
-
-def _add_edge_marginal_constraints(
-    lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, problem: IntraOpProblem
-) -> list[tuple[pulp.LpVariable, float]]:
-    """Equations (2) and (3): rows of e[uv] sum to s[u,i], columns to s[v,j].
-
-    Returns the edge part of objective (0) as (variable, seconds) pairs.
-    """
-    terms = []
+def _columns(reduced: ReducedProblem) -> tuple[dict[int, np.ndarray], list[tuple[int, int, int, int, int]], int]:
+    """The ``s`` columns of every active group, then each edge's ``e`` block; the column count."""
+    s: dict[int, np.ndarray] = {}
+    column = 0
+    for g in reduced.active:
+        n = len(reduced.node_costs[g])
+        s[g] = np.arange(column, column + n, dtype=np.int32)
+        column += n
+    edges = []
     for (u, v), matrix in reduced.edges.items():
-        tag = f"{u}_{v}"
-        label = _sanitize(f"{problem.group_name(u)}__{problem.group_name(v)}")
-        e = [[_new_variable(lp, f"e_{tag}_{i}_{j}", pulp.LpContinuous) for j in range(len(row))]
-             for i, row in enumerate(matrix)]
-        for i, row in enumerate(e):  # (2)
-            expr = pulp.LpAffineExpression([(x, 1.0) for x in row] + [(s[u][i], -1.0)])
-            lp.addConstraint(expr == 0, f"edge_src_{tag}_{i}_{label}")
-        for j in range(len(matrix[0])):  # (3)
-            column = [(e[i][j], 1.0) for i in range(len(matrix))]
-            expr = pulp.LpAffineExpression(column + [(s[v][j], -1.0)])
-            lp.addConstraint(expr == 0, f"edge_dst_{tag}_{j}_{label}")
-        terms += [(e[i][j], x) for i, row in enumerate(matrix) for j, x in enumerate(row) if x]
-    return terms
+        rows, cols = len(matrix), len(matrix[0])
+        edges.append((u, v, column, rows, cols))
+        column += rows * cols
+    return s, edges, column
 
 
-def _memory_terms(s: dict, problem: IntraOpProblem, divisor: float
-                  ) -> list[tuple[pulp.LpVariable, float]]:
-    return [(x, problem.memory[g][i] / divisor) for g, xs in s.items() for i, x in enumerate(xs)]
+def _add_onehot_constraints(model: IlpModel) -> None:
+    """Equation (1): sum_i s[g,i] = 1 for every active group g."""
+    groups = list(model.s.values())
+    if not groups:
+        return
+    lengths = np.array([len(columns) for columns in groups])
+    ones = np.ones(len(groups))
+    model.add_rows(lengths, np.concatenate(groups), np.ones(int(lengths.sum())), ones, ones)
+
+
+def _add_edge_marginal_constraints(model: IlpModel) -> None:
+    """Equations (2) and (3): rows of e[uv] sum to s[u,i], columns to s[v,j]."""
+    for u, v, first, rows, cols in model.edge_columns:
+        block = first + np.arange(rows * cols, dtype=np.int32).reshape(rows, cols)
+        # (2): row i of e[uv], then -s[u,i]
+        columns = np.concatenate([block, model.s[u].reshape(rows, 1)], axis=1).ravel()
+        coefficients = np.tile(np.append(np.ones(cols), -1.0), rows)
+        zeros = np.zeros(rows)
+        model.add_rows(np.full(rows, cols + 1), columns, coefficients, zeros, zeros)
+        # (3): column j of e[uv], then -s[v,j]
+        columns = np.concatenate([block.T, model.s[v].reshape(cols, 1)], axis=1).ravel()
+        coefficients = np.tile(np.append(np.ones(rows), -1.0), cols)
+        zeros = np.zeros(cols)
+        model.add_rows(np.full(cols, rows + 1), columns, coefficients, zeros, zeros)
 
 
 def _fixed_memory(problem: IntraOpProblem, reduced: ReducedProblem) -> float:
     return math.fsum(problem.memory[g][i] for g, i in reduced.fixed.items())
 
 
-def _add_memory_constraint(
-    lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, problem: IntraOpProblem
-) -> pulp.LpVariable | None:
+def _add_memory_constraint(model: IlpModel, reduced: ReducedProblem, problem: IntraOpProblem) -> None:
     """Equation (4), divided by M: sum over active groups of (m/M) s + t/M <= 1 - fixed memory / M,
-    with ``t`` (returned) where preprocessing left peak rows; rows (6) come one by one
+    with ``t`` where preprocessing left peak rows; rows (6) come one by one
     (:func:`add_peak_row`)."""
     if not reduced.budget_binding:
-        return None
+        return
     budget = problem.memory_budget
-    fixed = _fixed_memory(problem, reduced)
-    terms = _memory_terms(s, problem, budget)
-    t = None
-    if reduced.peaks:
-        t = _new_variable(lp, "transient", pulp.LpContinuous)
-        terms.append((t, 1.0))
-    expr = pulp.LpAffineExpression(terms)
-    lp.addConstraint(expr <= (budget - fixed) / budget, "memory_budget")
-    return t
+    terms = [(int(x), problem.memory[g][i] / budget) for g, xs in model.s.items() for i, x in enumerate(xs)]
+    if model.transient is not None:
+        terms.append((model.transient, 1.0))
+    model.add_row(terms, -INFINITY, (budget - _fixed_memory(problem, reduced)) / budget)
 
 
 def add_peak_row(model: IlpModel, row: PeakRow, budget: float) -> None:
     """Equation (6) for one peak row of the reduced problem (P6), divided by M:
     sum over its groups of (p/M) s - t/M <= -p0/M."""
     assert model.transient is not None, "a model without t has no peak rows"
-    held = [(x, values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(model.s[g]) if values[i]]
-    expr = pulp.LpAffineExpression(held + [(model.transient, -1.0)])
-    model.lp.addConstraint(expr <= -row.constant / budget, f"peak_{len(model.peaks)}")
+    held = [(int(x), values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(model.s[g])
+            if values[i]]
+    model.add_row(held + [(model.transient, -1.0)], -INFINITY, -row.constant / budget)
     model.peaks.append(row)
 
 
@@ -198,27 +270,36 @@ def violated_peak_row(problem: IntraOpProblem, reduced: ReducedProblem, model: I
     return None if any(worst is row for row in model.peaks) else worst
 
 
-def _set_objective(lp: pulp.LpProblem, s: dict, reduced: ReducedProblem, edge_terms: list
-                   ) -> tuple[float, pulp.LpAffineExpression]:
+def _objective(model: IlpModel, reduced: ReducedProblem) -> tuple[np.ndarray, float]:
     """Equation (0) over the active groups, divided by its largest coefficient."""
-    node_terms = [(x, reduced.node_costs[g][i]) for g, xs in s.items() for i, x in enumerate(xs)]
-    terms = [(x, c) for x, c in node_terms + edge_terms if c]
-    scale = max((abs(c) for _, c in terms), default=1.0)
-    objective = pulp.LpAffineExpression([(x, c / scale) for x, c in terms])
-    lp.setObjective(objective)
-    return scale, objective
+    costs = np.zeros(model.num_columns)
+    for g, columns in model.s.items():
+        costs[columns] = reduced.node_costs[g]
+    for u, v, first, rows, cols in model.edge_columns:
+        costs[first:first + rows * cols] = np.asarray(reduced.edges[u, v], dtype=np.float64).ravel()
+    nonzero = np.abs(costs[costs != 0])
+    scale = float(nonzero.max()) if nonzero.size else 1.0
+    return costs / scale, scale
 
 
 def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
-    """The pulp model of equations (0)-(4) over the groups (P4) left undecided, with ``t`` where
+    """The model of equations (0)-(4) over the groups (P4) left undecided, with ``t`` where
     peak rows (6) may be added (:func:`add_peak_row`)."""
-    lp = ColumnCachedProblem("intra_op", pulp.LpMinimize)
-    s = _onehot_variables(lp, reduced)
-    _add_onehot_constraints(lp, s, problem)
-    edge_terms = _add_edge_marginal_constraints(lp, s, reduced, problem)
-    t = _add_memory_constraint(lp, s, reduced, problem)
-    scale, objective = _set_objective(lp, s, reduced, edge_terms)
-    return IlpModel(lp, s, scale, objective, t)
+    s, edges, columns = _columns(reduced)
+    transient = None
+    if reduced.budget_binding and reduced.peaks:
+        transient, columns = columns, columns + 1
+    upper = np.full(columns, INFINITY)
+    binaries = np.concatenate(list(s.values())) if s else np.zeros(0, dtype=np.int32)
+    upper[binaries] = 1.0
+    model = IlpModel(s, edges, np.zeros(columns), np.zeros(columns), upper, binaries.astype(np.int32), 1.0,
+                     transient)
+    model.costs, model.scale = _objective(model, reduced)
+    model.objective = model.costs.copy()
+    _add_onehot_constraints(model)
+    _add_edge_marginal_constraints(model)
+    _add_memory_constraint(model, reduced, problem)
+    return model
 
 
 def model_value(model: IlpModel, reduced: ReducedProblem, seconds: float) -> float:
@@ -231,11 +312,14 @@ def bound_objective(model: IlpModel, reduced: ReducedProblem, seconds: float,
     """Row (5): objective (0) at most ``seconds + tolerance``, normalised to a relative row."""
     rhs = model_value(model, reduced, seconds) + tolerance / model.scale
     divisor = max(abs(model_value(model, reduced, seconds)), 1.0)
-    expr = pulp.LpAffineExpression([(x, c / divisor) for x, c in model.objective.items()])
-    model.lp.addConstraint(expr <= rhs / divisor, "canonical_objective")
+    columns = np.flatnonzero(model.objective)
+    model.add_rows(np.array([len(columns)]), columns, model.objective[columns] / divisor,
+                   np.array([-INFINITY]), np.array([rhs / divisor]))
 
 
 def minimise_weights(model: IlpModel, weights: list[list[int]]) -> None:
     """Objective: ``sum w[g,i] s[g,i]`` over the active groups (integer weights)."""
-    terms = [(x, float(weights[g][i])) for g, xs in model.s.items() for i, x in enumerate(xs)]
-    model.lp.setObjective(pulp.LpAffineExpression(terms))
+    costs = np.zeros(model.num_columns)
+    for g, columns in model.s.items():
+        costs[columns] = [float(w) for w in weights[g]]
+    model.costs = costs

@@ -8,9 +8,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import pulp
 
-from autoplan.solvers.intra_op.backends import RelaxationFirstHiGHS, SolverName, make_backend
+from autoplan.solvers.intra_op.backends import Answer, HighsBackend, SolverName, make_backend
 from autoplan.solvers.intra_op.ilp import IlpModel
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
 
@@ -36,14 +37,6 @@ def parse_cbc_bound(log: str) -> float | None:
     return None
 
 
-def _highs_bound(lp: pulp.LpProblem, backend: pulp.LpSolver) -> float | None:
-    """The proven bound: an integral relaxation's objective, else the branch-and-bound's."""
-    if isinstance(backend, RelaxationFirstHiGHS) and backend.relaxation_bound is not None:
-        return backend.relaxation_bound
-    model = getattr(lp, "solverModel", None)
-    return None if model is None else float(model.getInfo().mip_dual_bound)
-
-
 def _cbc_bound(log_path: str) -> float | None:
     if not os.path.exists(log_path):
         return None
@@ -51,25 +44,40 @@ def _cbc_bound(log_path: str) -> float | None:
         return parse_cbc_bound(f.read())
 
 
+def _solve_with_cbc(model: IlpModel, backend: pulp.LpSolver, log_path: str) -> Answer:
+    """CBC on pulp's model of ``model`` (:meth:`IlpModel.to_pulp`), started from nothing."""
+    lp, variables = model.to_pulp()
+    lp.solve(backend)
+    values = None
+    if lp.sol_status in (pulp.LpSolutionOptimal, pulp.LpSolutionIntegerFeasible):
+        values = np.array([var.varValue or 0.0 for var in variables])
+    return Answer(lp.status, lp.sol_status, values, _cbc_bound(log_path))
+
+
 def run_model(model: IlpModel, solver: SolverName, time_limit_s: float | None,
               mip_gap: float | None, exact_abs_gap: float | None = None, warm_start: bool = False) -> SolverRun:
-    """Solve ``model.lp`` with its current objective (see :func:`make_backend` for the gaps and
-    ``warm_start``)."""
+    """Solve ``model`` with its current objective (see :func:`make_backend` for the gaps and
+    ``warm_start``); its ``values`` and ``status`` become the answer's."""
     with tempfile.TemporaryDirectory(prefix="autoplan_ilp_") as tmp:
         log_path = os.path.join(tmp, "cbc.log")
         backend = make_backend(solver, time_limit_s, mip_gap, log_path, exact_abs_gap, warm_start)
         start = time.perf_counter()
-        model.lp.solve(backend)
+        if isinstance(backend, HighsBackend):
+            answer = backend.solve(model)
+        else:
+            answer = _solve_with_cbc(model, backend, log_path)
         seconds = time.perf_counter() - start
-        bound = _highs_bound(model.lp, backend) if solver == "highs" else _cbc_bound(log_path)
-    return SolverRun(solver, model.lp.sol_status, bound, seconds)
+    model.status = answer.status
+    if answer.values is not None:
+        model.values = answer.values
+    return SolverRun(solver, answer.sol_status, answer.bound, seconds)
 
 
 def extract_choices(model: IlpModel, reduced: ReducedProblem, num_groups: int) -> list[int]:
     """argmax of s per active group (lowest index on ties), fixed choices for the rest."""
     choices = [reduced.fixed.get(g, -1) for g in range(num_groups)]
-    for g, variables in model.s.items():
-        values = [x.varValue or 0.0 for x in variables]
+    for g, columns in model.s.items():
+        values = [float(x) for x in model.values[columns]] if model.values is not None else [0.0] * len(columns)
         best = max(range(len(values)), key=lambda i: (values[i], -i))
         if values[best] < 0.5:
             raise RuntimeError(f"the ILP solver left group {g} without a choice ({values})")

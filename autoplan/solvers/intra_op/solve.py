@@ -133,7 +133,7 @@ def solve_intra_op(
     else:
         solved = tightened
     model, run, choices, seconds = solved.model, solved.run, solved.choices, solved.seconds
-    num_variables, num_constraints = model.lp.numVariables(), model.lp.numConstraints()
+    num_variables, num_constraints = model.num_columns, model.num_rows
     status = solution_status(run.sol_status, time_limit_s)
     objective, _ = evaluate(problem, choices)
     gap = _reported_gap(status, objective, run, model, solved.reduced, mip_gap)
@@ -187,7 +187,7 @@ def _solve_tightened(problem: IntraOpProblem, solver: SolverName, time_limit_s: 
         model = build_model(tight, reduced)
         run = run_model(model, solver, time_limit_s, mip_gap)
         seconds += run.seconds
-        if model.lp.status == pulp.LpStatusInfeasible:
+        if model.status == pulp.LpStatusInfeasible:
             return None
         solution_status(run.sol_status, time_limit_s)  # raises where there is no answer
         choices = extract_choices(model, reduced, problem.num_groups)
@@ -207,7 +207,7 @@ def _solve_with_lazy_peaks(problem: IntraOpProblem, reduced: ReducedProblem, sol
     while True:
         run = run_model(model, solver, time_limit_s, mip_gap)
         seconds += run.seconds
-        if model.lp.status == pulp.LpStatusInfeasible and model.peaks:
+        if model.status == pulp.LpStatusInfeasible and model.peaks:
             raise _no_peak_fits(problem)
         solution_status(run.sol_status, time_limit_s)  # raises where there is no answer
         choices = extract_choices(model, reduced, problem.num_groups)
