@@ -3,6 +3,8 @@ FLOPs, bytes, the module it came from and the parameters it reads."""
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -80,10 +82,32 @@ class TracedGraph:
     materialized_outputs: int | None = 1
 
     def fx_node(self, name: str) -> torch.fx.Node:
+        return self.fx_nodes[name]
+
+    @functools.cached_property
+    def fx_nodes(self) -> dict[str, torch.fx.Node]:
+        """The fx nodes by name, in graph order (a traced graph is not changed once made)."""
+        return {node.name: node for node in self.graph_module.graph.nodes}
+
+    @functools.cached_property
+    def node_order(self) -> dict[str, int]:
+        """Each node's position in the graph, by name."""
+        return {name: i for i, name in enumerate(self.fx_nodes)}
+
+    @functools.cached_property
+    def trained_values(self) -> frozenset[str]:
+        """The nodes whose value depends on a floating parameter (their gradient is computed):
+        such parameters, and the op nodes and activations computed from them."""
+        found: set[str] = set()
         for node in self.graph_module.graph.nodes:
-            if node.name == name:
-                return node
-        raise KeyError(name)
+            info = self.nodes.get(node.name)
+            if info is None:
+                continue
+            if info.kind == "parameter" and "float" in info.dtype:
+                found.add(node.name)
+            elif info.kind in ("op", "activation") and any(i.name in found for i in node.all_input_nodes):
+                found.add(node.name)
+        return frozenset(found)
 
     @property
     def total_flops(self) -> float:

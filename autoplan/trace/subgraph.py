@@ -22,14 +22,13 @@ def boundary_values(graph: TracedGraph, node_names: list[str]) -> tuple[list[str
     """(values the run reads from outside, values it produces that are used outside), by name,
     in graph order. Parameters, buffers and user inputs count as values read from outside."""
     inside = set(node_names)
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     reads: list[str] = []
     for name in node_names:
         for inp in fx_nodes[name].all_input_nodes:
             if inp.name not in inside and inp.name not in reads:
                 reads.append(inp.name)
-    order = {name: i for i, name in enumerate(fx_nodes)}
-    reads.sort(key=order.__getitem__)
+    reads.sort(key=graph.node_order.__getitem__)
     loss = loss_name(graph)
     produced = [name for name in node_names
                 if any(user.name not in inside and (user.op != "output" or name == loss) for user in fx_nodes[name].users)]
@@ -53,25 +52,11 @@ def model_outputs(graph: TracedGraph) -> list[str]:
     return [v.name for v in values[1:] if isinstance(v, fx.Node)]
 
 
-def _computed_from_parameters(graph: TracedGraph) -> set[str]:
-    """Op nodes whose value depends on a floating parameter (their gradient is computed)."""
-    found: set[str] = set()
-    for node in graph.graph_module.graph.nodes:
-        info = graph.nodes.get(node.name)
-        if info is None:
-            continue
-        if info.kind == "parameter" and "float" in info.dtype:
-            found.add(node.name)
-        elif info.kind in ("op", "activation") and any(i.name in found for i in node.all_input_nodes):
-            found.add(node.name)
-    return found
-
-
 def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
     """The run ``node_names`` (op nodes, graph order) as a :class:`TracedGraph`."""
     reads, produced = boundary_values(graph, node_names)
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
-    trained = _computed_from_parameters(graph)
+    fx_nodes = graph.fx_nodes
+    trained = graph.trained_values
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     infos: dict[str, NodeInfo] = {}

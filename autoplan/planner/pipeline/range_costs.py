@@ -324,6 +324,8 @@ class RangeTable:
         self.recompute_steps: dict[RecomputeMode, list[tuple[float, float]]] = {}
         self.recompute_orders: dict[tuple[tuple[RecomputeMode, ...], bool], list[int]] = {}
         self.running_max: dict[RecomputeMode | None, dict[int, list[float]]] = {}
+        # (start, end, recomputed, selective) -> the range's transient (:meth:`_with_transient`)
+        self.range_transients: dict[tuple[int, int, frozenset[int], frozenset[int]], float] = {}
         # joins[i]: the corrections of the boundaries before layer i (between j - 1 and j, j <= i)
         self.joins = list(itertools.accumulate(
             costs.boundary(graph, layers[j - 1], layers[j]) if j and boundaries else 0.0 for j in range(len(layers))))
@@ -454,9 +456,16 @@ class RangeTable:
         return max(largest(i) for i in range(start, end))
 
     def _with_transient(self, start: int, end: int, plan: RangePlan) -> RangePlan:
-        """``plan`` with its memory at the step's peak: its kept bytes plus its transient."""
-        modes = {i: RecomputeMode.SELECTIVE if i in plan.selective else RecomputeMode.FULL for i in plan.recomputed}
-        return replace(plan, memory=plan.memory + self.transient(start, end, modes))
+        """``plan`` with its memory at the step's peak: its kept bytes plus its transient (kept
+        by the range and the layers it recomputes: the search asks for the same ones under many
+        budgets)."""
+        key = (start, end, plan.recomputed, plan.selective)
+        transient = self.range_transients.get(key)
+        if transient is None:
+            modes = {i: RecomputeMode.SELECTIVE if i in plan.selective else RecomputeMode.FULL
+                     for i in plan.recomputed}
+            transient = self.range_transients[key] = self.transient(start, end, modes)
+        return RangePlan(plan.seconds, plan.memory + transient, plan.recomputed, plan.selective)
 
     def cost(self, start: int, end: int, budget: float | None) -> tuple[float, float]:
         """(seconds per step, bytes per device) of :meth:`plan`."""
@@ -576,13 +585,14 @@ class RangeTable:
             # trimmed plan's, and the two errors offset each other where both are small.)
             added = sum(a for _, a, _ in applied.values())
             freed = sum(b for _, _, b in applied.values())
+            recomputed, selective = frozenset(applied), _selective(applied)
             plan = None
             for share in (freed / math.prod(self.costs.ctx.mesh_shape), freed):
                 trimmed = self._sharded(start, end, room + share)
                 memory = trimmed.memory - share
                 if memory < 0:
                     memory = self.state_floor(start, end)
-                plan = RangePlan(trimmed.seconds + added, memory, frozenset(applied), _selective(applied))
+                plan = RangePlan(trimmed.seconds + added, memory, recomputed, selective)
                 if plan.memory <= room:
                     break
             assert plan is not None

@@ -58,15 +58,19 @@ def run_model(model: IlpModel, solver: SolverName, time_limit_s: float | None,
               mip_gap: float | None, exact_abs_gap: float | None = None, warm_start: bool = False) -> SolverRun:
     """Solve ``model`` with its current objective (see :func:`make_backend` for the gaps and
     ``warm_start``); its ``values`` and ``status`` become the answer's."""
-    with tempfile.TemporaryDirectory(prefix="autoplan_ilp_") as tmp:
-        log_path = os.path.join(tmp, "cbc.log")
-        backend = make_backend(solver, time_limit_s, mip_gap, log_path, exact_abs_gap, warm_start)
+    if solver == "highs":
+        backend = make_backend(solver, time_limit_s, mip_gap, "", exact_abs_gap, warm_start)
+        assert isinstance(backend, HighsBackend)
         start = time.perf_counter()
-        if isinstance(backend, HighsBackend):
-            answer = backend.solve(model)
-        else:
-            answer = _solve_with_cbc(model, backend, log_path)
+        answer = backend.solve(model)
         seconds = time.perf_counter() - start
+    else:
+        with tempfile.TemporaryDirectory(prefix="autoplan_ilp_") as tmp:  # CBC's log, read for its bound
+            log_path = os.path.join(tmp, "cbc.log")
+            backend = make_backend(solver, time_limit_s, mip_gap, log_path, exact_abs_gap, warm_start)
+            start = time.perf_counter()
+            answer = _solve_with_cbc(model, backend, log_path)
+            seconds = time.perf_counter() - start
     model.status = answer.status
     if answer.values is not None:
         model.values = answer.values
