@@ -4,9 +4,9 @@ HiGHS (``highspy``, the default, run on the model's arrays) and CBC (the binary 
 through pulp's model) both run single-threaded, so a solve is deterministic for a given build.
 HiGHS solves the linear relaxation first (:class:`HighsBackend`): where its optimum is integral
 it is the ILP's optimum, proven, at a fraction of the branch-and-bound's time on the intra-op
-models, whose relaxation is mostly integral; elsewhere the ILP is solved as before. A name is checked in one place,
-:func:`check_solver_name`; when the requested solver cannot run the other one does, and a
-:class:`SolverFallbackWarning` says so.
+models, whose relaxation is mostly integral; elsewhere the ILP is solved as before. A name is
+checked in one place, :func:`check_solver_name`; when the requested solver cannot run the
+other one does, and a :class:`SolverFallbackWarning` says so.
 """
 
 from __future__ import annotations
@@ -126,7 +126,8 @@ class HighsBackend:
         self.warm_start = warm_start
 
     def _highs(self, model: IlpModel) -> Any:
-        """A HiGHS instance holding the model: columns (costs, bounds), rows, integer columns."""
+        """A HiGHS instance holding the model's columns (costs, bounds) and rows, every column
+        continuous (:meth:`solve` makes the binaries integer where the relaxation is not)."""
         import highspy
 
         highs = highspy.Highs()
@@ -140,9 +141,6 @@ class HighsBackend:
         if len(starts):
             highs.addRows(len(starts), np.where(np.isinf(lower), -inf, lower), np.where(np.isinf(upper), inf, upper),
                           len(columns), starts, columns, coefficients)
-        if model.binaries.size:
-            highs.changeColsIntegrality(model.binaries.size, model.binaries,
-                                        np.full(model.binaries.size, highspy.HighsVarType.kInteger))
         return highs
 
     def solve(self, model: IlpModel) -> Answer:
@@ -153,7 +151,6 @@ class HighsBackend:
         integer = model.binaries
         kinds = highspy.HighsVarType
         if integer.size:
-            highs.changeColsIntegrality(integer.size, integer, np.full(integer.size, kinds.kContinuous))
             highs.setOptionValue("presolve", "off")
             started = time.perf_counter()
             highs.run()

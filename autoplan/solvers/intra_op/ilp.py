@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import pulp
@@ -73,6 +74,17 @@ from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow, fits_budg
 INFINITY = math.inf
 
 
+class EdgeBlock(NamedTuple):
+    """The ``e`` columns of edge ``(u, v)``: ``rows x cols`` of them from column ``first``, row
+    by row (``e[uv,i,j]`` is column ``first + i * cols + j``)."""
+
+    u: int
+    v: int
+    first: int
+    rows: int
+    cols: int
+
+
 @dataclass
 class IlpModel:
     """The model as arrays: per column its objective coefficient and upper bound (every column
@@ -81,7 +93,7 @@ class IlpModel:
     (:func:`~autoplan.solvers.intra_op.run.run_model`)."""
 
     s: dict[int, np.ndarray]  # active group -> the columns of its binaries, one per choice
-    edge_columns: list[tuple[int, int, int, int, int]]  # (u, v, first column, rows, columns) per edge
+    edge_columns: list[EdgeBlock]  # each edge's e columns
     costs: np.ndarray  # the objective being minimised, per column
     objective: np.ndarray  # (0) as built, in model units (the tie-break replaces ``costs``)
     upper: np.ndarray  # per column: 1 for a binary, infinite for a continuous one
@@ -190,7 +202,7 @@ def _new_variable(lp: pulp.LpProblem, name: str, cat: str) -> pulp.LpVariable:
     return pulp.LpVariable(name, lowBound=0, cat=cat)
 
 
-def _columns(reduced: ReducedProblem) -> tuple[dict[int, np.ndarray], list[tuple[int, int, int, int, int]], int]:
+def _columns(reduced: ReducedProblem) -> tuple[dict[int, np.ndarray], list[EdgeBlock], int]:
     """The ``s`` columns of every active group, then each edge's ``e`` block; the column count."""
     s: dict[int, np.ndarray] = {}
     column = 0
@@ -201,7 +213,7 @@ def _columns(reduced: ReducedProblem) -> tuple[dict[int, np.ndarray], list[tuple
     edges = []
     for (u, v), matrix in reduced.edges.items():
         rows, cols = len(matrix), len(matrix[0])
-        edges.append((u, v, column, rows, cols))
+        edges.append(EdgeBlock(u, v, column, rows, cols))
         column += rows * cols
     return s, edges, column
 
