@@ -40,7 +40,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     seconds they take."""
     bucket: dict[tuple, PlannedCollective] = {}
     seconds = 0.0
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     for name, strategy in result.chosen.items():
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
         info_v = graph.nodes[name]

@@ -107,7 +107,7 @@ class GraphView:
 
     @classmethod
     def of(cls, graph: TracedGraph) -> GraphView:
-        fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+        fx_nodes = graph.fx_nodes
         inputs: dict[str, list[str]] = {}
         users: dict[str, list[str]] = {name: [] for name in fx_nodes}
         for name, node in fx_nodes.items():
@@ -645,7 +645,7 @@ def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext
     outputs of ops that only the graph itself reads are no longer kept. The ops in ``kept``
     (selective recomputation: :func:`~autoplan.planner.recompute.saved_outputs`) keep their
     outputs and do not run again; their inputs' resharding does."""
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     mixed = ctx.optimizer.mixed_precision
     added = freed = 0.0
     for name, cost in result.node_costs.items():

@@ -52,7 +52,7 @@ def policy_mode(policy: RecomputePolicy | str) -> RecomputeMode:
 
 def recomputable(graph: TracedGraph, layers: list[Layer]) -> frozenset[int]:
     """The indices of the ``layers`` that may be recomputed: none of their ops writes into a tensor."""
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     return frozenset(i for i, layer in enumerate(layers)
                      if not any(writes_first_input(fx_nodes[name]) for name in layer.nodes if name in fx_nodes))
 
@@ -66,7 +66,7 @@ def regions(layers: Iterable[Layer]) -> dict[str, str]:
 def saved_outputs(graph: TracedGraph, layers: Iterable[Layer]) -> frozenset[str]:
     """The op nodes of selectively recomputed ``layers`` whose outputs are kept (the cost
     model's :attr:`~autoplan.cost_models.step_costs.CostContext.recompute_saved`)."""
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     return frozenset(name for layer in layers for name in layer.nodes
                      if name in fx_nodes and fx_nodes[name].op == "call_function"
                      and op_name(fx_nodes[name]) in SELECTIVE_SAVED_OPS)

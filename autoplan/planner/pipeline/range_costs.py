@@ -235,7 +235,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
     in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j. (Sizes in the
     traced dtype: pipeline stages send their values so, under bf16 autocast too.)"""
     layer_of = layer_index(layers)
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     loss = loss_name(graph)
     diff = [0.0] * (len(layers) + 2)
     for name, i in layer_of.items():
@@ -639,7 +639,7 @@ def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool 
     """For each layer, the values it reads that an earlier layer produced: name -> (producing
     layer, bytes of the whole value). Parameters, buffers and user inputs are not listed."""
     layer_of = layer_index(layers)
-    fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
+    fx_nodes = graph.fx_nodes
     out: list[dict[str, tuple[int, float]]] = []
     for i, layer in enumerate(layers):
         reads: dict[str, tuple[int, float]] = {}
