@@ -485,9 +485,16 @@ def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...]
            ctx.parameter_edges if from_parameter else -1, recomputed, kept, forward_itemsize)
     matrix = ctx.cache.get(key)
     if matrix is None:
-        matrix = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
-                                                     whole, recomputed, kept, grad_src, forward_itemsize)
-                   for dst, partial, whole in reads] for src, grad_src in src_specs]
+        # many producer choices emit the same spec, and many consumer choices read the same:
+        # each distinct pair is costed once
+        sources: dict[tuple[ShardingSpec, ShardingSpec | None], int] = {}
+        targets: dict[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], int] = {}
+        rows = [sources.setdefault(s, len(sources)) for s in src_specs]
+        cols = [targets.setdefault(r, len(targets)) for r in reads]
+        distinct = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
+                                                       whole, recomputed, kept, grad_src, forward_itemsize)
+                     for dst, partial, whole in targets] for src, grad_src in sources]
+        matrix = [[distinct[i][j] for j in cols] for i in rows]
         ctx.cache[key] = matrix
     return matrix
 

@@ -333,11 +333,13 @@ def _portable(candidates: list[PipelineCandidate]) -> list[PipelineCandidate]:
     return out
 
 
-def _restored(candidate: PipelineCandidate, task: SearchTask, options: PlannerOptions) -> PipelineCandidate:
-    """A candidate from a search process, with its graph, layers and options back."""
+def _restored(candidate: PipelineCandidate, searched: SearchTask | PipelineCandidate, options: PlannerOptions
+              ) -> PipelineCandidate:
+    """A candidate from a search process, with its graph, layers (those ``searched``) and
+    options back."""
     for lc in (candidate.costs or {}).values():
         lc.restore(options)
-    return replace(candidate, graph=task.graph, layers=task.layers)
+    return replace(candidate, graph=searched.graph, layers=searched.layers)
 
 
 def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: PipelineOptions) -> list[PipelineCandidate]:
@@ -348,8 +350,8 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     overestimates a deep stage of a data-parallel mesh most: the one-stage plans would lose to
     pipelines on that error alone (GPT-2 124M on 8 H100s, bf16: one stage on 2x4 estimated
     5.62 ms uncorrected, planned at 4.23 ms). The pairs' ILPs run first, spread over the
-    processes (one task per logical mesh of each searched sub-mesh); the searches again are
-    then quick."""
+    processes (one task per logical mesh of each searched sub-mesh); then the searches again,
+    one task per pipeline."""
     candidates = sorted(candidates, key=lambda c: c.step_time_s)
     picked = list(range(min(REFINED, len(candidates))))
     depths = {len(candidates[i].cuts) for i in picked}
@@ -368,10 +370,13 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     for (mesh_costs, _), (pairs, recompute_in_pair) in zip(tables.values(), pool.results()):
         mesh_costs.pairs.update(pairs)
         mesh_costs.recompute_in_pair.update(recompute_in_pair)
-    for i, c in zip(picked, best):
-        again = search_submesh(c.graph, c.layers, options, popts, c.schedule, c.microbatches, c.submesh,
-                               searched_meshes(c), boundaries=True, costs=c.costs,
-                               tied_meshes=[c.tied_mesh] if c.tied_mesh else None)
+    searches: TaskPool[list[PipelineCandidate]] = TaskPool(
+        options.jobs, pack=_portable, unpack=lambda k, found: [_restored(f, best[k], options) for f in found])
+    for c in best:
+        searches.submit(partial(search_submesh, c.graph, c.layers, options, popts, c.schedule, c.microbatches,
+                                c.submesh, searched_meshes(c), boundaries=True, costs=c.costs,
+                                tied_meshes=[c.tied_mesh] if c.tied_mesh else None))
+    for i, again in zip(picked, searches.results()):
         if again:
             candidates[i] = again[0]
     unique = {(c.microbatches, c.submesh, tuple(c.meshes), tuple(c.cuts), c.recomputed, c.selective, c.schedule,
