@@ -11,6 +11,7 @@ inputs."""
 from __future__ import annotations
 
 import collections
+import math
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from autoplan.load import make_model_spec
 from autoplan.sharding import P, R, S
 from autoplan.strategies.candidates import Strategy, enumerate_strategies, tensor_input_nodes
 from autoplan.strategies.index_maps import index_map_for, known_ops, op_name
+from autoplan.trace.experts import EXPERTS_OP, local_experts_forward
 from autoplan.trace.tracer import trace
 from op_nodes import op_node
 
@@ -270,11 +272,20 @@ def _tiny(kind: str) -> torch.nn.Module:
     return transformers.DeepseekV3ForCausalLM(cfg)
 
 
+def _op_by_op(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with experts modules :mod:`autoplan.trace.experts` does not trace as one op (an
+    interleaved gate and up projection): they are traced op by op."""
+    for m in model.modules():
+        if hasattr(m, "_is_expert_parallel"):
+            m.is_concatenated = False
+    return model
+
+
 @pytest.mark.parametrize("kind,dtype", [("mixtral", torch.float32), ("qwen2moe", torch.float32),
                                         ("deepseekv3", torch.float32), ("mixtral", torch.bfloat16)])
 def test_tiny_moe_models_have_a_rule_for_every_op(kind: str, dtype: torch.dtype) -> None:
     torch.manual_seed(0)
-    model = _tiny(kind).to(dtype)
+    model = _op_by_op(_tiny(kind).to(dtype))
     ids = torch.randint(0, 64, (2, 8))
     graph = trace(make_model_spec(model, {"input_ids": ids, "labels": ids}))
     ops = collections.Counter(op_name(n) for n in graph.graph_module.graph.nodes if n.op == "call_function")
@@ -283,10 +294,92 @@ def test_tiny_moe_models_have_a_rule_for_every_op(kind: str, dtype: torch.dtype)
     assert missing == []
     # float32 experts run transformers' fallback (torch._grouped_mm needs bfloat16 on CPU)
     grouped = "grouped_mm_fallback" if dtype == torch.float32 else "_grouped_mm"
-    assert ops[grouped] == 4 and ops["histc"] == 2 and ops["floor_divide"] == 2
+    assert ops[grouped] == 4 and ops["histc"] == 2 and ops["floor_divide"] == 2 and ops["moe_experts"] == 0
     for n in graph.graph_module.graph.nodes:
         if n.op == "call_function" and op_name(n) == grouped:
             imap = index_map_for(n)
             weight = imap.inputs[n.args[1].name]
             assert weight[0] in imap.fixed and weight[2] not in imap.fixed  # experts whole, columns split
     assert {"_grouped_mm", "grouped_mm_fallback", "histc", "floor_divide", "repeat", "scatter_"} <= known_ops()
+
+
+# ---------------------------------------------------------------- the experts as one op
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2moe", "deepseekv3"])
+def test_experts_trace_as_one_op_whose_experts_are_reduced_and_tokens_split(kind: str) -> None:
+    torch.manual_seed(0)
+    model = _tiny(kind)
+    ids = torch.randint(0, 64, (2, 8))
+    graph = trace(make_model_spec(model, {"input_ids": ids, "labels": ids}))
+    nodes = [n for n in graph.graph_module.graph.nodes if n.op == "call_function" and op_name(n) == "moe_experts"]
+    ops = collections.Counter(op_name(n) for n in graph.graph_module.graph.nodes if n.op == "call_function")
+    assert len(nodes) == 2 and ops["grouped_mm_fallback"] == 0 and ops["histc"] == 0
+    assert all(not hasattr(m, "forward") or "forward" not in vars(m) for m in model.modules())  # put back
+    for n in nodes:
+        x, index, weights, up, down = n.args[:5]
+        # 2 x 8 tokens x 2 slots, each through one expert's up and down projections
+        (_, *up_matrix), (_, *down_matrix) = graph.nodes[up.name].shape, graph.nodes[down.name].shape
+        assert graph.nodes[n.name].flops == 2 * 32 * (math.prod(up_matrix) + math.prod(down_matrix)) > 0
+        by_spec = {s.output_spec: s for s in _strategies(n)}
+        assert set(by_spec) == {(R,), (S(0),), (P,)}
+        ep = by_spec[(P,)]  # expert parallelism: each device its experts, for every token
+        assert ep.input_specs == ((R,), (R,), (R,), (S(0),), (S(0),)) and ep.compute_shards == 2
+        assert ep.partial_axes(0) == {0} and ep.partial_axes(2) == {0}  # x's and w's gradients partial
+        tokens = by_spec[(S(0),)]  # the tokens split, every expert on every device: data parallel
+        assert tokens.input_specs == ((S(0),), (S(0),), (S(0),), (R,), (R,))
+        assert tokens.partial_grads == ((3, 0), (4, 0))  # the experts' gradients are summed
+
+
+def _experts_inputs(kind: str, dtype: torch.dtype = torch.float32):
+    torch.manual_seed(0)
+    block = _tiny(kind).to(dtype).model.layers[0].mlp
+    experts = block.experts
+    hidden = torch.randn(12, 32, dtype=dtype)
+    _, weights, index = block.gate(hidden)
+    return experts, hidden, index, weights
+
+
+@pytest.mark.parametrize("kind,dtype", [("mixtral", torch.float32), ("deepseekv3", torch.float32),
+                                        ("mixtral", torch.bfloat16)])
+def test_shards_of_the_experts_add_up_to_the_layer_and_its_gradients(kind: str, dtype: torch.dtype) -> None:
+    """The experts' module as the model runs it, against two devices' halves of the experts
+    (:func:`local_experts_forward` from expert 0 and from expert 2), summed: the output and the
+    gradients of the tokens, the routing weights and every expert's weights."""
+    experts, hidden, index, weights = _experts_inputs(kind, dtype)
+    x, w = hidden.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    reference = experts(x, index, w)
+    grad = torch.randn_like(reference)
+    reference.backward(grad)
+
+    xs, ws = hidden.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    ups = [experts.gate_up_proj.detach()[i:i + 2].clone().requires_grad_() for i in (0, 2)]
+    downs = [experts.down_proj.detach()[i:i + 2].clone().requires_grad_() for i in (0, 2)]
+    halves = [local_experts_forward(xs, index, ws, up, down, True, False, "silu", first_expert=first, num_experts=4)
+              for first, up, down in zip((0, 2), ups, downs)]
+    assert not torch.equal(halves[0], reference)  # a half alone is a partial sum
+    total = halves[0] + halves[1]
+    total.backward(grad)
+    rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2e-2, 2e-2)
+    torch.testing.assert_close(total, reference, rtol=rtol, atol=atol)
+    torch.testing.assert_close(xs.grad, x.grad, rtol=rtol, atol=atol)
+    torch.testing.assert_close(ws.grad, w.grad, rtol=rtol, atol=atol)
+    torch.testing.assert_close(torch.cat([u.grad for u in ups]), experts.gate_up_proj.grad, rtol=rtol, atol=atol)
+    torch.testing.assert_close(torch.cat([d.grad for d in downs]), experts.down_proj.grad, rtol=rtol, atol=atol)
+
+
+def test_the_one_op_runs_eagerly_with_its_gradients() -> None:
+    """``autoplan::moe_experts`` itself (outside the planned program, which calls
+    :func:`local_experts_forward`) computes the module's output and gradients."""
+    experts, hidden, index, weights = _experts_inputs("mixtral")
+    x, w = hidden.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    reference = experts(x, index, w)
+    reference.sum().backward()
+    grads = [x.grad, w.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()]
+    experts.zero_grad()
+    x2, w2 = hidden.clone().requires_grad_(), weights.detach().clone().requires_grad_()
+    out = EXPERTS_OP(x2, index, w2, experts.gate_up_proj, experts.down_proj, True, False, "silu")
+    out.sum().backward()
+    torch.testing.assert_close(out, reference)
+    for got, want in zip([x2.grad, w2.grad, experts.gate_up_proj.grad, experts.down_proj.grad], grads):
+        torch.testing.assert_close(got, want)

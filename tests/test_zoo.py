@@ -126,3 +126,18 @@ def test_zoo_family_sharded_by_memory_passes_check(zoo, name: str) -> None:
     sharded = zoo["plans"][name]["sharded"]
     assert sharded is not None, f"{name}: no budget among {SHARDING_BUDGETS} of the replicated memory shards a weight"
     _passed(zoo, 4, f"{name}/sharded")
+
+
+def test_zoo_moe_sharded_by_memory_is_expert_parallel(zoo) -> None:
+    """Under the budget that makes the first MoE model shard its weights, its experts are sharded
+    by expert (each device computing its own experts' contributions, partial sums) on one axis of
+    the mesh and its tokens split on the other, as the launch above checks against one device."""
+    name = next(n for n in FIRST_OF_FAMILY if ALL_CASES[n]().family == "moe")
+    sharded = zoo["plans"][name]["sharded"]
+    experts = [n for n in sharded.nodes if n.op.startswith("autoplan.moe_experts")]
+    assert experts, f"{name}: no experts traced as one op"
+    for node in experts:
+        (out,) = node.outputs
+        axis = out.index("P")  # the axis sharding the experts
+        assert node.inputs[3][axis] == node.inputs[4][axis] == "S(0)", node  # each device its experts' weights
+        assert all(spec[axis] == "R" for spec in node.inputs[:3]), node  # every token on every device of it

@@ -21,7 +21,10 @@ dims are independent), so the op can run on the local shards:
 - each tensor output becomes a DTensor with its planned placements (``from_local``).
 
 A strategy with a partial output (``P``) is not run this way: a local mean is not a partial
-sum of the global one. Such ops stay with DTensor.
+sum of the global one. Such ops stay with DTensor, except a mixture-of-experts layer's experts
+traced as one op (:mod:`autoplan.trace.experts`): DTensor has no rule for it, and on a shard of
+the experts it computes their contributions, partial sums of the output by its math
+(:func:`call_experts_locally`).
 """
 
 from __future__ import annotations
@@ -33,12 +36,15 @@ import torch
 from torch._decomp import get_decompositions
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.plan_schema import NodePlan
+from autoplan.trace.experts import EXPERTS_OP, local_experts_forward
 
-__all__ = ["REPLACED_OPS", "call_planned_op", "has_dtensor_rule", "runs_locally", "call_locally"]
+__all__ = ["REPLACED_OPS", "call_planned_op", "has_dtensor_rule", "runs_locally", "call_locally",
+           "call_experts_locally"]
 
 # The tracer drops ``.contiguous()`` nodes (their presence depends on the tracing device), so a
 # ``view`` may meet a non-contiguous tensor (after a transpose): run it as ``reshape``, which is a
@@ -164,6 +170,23 @@ def call_locally(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], node_pl
     return wrap(out)
 
 
+def call_experts_locally(args: tuple[Any, ...], kwargs: dict[str, Any], node_plan: NodePlan,
+                         tensor_inputs: list[Any], mesh: DeviceMesh) -> Any:
+    """``autoplan::moe_experts`` on local tensors (:func:`call_locally`): this rank's experts
+    are those of its shard of the up projection's weight (``args[3]``), from the shard's offset
+    on; the output leaves in the planned placements, partial sums on the axes sharding the
+    experts."""
+    weight = args[3]
+    first, total = 0, weight.shape[0]
+    if isinstance(weight, DTensor):
+        _, offset = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+        first = int(offset[0])
+
+    def experts(*local_args: Any) -> torch.Tensor:
+        return local_experts_forward(*local_args, first_expert=first, num_experts=total)
+    return call_locally(experts, args, kwargs, node_plan, tensor_inputs, mesh)
+
+
 def spec_of(placement: Placement) -> str:
     """A DTensor placement as the plan writes it."""
     if placement.is_shard():
@@ -175,6 +198,8 @@ def call_planned_op(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any], node
                     tensor_inputs: list[Any], mesh: DeviceMesh) -> Any:
     """One planned op, its inputs already in their planned placements: on local tensors where
     :func:`runs_locally` says so, else on DTensors (``REPLACED_OPS`` applied)."""
+    if op is EXPERTS_OP:
+        return call_experts_locally(args, kwargs, node_plan, tensor_inputs, mesh)
     if runs_locally(op, node_plan):
         return call_locally(op, args, kwargs, node_plan, tensor_inputs, mesh)
     return REPLACED_OPS.get(op, op)(*args, **kwargs)

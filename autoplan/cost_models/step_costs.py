@@ -67,6 +67,7 @@ from autoplan.cost_models import (BACKWARD_FACTOR, CollectiveStep, DeviceSpec, L
     collective_time, op_seconds, optimizer_step_time, reshard_steps, roofline_time)
 from autoplan.sharding import P, R, ShardingSpec, local_shape
 from autoplan.strategies.candidates import Strategy
+from autoplan.trace.experts import saved_inside_elements
 from autoplan.trace.graph import NodeInfo
 from autoplan.trace.saved_inputs import ALIASING_OPS
 
@@ -248,7 +249,8 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     Forward: the roofline of the node's FLOPs and moved bytes (:func:`moved_bytes`; the memory
     term at the device's :attr:`~autoplan.cost_models.DeviceSpec.activation_bandwidth`) split
     over the shards, with the device's per-op overhead (:func:`op_seconds`); the backward costs ``backward_factor``
-    forwards, and one forward more where the node is ``recomputed``."""
+    forwards, and one forward more where the node is ``recomputed``. Memory: the output where
+    the backward reads it, and what the op keeps inside itself (:func:`kept_inside`)."""
     shards = strategy.compute_shards
     mixed = ctx.optimizer.mixed_precision
     itemsize = value_itemsize(info, mixed)
@@ -261,8 +263,24 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     activations = 0.0
     if saves_output and info.shape is not None:
         activations = local_bytes(info.shape, itemsize, strategy.output_spec, ctx.mesh_shape)
-        activations *= ctx.activations_in_flight
+    if needs_grad and not recomputed:  # a recomputed op keeps nothing until its forward runs again
+        activations += kept_inside(info, strategy, inputs, itemsize, ctx)
+    activations *= ctx.activations_in_flight
     return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
+
+
+def kept_inside(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], itemsize: int,
+                ctx: CostContext) -> float:
+    """Bytes per device an op keeps inside itself for its backward, beyond the values the graph
+    shows: those of a mixture-of-experts layer's experts traced as one op
+    (:func:`~autoplan.trace.experts.saved_inside_elements`, for this device's tokens); none for
+    other ops."""
+    if not info.target.startswith("autoplan.moe_experts") or info.shape is None or len(inputs) < 5 \
+            or any(i.shape is None for i in inputs[:5]):
+        return 0.0
+    tokens = local_shape(info.shape, strategy.output_spec, ctx.mesh_shape)[0]
+    hidden, index, _, gate_up, down = (i.shape for i in inputs[:5])
+    return saved_inside_elements(hidden, index, gate_up, down, tokens) * itemsize
 
 
 def count_reduction_steps(info: NodeInfo, strategy: Strategy) -> list[CollectiveStep]:

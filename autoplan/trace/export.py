@@ -22,6 +22,7 @@ from torch._higher_order_ops.wrap import wrap_with_set_grad_enabled
 
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, _first_line
+from autoplan.trace.experts import experts_as_one_op
 from autoplan.trace.values import fake_value, tensor_leaves
 
 __all__ = ["WRAPPER_PREFIX", "export_model", "tidy_graph"]
@@ -145,7 +146,7 @@ def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:
     """The exported ``(loss, *model_outputs)`` of ``spec``; an :class:`AutoplanError` naming
     the cause when export fails."""
     wrapper = _make_wrapper(spec)
-    with _export_mode(spec.module), _no_stack_traces():
+    with _export_mode(spec.module), _no_stack_traces(), experts_as_one_op(spec.module):
         try:
             return torch.export.export(wrapper, tuple(spec.example_inputs), strict=False)
         except AutoplanError:

@@ -2,7 +2,8 @@
 
 FLOPs come from ``torch.utils.flop_counter``'s formulas, plus formulas for the composite ops
 that export's training IR keeps but the flop counter only knows decomposed (linear, matmul,
-attention, convolutions, einsum). A formula that fails on a node counts 0 FLOPs for it and
+attention, convolutions, einsum), and for a mixture-of-experts layer's experts traced as one
+op (:mod:`autoplan.trace.experts`). A formula that fails on a node counts 0 FLOPs for it and
 warns (:class:`FlopCountWarning`), naming the op. Bytes are those of the distinct tensor
 inputs read plus the tensor outputs written.
 """
@@ -20,6 +21,7 @@ import torch.fx
 from torch.utils.flop_counter import conv_flop_count, flop_registry
 
 from autoplan.load import _first_line
+from autoplan.trace.experts import EXPERTS_OP, experts_flops
 from autoplan.trace.values import fake_arguments, first_tensor, int_shape, nbytes, tensors_in
 
 __all__ = ["FlopCountWarning", "node_bytes", "node_flops"]
@@ -101,6 +103,7 @@ _EXTRA_FLOPS: dict[Any, Callable[[tuple, dict, Any], float]] = {
     aten.conv_transpose2d: _conv_transpose_nd_flops,
     aten.conv_transpose3d: _conv_transpose_nd_flops,
     aten.einsum: _einsum_flops,
+    EXPERTS_OP.overloadpacket: lambda args, kwargs, out: experts_flops(args[1], args[3], args[4]),
 }
 
 

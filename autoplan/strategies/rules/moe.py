@@ -1,6 +1,14 @@
-"""Rules for the ops of mixture-of-experts layers: the grouped matmul of the experts
+"""Rules for the ops of mixture-of-experts layers: the experts traced as one op
+(``autoplan::moe_experts``, :mod:`autoplan.trace.experts`), the grouped matmul of the experts
 (``aten._grouped_mm``, and transformers' ``transformers.grouped_mm_fallback`` custom op), the
 routing counts (``histc``) and the router's ``scatter``.
+
+The experts as one op, ``out[T, H] = moe_experts(x[T, H], i[T, k], w[T, k], up[E, ·, ·],
+down[E, ·, ·])``, sum over the experts: ``out[t] = Σ_e Σ_slot [i[t, slot] = e] · w[t, slot] ·
+expert_e(x[t])``. So the experts' dim ``E`` is a reduction letter: a device holding a shard of
+the experts computes their contributions to every token, partial sums of the output (expert
+parallelism; the gradients of ``x`` and ``w`` come back partial too). The tokens ``T`` are
+independent of one another: a batch letter. The rest stays whole.
 
 A grouped matmul ``out = _grouped_mm(x[S, k], w[E, k, n], offs[E])`` multiplies the rows of
 group ``g`` (rows ``offs[g-1]:offs[g]``, tokens sorted by expert) by expert ``g``'s weight.
@@ -76,6 +84,22 @@ def grouped_mm(node: fx.Node, maker: LetterMaker) -> IndexMap | None:
     return IndexMap(letters, (out,), reducible=frozenset({"k"}), fixed=frozenset(fixed))
 
 
+def moe_experts(node: fx.Node, maker: LetterMaker) -> IndexMap | None:
+    """``autoplan::moe_experts(x, i, w, up, down, gated, transposed, activation)``: tokens
+    ``t`` sharded, experts ``e`` reduced (see the module docstring); the hidden dim, the
+    router's slots and the experts' matrices whole."""
+    if not str(node.target).startswith("autoplan.moe_experts"):
+        return None
+    x, index, weights, up, down = node.args[:5]
+    if not all(isinstance(t, fx.Node) for t in (x, index, weights, up, down)) or \
+            len({x, index, weights, up, down}) < 5:
+        return None
+    inputs: dict[str, Letters | None] = {x.name: ("t", "h"), index.name: ("t", "k"), weights.name: ("t", "k"),
+                                         up.name: ("e", "a", "b"), down.name: ("e", "c", "d")}
+    return IndexMap(inputs, (("t", "h"),), reducible=frozenset({"e"}),
+                    fixed=frozenset({"h", "k", "a", "b", "c", "d"}))
+
+
 def histc(node: fx.Node, maker: LetterMaker) -> IndexMap:
     """``histc(x, bins, min, max)`` counts every element of ``x``: the histogram of a shard
     is a partial count, and the counts of the shards add up to the whole one — so every dim of
@@ -130,6 +154,7 @@ def scatter(node: fx.Node, maker: LetterMaker) -> IndexMap:
 
 
 RULES: MappingProxyType[str, Rule] = rule_table([
+    (frozenset({"moe_experts"}), moe_experts),
     (frozenset({"_grouped_mm", "grouped_mm_fallback"}), grouped_mm),
     (frozenset({"histc"}), histc),
     (frozenset({"scatter", "scatter_"}), scatter),
