@@ -300,6 +300,8 @@ def test_tiny_moe_models_have_a_rule_for_every_op(kind: str, dtype: torch.dtype)
             imap = index_map_for(n)
             weight = imap.inputs[n.args[1].name]
             assert weight[0] in imap.fixed and weight[2] not in imap.fixed  # experts whole, columns split
+            rows, inner = graph.nodes[n.args[0].name].shape
+            assert graph.nodes[n.name].flops == 2 * rows * inner * graph.nodes[n.args[1].name].shape[2]
     assert {"_grouped_mm", "grouped_mm_fallback", "histc", "floor_divide", "repeat", "scatter_"} <= known_ops()
 
 

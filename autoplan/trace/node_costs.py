@@ -2,9 +2,10 @@
 
 FLOPs come from ``torch.utils.flop_counter``'s formulas, plus formulas for the composite ops
 that export's training IR keeps but the flop counter only knows decomposed (linear, matmul,
-attention, convolutions, einsum), and for a mixture-of-experts layer's experts traced as one
-op (:mod:`autoplan.trace.experts`). A formula that fails on a node counts 0 FLOPs for it and
-warns (:class:`FlopCountWarning`), naming the op. Bytes are those of the distinct tensor
+attention, convolutions, einsum), and for the experts of mixture-of-experts layers (grouped
+matrix products, and the experts traced as one op: :mod:`autoplan.trace.experts`). A formula
+that fails on a node counts 0 FLOPs for it and warns (:class:`FlopCountWarning`), naming the
+op. Bytes are those of the distinct tensor
 inputs read plus the tensor outputs written.
 """
 
@@ -90,7 +91,30 @@ def _einsum_flops(args: tuple, kwargs: dict, out: Any) -> float:
     return 2.0 * math.prod(sizes.values()) * (len(operands) - 1)
 
 
+def _grouped_mm_flops(args: tuple, kwargs: dict, out: Any) -> float:
+    """``aten._grouped_mm`` and transformers' ``grouped_mm_fallback``: every row (2-D × 3-D,
+    groups of rows: a mixture of experts' forward), every column (3-D × 2-D) or every slice of
+    the contraction (2-D × 2-D) meets one group's matrix; 3-D × 3-D is a batched product.
+    (Rows past the last offset, which the product skips, are counted too.)"""
+    a, b = args[0].shape, args[1].shape
+    if (len(a), len(b)) == (2, 3):
+        return 2.0 * a[0] * a[1] * b[2]
+    if (len(a), len(b)) == (3, 3):
+        return 2.0 * a[0] * a[1] * a[2] * b[2]
+    if (len(a), len(b)) == (2, 2):
+        return 2.0 * a[0] * a[1] * b[1]
+    if (len(a), len(b)) == (3, 2):
+        return 2.0 * a[1] * a[2] * b[1]
+    raise ValueError(f"grouped product of ranks {len(a)} and {len(b)}")
+
+
+# formulas of ops outside ATen that may not be registered when this module loads, by name
+_EXTRA_FLOPS_BY_NAME: dict[str, Callable[[tuple, dict, Any], float]] = {
+    "transformers::grouped_mm_fallback": _grouped_mm_flops,
+}
+
 _EXTRA_FLOPS: dict[Any, Callable[[tuple, dict, Any], float]] = {
+    aten._grouped_mm: _grouped_mm_flops,
     aten.linear: _linear_flops,
     aten.matmul: _matmul_flops,
     aten.scaled_dot_product_attention: _sdpa_flops,
@@ -114,7 +138,7 @@ def node_flops(node: torch.fx.Node) -> float:
     if not isinstance(target, torch._ops.OpOverload):
         return 0.0
     packet = target.overloadpacket
-    extra = _EXTRA_FLOPS.get(packet)
+    extra = _EXTRA_FLOPS.get(packet) or _EXTRA_FLOPS_BY_NAME.get(target.name())
     registered = None if extra is not None else flop_registry.get(packet)
     if extra is None and registered is None:
         return 0.0
