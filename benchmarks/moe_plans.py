@@ -25,9 +25,9 @@ import torch
 from autoplan.load import make_model_spec
 from autoplan.plan_schema import Plan
 from autoplan.planner.front_door import plan_model
-from autoplan.planner.meshes import mesh_label
 from autoplan.planner.options import PlanOptions
 from autoplan.solvers import format_bytes, format_seconds
+from planning_time import plan_shape  # this folder: the script's own
 
 
 def _mixtral(layers: int = 32, seq: int = 4096, batch: int = 16) -> tuple[torch.nn.Module, dict]:
@@ -75,14 +75,6 @@ def experts_layout(plan: Plan) -> str:
     return "; ".join(found)
 
 
-def _shape(plan: Plan) -> str:
-    if len(plan.stages) > 1:
-        meshes = sorted({mesh_label(tuple(s.mesh)) for s in plan.stages})
-        return f"{len(plan.stages)} stages x {'/'.join(meshes)}, {plan.microbatches} mb"
-    accumulated = f", {plan.microbatches} mb accumulated" if plan.microbatches > 1 else ""
-    return f"mesh {mesh_label(tuple(plan.mesh))}{accumulated}"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c[0] for c in _cases()],
@@ -100,7 +92,7 @@ def main() -> None:
             plan = plan_model(spec, PlanOptions(devices, "h100", pipeline=not args.no_pipeline))
             seconds = time.perf_counter() - start
             predicted = plan.predicted
-            print(f"{name:20s} {devices:7d} {label:>10s} {seconds:8.2f}s  {_shape(plan)}: "
+            print(f"{name:20s} {devices:7d} {label:>10s} {seconds:8.2f}s  {plan_shape(plan)}: "
                   f"{format_seconds(predicted.step_time_s)} / {format_bytes(predicted.memory_bytes.peak)}, "
                   f"MFU {predicted.mfu:.1%}; experts: {experts_layout(plan)}", flush=True)
 

@@ -66,7 +66,8 @@ def _cases() -> Iterator[tuple[str, str, int, Callable[[], tuple], Callable | No
     yield "gpt39b", "GPT 39B", 64, lambda: gpt.build(**gpt.GPT_39B, device="meta"), gpt.loss_fn
 
 
-def _shape(plan: Plan) -> str:
+def plan_shape(plan: Plan) -> str:
+    """A plan's stages, meshes and microbatches, in a few words."""
     if len(plan.stages) > 1:
         meshes = sorted({mesh_label(tuple(s.mesh)) for s in plan.stages})
         return f"{len(plan.stages)} stages x {'/'.join(meshes)}, {plan.microbatches} mb"
@@ -96,7 +97,7 @@ def main() -> None:
         phases = "  ".join(f"{k} {v:.2f}s" for k, v in plan.timings_s.items() if k != "total")
         total = plan.timings_s["total"]
         verdict = "" if total <= TARGET_S else f"  (target {TARGET_S:.0f} s missed)"
-        print(f"{name:22s} {devices:7d} {built:6.2f}s {total:7.2f}s  {phases:40s} {_shape(plan)}: "
+        print(f"{name:22s} {devices:7d} {built:6.2f}s {total:7.2f}s  {phases:40s} {plan_shape(plan)}: "
               f"{format_seconds(plan.predicted.step_time_s)} / {format_bytes(plan.predicted.memory_bytes.peak)}, "
               f"{plan.precision.name}"
               f"{verdict}", flush=True)
