@@ -159,19 +159,22 @@ def _warnings_once(plans: list[Plan]) -> Iterator[None]:
     """Each warning raised here, and each of the warnings of the plan appended to ``plans``, given
     once when the block ends: the exact plans run in other processes, whose warnings this
     process does not see (the plan keeps them), and rival plans of one graph warn alike."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            yield
-        finally:
-            recorded = list(caught)
-    given: set[tuple[type[Warning], str]] = set()
-    found = [(w.category, str(w.message)) for w in recorded]
-    found += [(UnknownOpWarning, message) for plan in plans for message in plan.warnings]
-    for category, message in found:
-        if (category, message) not in given:
-            given.add((category, message))
-            warnings.warn(message, category, stacklevel=4)
+    recorded: list[warnings.WarningMessage] = []
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                yield
+            finally:
+                recorded = list(caught)
+    finally:  # given where planning fails too
+        given: set[tuple[type[Warning], str]] = set()
+        found = [(w.category, str(w.message)) for w in recorded]
+        found += [(UnknownOpWarning, message) for plan in plans for message in plan.warnings]
+        for category, message in found:
+            if (category, message) not in given:
+                given.add((category, message))
+                warnings.warn(message, category, stacklevel=4)
 
 
 def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()) -> Plan:
@@ -259,7 +262,10 @@ def _likely_winner_traced(candidate: PipelineCandidate, graphs: BatchSizeGraphs,
     the best of the search usually wins, so its trace runs while the exact plans do (the
     39B GPT: 9.3–9.5 s instead of 9.6–11.0 s to plan)."""
     if not graphs.is_traced(candidate.graph):
-        graphs.trace(batch // candidate.microbatches)
+        try:
+            graphs.trace(batch // candidate.microbatches)
+        except AutoplanError:  # traced again, and the error given, if it wins
+            pass
 
 
 def _winner_traced(spec: ModelSpec, planned: list[tuple[Plan, PipelineCandidate]], as_asked: set[int],
