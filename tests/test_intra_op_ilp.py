@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pulp
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
@@ -80,6 +80,7 @@ def assert_same_optimum(ilp: float, exact: float) -> None:
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), budget_share=st.one_of(st.none(), st.floats(0.0, 1.0)))
+@example(seed=479001599, budget_share=0.1484375)  # CBC's integer preprocessing cut off its optimum
 def test_ilp_matches_brute_force(seed: int, budget_share: float | None) -> None:
     problem = random_problem(seed, budget_share=budget_share)
     exact = brute_force(problem)

@@ -17,6 +17,19 @@ from autoplan.solvers.intra_op import (IntraOpProblem, PeakRow, brute_force, eva
 from test_intra_op_ilp import assert_same_optimum, random_problem
 
 
+def random_pairs(problem: IntraOpProblem, rng: random.Random) -> dict[tuple[int, int], list[list[float]]]:
+    """0-2 pair terms between random different groups (either orientation), integral, most
+    entries 0 as a gathered parameter's are where storage and read agree."""
+    if problem.num_groups < 2:
+        return {}
+    pairs = {}
+    for _ in range(rng.randint(0, 2)):
+        u, v = rng.sample(range(problem.num_groups), 2)
+        pairs[u, v] = [[float(rng.choice([0, 0, rng.randint(1, 30)])) for _ in problem.costs[v]]
+                       for _ in problem.costs[u]]
+    return pairs
+
+
 def with_peaks(seed: int, budget_share: float) -> IntraOpProblem:
     """A random problem with 1-4 integral peak rows over random groups, its budget at a
     half-integer between the least and the most any assignment's peak could need."""
@@ -25,7 +38,7 @@ def with_peaks(seed: int, budget_share: float) -> IntraOpProblem:
     groups = range(problem.num_groups)
     problem.peaks = [PeakRow({g: [float(rng.randint(0, 40)) for _ in problem.costs[g]]
                               for g in rng.sample(groups, rng.randint(1, problem.num_groups))},
-                             float(rng.randint(0, 5)))
+                             float(rng.randint(0, 5)), random_pairs(problem, rng))
                      for _ in range(rng.randint(1, 4))]
     least = least_memory(problem)
     most = math.fsum(max(m) for m in problem.memory) + max(row.most() for row in problem.peaks)
@@ -101,3 +114,33 @@ def test_rows_are_validated() -> None:
         IntraOpProblem([[1.0]], [[1.0]], [], peaks=[PeakRow({0: [1.0, 2.0]})])
     with pytest.raises(ValueError, match="cannot be negative"):
         IntraOpProblem([[1.0]], [[1.0]], [], peaks=[PeakRow({0: [-1.0]})])
+
+
+def test_a_pair_term_keeps_the_two_groups_from_the_pair_that_holds_a_gathered_copy() -> None:
+    """Group 0 stores a parameter whole (choice 0: 9.5 bytes kept) or sharded (choice 1: 2
+    bytes); its consumer, group 1, reads it whole (choice 0: fast) or sharded (choice 1: 5 s
+    slower). Storing it sharded and reading it whole gathers a copy of 8 bytes at the moment
+    (the pair term): under a budget of 10 bytes only reading it sharded fits, under 11 the
+    gathered copy fits beside the shard."""
+    problem = IntraOpProblem([[0.0, 0.0], [0.0, 5.0]], [[9.5, 2.0], [0.0, 0.0]], [], memory_budget=10.0,
+                             peaks=[PeakRow({}, 1.0, {(0, 1): [[0.0, 0.0], [8.0, 0.0]]})])
+    assert brute_force(problem).choices == [1, 1]
+    for solver in ("highs", "cbc"):
+        sol = solve_intra_op(problem, solver=solver, exact_peaks=True)
+        assert sol.choices == [1, 1] and sol.peak == 3.0
+        assert solve_intra_op(problem, solver=solver).choices == [1, 1]
+    problem.memory_budget = 11.0
+    assert brute_force(problem).choices == [1, 0]
+    for solver in ("highs", "cbc"):
+        sol = solve_intra_op(problem, solver=solver, exact_peaks=True)
+        assert sol.choices == [1, 0] and sol.peak == 11.0
+    assert PeakRow({}, 1.0, {(1, 0): [[0.0, 8.0], [0.0, 0.0]]}).value([1, 0]) == 9.0  # either orientation
+
+
+def test_pairs_are_validated() -> None:
+    with pytest.raises(ValueError, match="two different groups"):
+        IntraOpProblem([[1.0, 2.0]], [[1.0, 1.0]], [], peaks=[PeakRow({}, 0.0, {(0, 0): [[1.0, 0.0], [0.0, 1.0]]})])
+    with pytest.raises(ValueError, match="is not 2 x 1"):
+        IntraOpProblem([[1.0, 2.0], [1.0]], [[1.0, 1.0], [1.0]], [], peaks=[PeakRow({}, 0.0, {(0, 1): [[1.0]]})])
+    with pytest.raises(ValueError, match="cannot be negative"):
+        IntraOpProblem([[1.0], [1.0]], [[1.0], [1.0]], [], peaks=[PeakRow({}, 0.0, {(0, 1): [[-1.0]]})])

@@ -86,3 +86,35 @@ def test_a_pipelined_plan_reports_the_largest_peak_with_transients_of_any_rank()
     worst = worst_rank(ranks)
     assert worst.peak == 12 and worst.params == 3  # the rank the budget binds
     assert worst.peak_with_transient == 17  # rank 1's 8 + 9, above rank 0's 12 + 3
+
+
+def test_a_gathered_parameter_adds_its_copy_and_its_gradient_where_read_unlike_its_storage() -> None:
+    from autoplan.cost_models import LinkSpec, OptimizerSpec
+    from autoplan.cost_models.presets import load_cluster
+    from autoplan.cost_models.step_costs import CostContext
+    from autoplan.cost_models.transient_memory import gathered_bytes
+    from autoplan.sharding import R, S
+    from autoplan.trace.graph import NodeInfo
+
+    weight = NodeInfo("w", "parameter", "", (64, 32), "torch.float32", 4, 0.0, 0.0, "", "", (), fqn="w")
+    for mixed, copy in ((False, 4), (True, 2)):  # bf16 gathers move (and hold) the bf16 copy
+        ctx = CostContext((2,), (LinkSpec(1e9, 0.0),), load_cluster("h100").device,
+                          OptimizerSpec("adamw", mixed_precision=mixed))
+        assert gathered_bytes(weight, (S(0),), (S(0),), True, ctx) == 0.0  # read as stored
+        assert gathered_bytes(weight, (S(0),), (R,), False, ctx) == 64 * 32 * copy
+        assert gathered_bytes(weight, (S(0),), (R,), True, ctx) == 64 * 32 * (copy + 4)  # fp32 gradient too
+
+
+def test_fsdp_holds_a_block_gathered_with_its_gradients_and_the_next_block_prefetched() -> None:
+    """``fsdp=2`` on the example Llama: a moment of the backward inside a block holds that
+    block's parameters gathered whole with their whole fp32 gradients (8 bytes an element), and
+    the block before it gathered (4 bytes an element); data parallelism holds none of them."""
+    from autoplan.planner.manual import parse_manual, plan_manual
+
+    spec = _spec()
+    options = PlanOptions(2, "h100", pipeline=False, plan_only=True, precision="fp32").planner_options()
+    dp, fsdp = (plan_manual(spec, options, parse_manual(text)).predicted.memory_bytes for text in ("dp=2", "fsdp=2"))
+    block = sum(p.numel() for name, p in spec.module.named_parameters() if name.startswith("model.layers.1."))
+    assert fsdp.params < dp.params
+    assert fsdp.transient >= 12 * block
+    assert fsdp.transient > dp.transient

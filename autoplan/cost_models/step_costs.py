@@ -17,10 +17,13 @@ Parameters gathered at use (ZeRO-3 / FSDP). A parameter stored sharded over a me
 consumer reads it replicated there is gathered before each use in the forward; where the
 consumer keeps it for its backward (:func:`autoplan.trace.saved_inputs.keeps_value`), the
 program keeps the stored shard instead and gathers it again in the backward (FSDP2's
-``reshard_after_forward``), and the backward's resharding reduce-scatters its gradient. Memory
-counts the stored shard (parameter, gradient, optimizer state) only: one gathered parameter is
-alive at a time, transiently, and is not counted. The gathers run when the consumer needs them
-(no prefetch): nothing overlaps with compute, as in every other collective here. Under mixed
+``reshard_after_forward``), and the backward's resharding reduce-scatters its gradient. The
+kept memory counts the stored shard (parameter, gradient, optimizer state); the gathered
+copies are alive for a moment, and the backward's moments count them
+(:mod:`~autoplan.cost_models.transient_memory`: a block's parameters gathered with their
+gradients, and the next block's prefetched, as FSDP2 holds them). The cost of a gather counts
+in full, when the consumer needs it: nothing overlaps with compute, as in every other
+collective here. Under mixed
 precision a gather moves bf16 (:func:`resharded_itemsize`, FSDP2's ``MixedPrecisionPolicy``),
 the gradient's reduce-scatter fp32.
 

@@ -22,6 +22,7 @@ sees only groups, their summed costs, and edge matrices between groups.
 
 from __future__ import annotations
 
+import math
 import operator
 import warnings
 from collections.abc import Callable, Mapping
@@ -30,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from autoplan.cost_models.transient_memory import peak_moments, value_bytes
+from autoplan.cost_models.transient_memory import GatheredRead, gathered_bytes, peak_moments, value_bytes
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, resharded_itemsize, steps_seconds, storage_cost, value_itemsize)
 from autoplan.errors import AutoplanError
@@ -455,11 +456,57 @@ def peak_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies
             sizes[cls] = [value_bytes(info, out[0] if out else None, ctx) for out in specs]
         return sizes[cls]
 
+    # (storage class, consumer class, position, gradient) -> the read's bytes per choice pair of
+    # the two groups (u, v) (u < v), or per choice of one group (u == v); None where all are 0
+    gathered: dict[tuple[int, int, int, bool], tuple[int, int, list] | None] = {}
+
+    def gathered_term(read: GatheredRead) -> tuple[int, int, list] | None:
+        source = view.inputs[read.consumer][read.position]
+        u, v = classes.class_of[source], classes.class_of[read.consumer]
+        key = (u, v, read.position, read.gradient)
+        if key not in gathered:
+            info = view.graph.nodes[source]
+            stored = [strat[u].strategies[j].output_spec for j in grouping.choice_map[u]]
+            reads = [_read_spec(strat[v].strategies[j], read.position) for j in grouping.choice_map[v]]
+            matrix = [[gathered_bytes(info, s, r, read.gradient, ctx) for r in reads] for s in stored]
+            gu, gv = grouping.group_of[u], grouping.group_of[v]
+            if not any(map(any, matrix)):
+                gathered[key] = None
+            elif gu == gv:
+                gathered[key] = (gu, gu, [matrix[i][i] for i in range(len(matrix))])
+            else:
+                gathered[key] = (gu, gv, matrix) if gu < gv else (gv, gu, [list(c) for c in zip(*matrix)])
+        return gathered[key]
+
+    sums: dict[tuple, list[list[float]]] = {}  # one matrix per sum of reads, shared by the rows that hold it
+
+    def pair_sum(parts: list[tuple[list[list[float]], int]]) -> list[list[float]]:
+        if len(parts) == 1 and parts[0][1] == 1:
+            return parts[0][0]
+        key = tuple(sorted((id(m), n) for m, n in parts))
+        if key not in sums:
+            sums[key] = [[math.fsum(n * m[i][j] for m, n in parts) for j in range(len(parts[0][0][0]))]
+                         for i in range(len(parts[0][0]))]
+        return sums[key]
+
     moments = peak_moments(view.graph.nodes, view.inputs, view.needs_grad, model_outputs(view.graph), ctx)
     rows: dict[tuple, PeakRow] = {}
     for moment in moments:
         terms: dict[int, list[float]] = {}
+        parts: dict[tuple[int, int], list[tuple[list[list[float]], int]]] = {}
         for name, count in moment.items():
+            if isinstance(name, GatheredRead):
+                term = gathered_term(name)
+                if term is None:
+                    continue
+                u, v, values = term
+                if u == v:
+                    row = terms.setdefault(u, [0.0] * len(values))
+                    for i, x in enumerate(values):
+                        row[i] += count * x
+                else:
+                    parts.setdefault((u, v), []).append((values, count))
+                continue
             cls = classes.class_of.get(name)
             if cls is None:
                 continue
@@ -467,9 +514,16 @@ def peak_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies
             for i, b in enumerate(class_bytes(cls)):
                 row[i] += count * b
         terms = {g: row for g, row in sorted(terms.items()) if any(row)}
-        if terms:
-            rows.setdefault(tuple((g, tuple(row)) for g, row in terms.items()), PeakRow(terms))
+        pairs = {uv: pair_sum(p) for uv, p in sorted(parts.items())}
+        if terms or pairs:
+            # the pairs' matrices are shared by every moment that holds the same reads: by identity
+            key = (tuple((g, tuple(row)) for g, row in terms.items()), tuple((uv, id(m)) for uv, m in pairs.items()))
+            rows.setdefault(key, PeakRow(terms, 0.0, pairs))
     return list(rows.values())
+
+
+def _read_spec(strategy: Strategy, position: int) -> ShardingSpec | None:
+    return strategy.input_specs[position] if position < len(strategy.input_specs) else None
 
 
 def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...],

@@ -1,7 +1,8 @@
 """The ILP solvers: their names, which one runs, and how it is set up.
 
 HiGHS (``highspy``, the default, run on the model's arrays) and CBC (the binary pulp bundles,
-through pulp's model) both run single-threaded, so a solve is deterministic for a given build.
+through pulp's model) both run single-threaded, so a solve is deterministic for a given build;
+CBC runs without its integer preprocessing, which returned a worse answer as optimal.
 HiGHS solves the linear relaxation first (:class:`HighsBackend`): where its optimum is integral
 it is the ILP's optimum, proven, at a fraction of the branch-and-bound's time on the intra-op
 models, whose relaxation is mostly integral; elsewhere the ILP is solved as before. A name is
@@ -213,7 +214,10 @@ def make_backend(name: SolverName, time_limit_s: float | None, mip_gap: float | 
         _highs_banner_silenced()
         extra = {"primal_feasibility_tolerance": EXACT_FEASIBILITY_TOL} if exact else {}
         return HighsBackend(time_limit_s, gap_rel, exact_abs_gap if exact else HIGHS_ABS_GAP, extra, warm_start)
-    options = [f"primalTolerance {EXACT_FEASIBILITY_TOL:g}"] if exact else []
+    # CBC's integer preprocessing cut off the optimum of a 6-group model with a binding memory row
+    # and reported the worse answer optimal (tests/test_intra_op_ilp.py: seed 479001599); without it
+    # the branch-and-bound is exact
+    options = ["preprocess off"] + ([f"primalTolerance {EXACT_FEASIBILITY_TOL:g}"] if exact else [])
     with _cbc_deprecation_silenced():
         return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s, gapRel=gap_rel,
                                  gapAbs=exact_abs_gap, threads=1, logPath=log_path,

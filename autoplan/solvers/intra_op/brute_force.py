@@ -40,11 +40,15 @@ def _cost_and_memory_tensors(problem: IntraOpProblem) -> tuple[np.ndarray, np.nd
         if edge.src == edge.dst:
             cost += _along(shape, edge.src, np.diag(matrix).copy())
             continue
-        view = [1] * len(shape)
-        view[edge.src], view[edge.dst] = shape[edge.src], shape[edge.dst]
-        oriented = matrix if edge.src < edge.dst else matrix.T
-        cost += oriented.reshape(view)
+        cost += _pair_tensor(shape, edge.src, edge.dst, matrix)
     return cost, memory
+
+
+def _pair_tensor(shape: tuple[int, ...], u: int, v: int, matrix: np.ndarray) -> np.ndarray:
+    """``matrix[x_u, x_v]`` of every assignment, broadcast over the other groups' axes."""
+    view = [1] * len(shape)
+    view[u], view[v] = shape[u], shape[v]
+    return (matrix if u < v else matrix.T).reshape(view)
 
 
 def _transient_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:
@@ -54,6 +58,8 @@ def _transient_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.nda
         value = np.full(shape, row.constant)
         for g, terms in row.terms.items():
             value = value + _along(shape, g, np.asarray(terms, dtype=float))
+        for (u, v), matrix in row.pairs.items():
+            value = value + _pair_tensor(shape, u, v, np.asarray(matrix, dtype=float))
         out = np.maximum(out, value)
     return out
 

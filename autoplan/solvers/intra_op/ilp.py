@@ -15,11 +15,15 @@ Model
                 sum_j e[uv,i,j] = s[u,i]          for every edge (u,v), every i          (2)
                 sum_i e[uv,i,j] = s[v,j]          for every edge (u,v), every j          (3)
                 sum_g sum_i m[g,i] s[g,i] + t <= M    when a budget is given             (4)
-                p0[r] + sum_g sum_i p[r,g,i] s[g,i] <= t    for every peak row r          (6)
+                p0[r] + sum_g sum_i p[r,g,i] s[g,i]
+                      + sum_(u,v) sum_(i,j) q[r,uv][i,j] e[uv,i,j] <= t    for every peak row r  (6)
 
 (4) and (6) bound the step's peak, ``mem(x) + max(0, max_r p_r(x))``
 (:mod:`~autoplan.solvers.intra_op.problem`): ``t`` is at least every row, so at least their
-maximum, and nothing gains from a larger ``t``; without peak rows ``t`` is left out. Rows (6)
+maximum, and nothing gains from a larger ``t``; without peak rows ``t`` is left out. A row's
+pair terms ``q`` (a value whose size depends on two groups' choices: a parameter gathered for
+its consumer) are read off the edge's ``e`` columns, which (2)-(3) make the product of the two
+ends' choices. Rows (6)
 are added lazily (:func:`~autoplan.solvers.intra_op.solve.solve_intra_op`): the model starts
 with none (``t = 0``), and each solve whose answer's peak passes ``M`` adds the row it passes it
 by. A model with fewer rows is a relaxation, so an answer that meets every row is optimal for
@@ -263,10 +267,14 @@ def _add_memory_constraint(model: IlpModel, reduced: ReducedProblem, problem: In
 
 def add_peak_row(model: IlpModel, row: PeakRow, budget: float) -> None:
     """Equation (6) for one peak row of the reduced problem (P6), divided by M:
-    sum over its groups of (p/M) s - t/M <= -p0/M."""
+    sum over its groups of (p/M) s + sum over its pairs of (q/M) e - t/M <= -p0/M."""
     assert model.transient is not None, "a model without t has no peak rows"
     held = [(int(x), values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(model.s[g])
             if values[i]]
+    blocks = {(block.u, block.v): block for block in model.edge_columns}
+    for (u, v), matrix in row.pairs.items():  # oriented u < v by (P6), on a kept edge
+        first, cols = blocks[u, v].first, blocks[u, v].cols
+        held += [(first + i * cols + j, x / budget) for i, r in enumerate(matrix) for j, x in enumerate(r) if x]
     model.add_row(held + [(model.transient, -1.0)], -INFINITY, -row.constant / budget)
     model.peaks.append(row)
 

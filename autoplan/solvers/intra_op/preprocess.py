@@ -13,7 +13,9 @@
      choice is taken); the ILP divides its objective by its largest coefficient and the memory
      row by ``M`` (:mod:`~autoplan.solvers.intra_op.ilp`). A budget that even the
      largest-memory assignment meets (its largest peak row included) drops the memory row.
-(P6) Peak rows: a fixed group's term joins the row's constant; a row whose most is no more
+(P6) Peak rows: a fixed group's term joins the row's constant (a pair with one end fixed becomes
+     the other end's term; a pair of active groups is read off its edge's ``e`` columns, so
+     such an edge is kept, with zero costs where (P3) folded it); a row whose most is no more
      than the largest least of any row can never be the largest and is dropped (the row of
      that least is kept), and so are rows equal to one kept.
 """
@@ -107,14 +109,35 @@ def _budget_binding(problem: IntraOpProblem) -> bool:
     return most > problem.memory_budget
 
 
+def _reduced_row(row: PeakRow, fixed: dict[int, int]) -> PeakRow:
+    """(P6) one peak row over the active groups: a fixed group's term (and a pair's entries at
+    both ends' fixed choices) joins the constant, a pair with one end fixed becomes the other
+    end's term, and the remaining pairs are oriented ``u < v`` and summed."""
+    constant = row.constant + math.fsum(t[fixed[g]] for g, t in row.terms.items() if g in fixed)
+    terms = {g: list(t) for g, t in row.terms.items() if g not in fixed}
+    pairs: dict[tuple[int, int], list[list[float]]] = {}
+    for (u, v), matrix in row.pairs.items():
+        if u in fixed and v in fixed:
+            constant += matrix[fixed[u]][fixed[v]]
+        elif u in fixed or v in fixed:
+            g, vector = (v, matrix[fixed[u]]) if u in fixed else (u, [r[fixed[v]] for r in matrix])
+            target = terms.setdefault(g, [0.0] * len(vector))
+            target[:] = [a + b for a, b in zip(target, vector)]
+        else:  # matrices are shared between rows, never written to: a sum is a new one
+            key, oriented = ((u, v), matrix) if u < v else ((v, u), [list(c) for c in zip(*matrix)])
+            held = pairs.get(key)
+            pairs[key] = oriented if held is None else [[a + b for a, b in zip(r, o)] for r, o in zip(held, oriented)]
+    return PeakRow(dict(sorted(terms.items())), constant, dict(sorted(pairs.items())))
+
+
 def _reduced_peaks(problem: IntraOpProblem, fixed: dict[int, int]) -> list[PeakRow]:
     """(P6) the peak rows over the active groups, the dominated and repeated ones dropped."""
     rows: dict[tuple, PeakRow] = {}
     for row in problem.peaks:
-        constant = row.constant + math.fsum(t[fixed[g]] for g, t in row.terms.items() if g in fixed)
-        terms = {g: list(t) for g, t in sorted(row.terms.items()) if g not in fixed}
-        reduced = PeakRow(terms, constant)
-        rows.setdefault((constant, tuple((g, tuple(t)) for g, t in terms.items())), reduced)
+        reduced = _reduced_row(row, fixed)
+        key = (reduced.constant, tuple((g, tuple(t)) for g, t in reduced.terms.items()),
+               tuple((uv, id(m)) for uv, m in reduced.pairs.items()))  # rows share their pairs' matrices
+        rows.setdefault(key, reduced)
     if not rows:
         return []
     highest = max(rows.values(), key=PeakRow.least)  # the transient is never below its least
@@ -144,4 +167,7 @@ def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
     constant = _shift_node_costs(node_costs)
     active = [g for g in range(problem.num_groups) if g not in fixed]
     peaks = _reduced_peaks(problem, fixed) if binding else []
+    for row in peaks:  # a pair's entries are edge columns of the model: a pair needs its edge
+        for (u, v), matrix in row.pairs.items():
+            edges.setdefault((u, v), [[0.0] * len(matrix[0]) for _ in matrix])
     return ReducedProblem(node_costs, constant, edges, fixed, active, binding, peaks)

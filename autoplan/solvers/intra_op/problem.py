@@ -9,8 +9,10 @@ memory budget per device (optional). An assignment ``x`` (one choice per group) 
 
 ``mem(x)`` is what a device keeps through the step. Peak rows ``r`` add what it holds for a
 moment above that (the backward's working set at one op: gradients, recomputed values, the
-returned outputs), each a separable sum ``p_r(x) = p0[r] + sum_g p[r,g,x_g]``. The budget
-bounds the peak::
+returned outputs, parameters gathered for their consumers), each a sum
+``p_r(x) = p0[r] + sum_g p[r,g,x_g] + sum_(u,v) q[r,uv][x_u,x_v]`` (``q``: a value whose size
+depends on two groups' choices, a gathered parameter on its storage and its consumer's read).
+The budget bounds the peak::
 
     trans(x) = max(0, max_r p_r(x))        peak(x) = mem(x) + trans(x) <= M
 
@@ -40,20 +42,27 @@ class Edge:
 
 @dataclass
 class PeakRow:
-    """One moment's memory above the kept values: ``constant + sum_g terms[g][x_g]`` bytes per
-    device (``terms`` maps a group to its bytes per choice; groups not named add nothing)."""
+    """One moment's memory above the kept values: ``constant + sum_g terms[g][x_g] +
+    sum_(u,v) pairs[u,v][x_u][x_v]`` bytes per device (``terms`` maps a group to its bytes per
+    choice, ``pairs`` two different groups to their bytes per pair of choices: a value that
+    exists only where they differ, such as a parameter gathered for its consumer; groups not
+    named add nothing)."""
 
     terms: dict[int, list[float]]
     constant: float = 0.0
+    pairs: dict[tuple[int, int], list[list[float]]] = field(default_factory=dict)
 
     def value(self, choices: list[int]) -> float:
-        return self.constant + math.fsum(t[choices[g]] for g, t in self.terms.items())
+        return self.constant + math.fsum(t[choices[g]] for g, t in self.terms.items()) + \
+            math.fsum(m[choices[u]][choices[v]] for (u, v), m in self.pairs.items())
 
     def least(self) -> float:
-        return self.constant + math.fsum(min(t) for t in self.terms.values())
+        return self.constant + math.fsum(min(t) for t in self.terms.values()) + \
+            math.fsum(min(map(min, m)) for m in self.pairs.values())
 
     def most(self) -> float:
-        return self.constant + math.fsum(max(t) for t in self.terms.values())
+        return self.constant + math.fsum(max(t) for t in self.terms.values()) + \
+            math.fsum(max(map(max, m)) for m in self.pairs.values())
 
 
 @dataclass
@@ -97,8 +106,9 @@ class IntraOpProblem:
             _validate_edge(k, edge, self.costs)
         _validate_budget(self.memory_budget)
         _validate_names(self.names, self.choice_names, self.costs)
+        checked: set[int] = set()  # rows share their pairs' matrices: each is checked once
         for r, row in enumerate(self.peaks):
-            _validate_peak(r, row, self.costs)
+            _validate_peak(r, row, self.costs, checked)
 
 
 @dataclass
@@ -190,13 +200,23 @@ def _validate_names(
             raise ValueError(f"choice_names[{g}] has {len(cn)} names for {len(c)} choices")
 
 
-def _validate_peak(r: int, row: PeakRow, costs: list[list[float]]) -> None:
+def _validate_peak(r: int, row: PeakRow, costs: list[list[float]], checked: set[int]) -> None:
     for g, terms in row.terms.items():
         if not isinstance(g, int) or not 0 <= g < len(costs):
             raise ValueError(f"peak row {r} names group {g!r}, outside 0..{len(costs) - 1}")
         if len(terms) != len(costs[g]):
             raise ValueError(f"peak row {r} has {len(terms)} entries for group {g}'s {len(costs[g])} choices")
         _check_finite(terms, f"peak row {r}, group {g}", nonnegative=True)
+    for (u, v), matrix in row.pairs.items():
+        if id(matrix) in checked and u != v and len(matrix) == len(costs[u]) and len(matrix[0]) == len(costs[v]):
+            continue
+        checked.add(id(matrix))
+        if u == v or not all(isinstance(g, int) and 0 <= g < len(costs) for g in (u, v)):
+            raise ValueError(f"peak row {r} pairs groups {(u, v)!r}: two different groups of 0..{len(costs) - 1}")
+        if len(matrix) != len(costs[u]) or any(len(row_) != len(costs[v]) for row_ in matrix):
+            raise ValueError(f"peak row {r}'s pair {(u, v)} is not {len(costs[u])} x {len(costs[v])}")
+        for i, row_ in enumerate(matrix):
+            _check_finite(row_, f"peak row {r}, pair {(u, v)} row {i}", nonnegative=True)
     _check_finite([row.constant], f"peak row {r}'s constant", nonnegative=True)
 
 
