@@ -179,7 +179,10 @@ class MemoryEstimate:
     """Bytes per device. ``peak`` is what a device keeps through the step (the kept values);
     ``transient`` what the backward holds above them at its peak (an op's gradients, a
     recomputed layer's values, the returned outputs:
-    :mod:`autoplan.cost_models.transient_memory`), which the budget bounds with them."""
+    :mod:`autoplan.cost_models.transient_memory`), which the budget bounds with them.
+    ``sharding_saved`` and ``recompute_saved`` are what the plan's sharded training state
+    (ZeRO-1/2/3, FSDP) and its activation checkpointing keep off each device
+    (:mod:`autoplan.planner.memory_savings`)."""
 
     params: float
     grads: float
@@ -187,6 +190,8 @@ class MemoryEstimate:
     activations: float
     peak: float
     transient: float = 0.0
+    sharding_saved: float = 0.0
+    recompute_saved: float = 0.0
 
     @property
     def peak_with_transient(self) -> float:

@@ -12,6 +12,7 @@ from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_red
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
     StagePlan)
+from autoplan.planner.memory_savings import recompute_saved, sharding_saved
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
 from autoplan.sharding import spec_to_json
 from autoplan.trace.graph import TracedGraph
@@ -115,7 +116,7 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
     transient = backward_transient(graph.nodes, result.chosen, result.input_names, result.needs_grad,
                                    model_outputs(graph), ctx)
     estimate = MemoryEstimate(memory.params, memory.grads, memory.optimizer, memory.activations, memory.total,
-                              transient)
+                              transient, sharding_saved(graph, result, ctx), recompute_saved(graph, result, ctx))
     mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, compute + comm, math.prod(ctx.mesh_shape),
                                   ctx.device, ctx.optimizer.mixed_precision)
     return Prediction(compute + comm, compute, comm, estimate, by_kind, mfu=mfu), collectives

@@ -38,6 +38,7 @@ from autoplan.reports.summary import (
     planning_time_text,
     ranges_label,
     recompute_modes_text,
+    savings_text,
     training_text,
 )
 from autoplan.solvers import format_bytes, format_seconds
@@ -135,7 +136,8 @@ def summary_section(plan: Plan) -> Section:
                                                                f"({_percent(m.peak, budget)} of the budget)"
                                                                if budget else "")],
         ["memory by kind", (f"params {format_bytes(m.params)}, grads {format_bytes(m.grads)}, "
-                            f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}")],
+                            f"optimizer {format_bytes(m.optimizer)}, activations {format_bytes(m.activations)}"
+                            + (f"; {savings_text(m)}" if savings_text(m) else ""))],
     ]
     if plan.solver:
         s = plan.solver

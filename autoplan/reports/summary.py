@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoplan.plan_schema import Alternative, Plan, Prediction, RecomputeMode
+from autoplan.plan_schema import Alternative, MemoryEstimate, Plan, Prediction, RecomputeMode
 from autoplan.planner.meshes import mesh_label, stage_meshes_text
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -87,6 +87,14 @@ def _gathered_lines(plan: Plan) -> list[str]:
         lines += ["", f"optimizer state sharded under whole parameters: {len(sharded) - zero2} parameters (ZeRO-1), "
                       f"{zero2} with their gradients too (ZeRO-2); the optimizer step all-gathers them"]
     return lines
+
+
+def savings_text(m: MemoryEstimate) -> str:
+    """What sharded storage and checkpointing keep off each device ("" where neither does)."""
+    parts = [f"{what} {format_bytes(saved)}" for what, saved in
+             (("the sharded training state (ZeRO / FSDP)", m.sharding_saved),
+              ("activation checkpointing", m.recompute_saved)) if saved > 0]
+    return f"saved per device by {' and by '.join(parts)}" if parts else ""
 
 
 def _prediction_line(p: Prediction) -> str:
@@ -194,6 +202,9 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
         + (f"; the backward's transients {format_bytes(m.transient)} more, at most "
            f"{format_bytes(m.peak_with_transient)}" + _within(m.peak_with_transient, budget) if m.transient else ""),
     ]
+    saved = savings_text(m)
+    if saved:
+        lines.append(saved)
     lines.append(f"training: {training_text(plan)}")
     if plan.solver:
         s = plan.solver

@@ -105,7 +105,9 @@ def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]
     for rank in range(ranks):
         mine = memories[rank::ranks]
         kept = (sum(getattr(m, f) for m in mine) for f in ("params", "grads", "optimizer", "activations", "peak"))
-        out.append(MemoryEstimate(*kept, transient=max(m.transient for m in mine)))
+        out.append(MemoryEstimate(*kept, transient=max(m.transient for m in mine),
+                                  sharding_saved=sum(m.sharding_saved for m in mine),
+                                  recompute_saved=sum(m.recompute_saved for m in mine)))
     return out
 
 
