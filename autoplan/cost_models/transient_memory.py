@@ -103,20 +103,21 @@ def gathered_bytes(info: NodeInfo, stored: ShardingSpec | None, read: ShardingSp
     if stored is None or read is None or stored == read or info.shape is None:
         return 0.0
     copy = local_bytes(info.shape, resharded_itemsize(info, ctx.optimizer.mixed_precision), read, ctx.mesh_shape)
-    return copy + (value_bytes(info, read, ctx) if gradient and info.kind == "parameter" else 0.0)
+    return copy + (value_bytes(info, read, ctx) if gradient else 0.0)
 
 
-def _gathered_reads(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]], ops: list[str]
-                    ) -> tuple[dict[str, Counter[GatheredRead]], dict[str, Counter[GatheredRead]]]:
+def _gathered_reads(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]], needs_grad: Mapping[str, bool],
+                    ops: list[str]) -> tuple[dict[str, Counter[GatheredRead]], dict[str, Counter[GatheredRead]]]:
     """Per op, the parameter reads of its block (:func:`~autoplan.trace.repeated.block_of`; an
-    op outside blocks: its own) with their gradients, and those of the block the backward
-    runs next (the one before it), without them."""
+    op outside blocks: its own) with the gradients of the trained ones, and those of the block
+    the backward runs next (the one before it), without them."""
     blocks: dict[tuple[str, int] | str, Counter[GatheredRead]] = {}
     key_of: dict[str, tuple[str, int] | str] = {}
     for name in ops:
         key_of[name] = block_of(nodes[name].module) or name
         reads = blocks.setdefault(key_of[name], Counter())
-        reads.update(GatheredRead(name, pos, True) for pos, source in enumerate(inputs.get(name, []))
+        reads.update(GatheredRead(name, pos, needs_grad.get(source, False))
+                     for pos, source in enumerate(inputs.get(name, []))
                      if source in nodes and nodes[source].kind == "parameter")
     own = {name: blocks[key_of[name]] for name in ops}
     prefetched: dict[str, Counter[GatheredRead]] = {}
@@ -137,7 +138,7 @@ def peak_moments(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]],
     gradients, gathered parameters and the outputs outside it. ``inputs`` are each op's tensor
     inputs, ``outputs`` the graph's model outputs (the loss left out)."""
     ops = [name for name, info in nodes.items() if info.kind == "op"]
-    own_reads, prefetched_reads = _gathered_reads(nodes, inputs, ops)
+    own_reads, prefetched_reads = _gathered_reads(nodes, inputs, needs_grad, ops)
     gradients: dict[str, Held] = {}
     for name in ops:
         held: Held = Counter()

@@ -27,7 +27,7 @@ def sharding_saved(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) 
     """Bytes per device the sharded storage of trained parameters saves (module docstring)."""
     reads: dict[str, ShardingSpec] = {}  # parameter -> its first consumer's read spec
     for consumer, inputs in result.input_names.items():
-        specs = result.chosen[consumer].input_specs
+        specs = result.chosen[consumer].input_specs if consumer in result.chosen else ()
         for pos, source in enumerate(inputs):
             if source not in reads and pos < len(specs) and specs[pos] is not None:
                 reads[source] = specs[pos]
