@@ -106,7 +106,7 @@ class IntraOpProblem:
             _validate_edge(k, edge, self.costs)
         _validate_budget(self.memory_budget)
         _validate_names(self.names, self.choice_names, self.costs)
-        checked: set[int] = set()  # rows share their pairs' matrices: each is checked once
+        checked: set[tuple[int, int, int]] = set()  # rows share their pairs' matrices: each is checked once
         for r, row in enumerate(self.peaks):
             _validate_peak(r, row, self.costs, checked)
 
@@ -200,7 +200,7 @@ def _validate_names(
             raise ValueError(f"choice_names[{g}] has {len(cn)} names for {len(c)} choices")
 
 
-def _validate_peak(r: int, row: PeakRow, costs: list[list[float]], checked: set[int]) -> None:
+def _validate_peak(r: int, row: PeakRow, costs: list[list[float]], checked: set[tuple[int, int, int]]) -> None:
     for g, terms in row.terms.items():
         if not isinstance(g, int) or not 0 <= g < len(costs):
             raise ValueError(f"peak row {r} names group {g!r}, outside 0..{len(costs) - 1}")
@@ -208,9 +208,9 @@ def _validate_peak(r: int, row: PeakRow, costs: list[list[float]], checked: set[
             raise ValueError(f"peak row {r} has {len(terms)} entries for group {g}'s {len(costs[g])} choices")
         _check_finite(terms, f"peak row {r}, group {g}", nonnegative=True)
     for (u, v), matrix in row.pairs.items():
-        if id(matrix) in checked and u != v and len(matrix) == len(costs[u]) and len(matrix[0]) == len(costs[v]):
+        if (id(matrix), u, v) in checked:
             continue
-        checked.add(id(matrix))
+        checked.add((id(matrix), u, v))
         if u == v or not all(isinstance(g, int) and 0 <= g < len(costs) for g in (u, v)):
             raise ValueError(f"peak row {r} pairs groups {(u, v)!r}: two different groups of 0..{len(costs) - 1}")
         if len(matrix) != len(costs[u]) or any(len(row_) != len(costs[v]) for row_ in matrix):
