@@ -353,6 +353,38 @@ def test_a_range_that_only_fits_trimmed_is_costed_within_the_budget() -> None:
         assert exact <= seconds + 1e-12
 
 
+@pytest.mark.parametrize("boundaries", [False, True])
+def test_ranges_of_equal_blocks_share_their_plans(boundaries: bool) -> None:
+    """A range of a stack of equal blocks is planned once for every range like it (the same
+    layers in order, the same layer before it, the same values received, the same budget):
+    every range's shared plan equals its own (:meth:`RangeTable._plan`), its recomputed layers
+    moved along, under budgets from none to one that only recomputation and trimming meet,
+    for every recomputation policy; and fewer plans are made than ranges asked for."""
+    from autoplan.planner.pipeline import layer_costs, RangeTable
+    from autoplan.planner.recompute import RecomputePolicy
+
+    model, inputs = gpt.build(hidden=256, layers=6, heads=4, seq=64, vocab=512, batch=8, device="meta")
+    graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
+    layers = make_layers(graph, find_classes(graph))
+    assert len({layer.signature for layer in layers}) < len(layers) - 2
+    costs = layer_costs(make_options(4, "h100"), (2, 2), 4, 2)
+    recomputed = 0
+    for policy in RecomputePolicy:
+        shared = RangeTable(graph, layers, costs, boundaries, policy=policy)
+        alone = RangeTable(graph, layers, costs, boundaries, policy=policy)
+        whole = shared.cost(0, len(layers), None)[1]
+        for budget in [None] + [whole * f for f in (0.1, 0.3, 0.6)]:
+            for start in range(len(layers)):
+                for end in range(start + 1, len(layers) + 1):
+                    got, own = shared.plan(start, end, budget), alone._plan(start, end, budget)
+                    assert (got.recomputed, got.selective) == (own.recomputed, own.selective), (policy, start, end)
+                    assert got.seconds == pytest.approx(own.seconds, rel=1e-9)
+                    assert got.memory == pytest.approx(own.memory, rel=1e-9)
+                    recomputed += bool(own.recomputed) and start > 1
+        assert len(shared.twins) < len(shared.plans)
+    assert recomputed > 0  # shifted plans that recompute layers were compared
+
+
 @pytest.mark.parametrize("mesh", [(64,), (8, 8)])
 def test_no_range_is_estimated_to_fit_in_nothing(mesh) -> None:
     """On a large mesh the bytes that recomputing the fastest plans frees can outweigh a trimmed

@@ -288,6 +288,13 @@ class RangePlan:
     recomputed: frozenset[int] = frozenset()
     selective: frozenset[int] = frozenset()  # those of them recomputed selectively (the others fully)
 
+    def shifted(self, by: int) -> RangePlan:
+        """The same plan for the range ``by`` layers later (its recomputed layers moved along)."""
+        if not by or not self.recomputed:
+            return self
+        return replace(self, recomputed=frozenset(i + by for i in self.recomputed),
+                       selective=frozenset(i + by for i in self.selective))
+
 
 class RangeTable:
     """One logical mesh's layer costs as prefix sums: a layer range's (seconds per step, bytes
@@ -307,17 +314,21 @@ class RangeTable:
 
     def __init__(self, graph: TracedGraph, layers: list[Layer], costs: LayerCosts, boundaries: bool,
                  reads: list[dict[str, tuple[int, float]]] | None = None,
-                 policy: RecomputePolicy | None = None) -> None:
+                 policy: RecomputePolicy | None = None, may_recompute: frozenset[int] | None = None) -> None:
         self.graph, self.layers, self.costs, self.boundaries = graph, layers, costs, boundaries
         self.policy = policy or costs.options.recompute  # which layers may be recomputed
         self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision) if reads is None else reads
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
-        self.may_recompute: frozenset[int] | None = None  # the layers that may be recomputed
+        self.may_recompute = may_recompute  # the layers that may be recomputed (:func:`recomputable`)
         self.parameter_bytes: dict[str, float] | None = None  # FQN -> training-state bytes, whole
         pins = costs.options.pins  # the layers the user's checkpoint pins recompute, whatever the policy
         self.pinned_recompute = pins.checkpointed_layers(graph, layers) if pins else frozenset()
         self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
+        # a plan by what it depends on beyond its layers' positions (:meth:`_twin_key`), with the
+        # range's start: the ranges of a stack of equal blocks share their plans
+        self.twins: dict[tuple, tuple[int, RangePlan]] = {}
+        self.tokens: tuple[int, ...] | None = None  # per layer, its kind (:meth:`_layer_tokens`)
         # per layer, by recompute mode (None: kept): the backward's transient, and recomputing's
         # (seconds added, bytes freed); and running maxima of transients from each start layer
         self.layer_transients: dict[RecomputeMode | None, list[float]] = {}
@@ -399,9 +410,8 @@ class RangeTable:
             if how is None:
                 values = kept[start:]
             else:
-                assert self.may_recompute is not None
-                again = self._layer_transients(how)
-                values = [max(kept[i], again[i]) if i in self.may_recompute else kept[i]
+                again, may = self._layer_transients(how), self._may_recompute()
+                values = [max(kept[i], again[i]) if i in may else kept[i]
                           for i in range(start, len(self.layers))]
             by_start[start] = list(itertools.accumulate(values, max))
         return by_start[start][end - start - 1]
@@ -483,9 +493,44 @@ class RangeTable:
         close calls: ``_trimmed_rival`` in the package). The table's ``policy`` (default
         ``PlannerOptions.recompute``) may ask for every layer that may be recomputed, or none."""
         key = (start, end, budget)
-        if key not in self.plans:
-            self.plans[key] = self._plan(start, end, budget)
-        return self.plans[key]
+        found = self.plans.get(key)
+        if found is None:
+            twin = self._twin_key(start, end, budget)
+            if twin in self.twins:
+                origin, plan = self.twins[twin]
+                found = plan.shifted(start - origin)
+            else:
+                found = self._plan(start, end, budget)
+                self.twins[twin] = (start, found)
+            self.plans[key] = found
+        return found
+
+    def _twin_key(self, start: int, end: int, budget: float | None) -> tuple:
+        """What the plan of layers [start, end) depends on beyond where the range lies: its
+        layers' kinds in order (:meth:`_layer_tokens`) and the kind of the layer before it (the
+        boundary corrections and the seconds of recomputing the first layer read it), the
+        bytes its layers count apart of the values they receive (:meth:`counted_apart`, which
+        tells how they read one another and the layers before), and the budget. Two ranges of
+        one stack of equal blocks that agree on these have one plan, its recomputed layers
+        shifted (the stage search asks for every range of a deep model: the 80 blocks of a
+        Llama-70B give about 3,300 ranges and some 250 plans)."""
+        tokens = self._layer_tokens()
+        return tokens[start:end], tokens[start - 1] if start else -1, self.counted_apart(start, end), budget
+
+    def _may_recompute(self) -> frozenset[int]:
+        if self.may_recompute is None:
+            self.may_recompute = recomputable(self.graph, self.layers)
+        return self.may_recompute
+
+    def _layer_tokens(self) -> tuple[int, ...]:
+        """Per layer, a number for its kind: its signature, whether a checkpoint pin recomputes
+        it and whether it may be recomputed (equal numbers, equal kinds)."""
+        if self.tokens is None:
+            may = self._may_recompute()
+            kinds: dict[tuple[str, bool, bool], int] = {}
+            self.tokens = tuple(kinds.setdefault((layer.signature, i in self.pinned_recompute, i in may), len(kinds))
+                                for i, layer in enumerate(self.layers))
+        return self.tokens
 
     def _plan(self, start: int, end: int, budget: float | None) -> RangePlan:
         # the budget bounds the peak: trimming gets what the transient leaves (recomputation
@@ -542,9 +587,8 @@ class RangeTable:
         below), and the fastest answer that fits wins: every layer selectively and trimmed
         (FSDP with selective checkpointing) may beat every layer fully. None where no layer of
         the range may be recomputed."""
-        if self.may_recompute is None:
-            self.may_recompute = recomputable(self.graph, self.layers)
-        candidates = [i for i in range(start, end) if i in self.may_recompute]
+        may = self._may_recompute()
+        candidates = [i for i in range(start, end) if i in may]
         if not candidates:
             return None
         excess = self.counted_apart(start, end)

@@ -16,7 +16,7 @@ from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOpti
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
     link_between_stages, tied_layers)
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
-from autoplan.planner.recompute import RecomputeMode, RecomputePolicy
+from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, recomputable
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
     candidate_submeshes, solve_inter_op)
@@ -56,6 +56,7 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
         if mesh not in costs:
             costs[mesh] = layer_costs(options, mesh, microbatches, in_flight, stages)
     reads = layer_inputs(graph, layers, options.optimizer.mixed_precision)
+    may_recompute = recomputable(graph, layers)
     link = link_between_stages(options, submesh)
     boundary = cut_bytes(graph, layers)
     budget = options.memory_budget
@@ -72,7 +73,8 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     policies = [RecomputePolicy.NONE, RecomputePolicy.AUTO] if options.recompute == RecomputePolicy.AUTO \
         else [options.recompute]
     for policy in policies:
-        tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads, policy) for mesh in meshes}
+        tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads, policy, may_recompute)
+                  for mesh in meshes}
 
         def stage_cost(start: int, end: int, allowed: list[tuple[int, ...]],
                        tables: dict[tuple[int, ...], RangeTable] = tables) -> StageCost:
