@@ -52,6 +52,42 @@ def test_sharded_state_strategies_and_their_costs() -> None:
     assert P not in zero2.grad_spec
 
 
+def test_a_zero1_gradient_is_reduce_scattered_into_the_state_once_per_step() -> None:
+    """ZeRO-1 keeps the gradient whole through the backward and reduce-scatters it into the
+    optimizer state's shard once per step (whatever the microbatch count), parameter by
+    parameter: with the optimizer phase's all-gather, the bytes of plain storage's all-reduce
+    (a ring all-reduce is a reduce-scatter and an all-gather), so ZeRO-1's reduction and gather
+    cost what plain storage's bucketed all-reduce costs plus one latency each; read in another
+    placement than stored, the gradient goes back through that resharding as before."""
+    from autoplan.cost_models.step_costs import edge_cost, sharded_state_steps, step_reduction_spec, steps_seconds
+
+    weight = NodeInfo("w", "parameter", "", (64, 32), "float32", 4, 0.0, 0.0, "", "", (), fqn="w")
+    replicated = next(s for s in storage_strategies(weight.shape, (4,)) if s.output_spec == (R,))
+    zero1, zero2 = sharded_state_strategies(replicated, weight.shape, (4,), gradients=True)
+    state = step_reduction_spec(zero1.output_spec, zero1.grad_spec, zero1.state_spec)
+    assert state == (S(0),)
+    assert step_reduction_spec(zero2.output_spec, zero2.grad_spec, zero2.state_spec) is None  # its own grad_spec
+    assert step_reduction_spec(replicated.output_spec, None, None) is None
+    _, scattered = edge_steps((R,), (R,), weight.shape, 4, True, CostContext(
+        (4,), (LinkSpec(1e9, 1e-5),), load_cluster("h100").device, OptimizerSpec("adamw")), frozenset({0}),
+        step_src=state)
+    assert [s.kind for s in scattered] == ["reduce_scatter"]
+    for microbatches, latency in ((1, 0.0), (4, 0.0), (1, 1e-5), (4, 1e-5)):
+        ctx = CostContext((4,), (LinkSpec(1e9, latency),), load_cluster("h100").device, OptimizerSpec("adamw"),
+                          microbatches=microbatches, parameter_edges=100)
+        plain = edge_cost((R,), (R,), weight.shape, 4, True, ctx, frozenset({0}), from_parameter=True)
+        zero = edge_cost((R,), (R,), weight.shape, 4, True, ctx, frozenset({0}), from_parameter=True, step_src=state)
+        gather = steps_seconds(sharded_state_steps((R,), state, weight.shape, 4, ctx), ctx)
+        if latency:  # a latency each, where the bucketed all-reduce pays a share of one
+            assert zero + gather > plain
+        else:
+            assert zero + gather == pytest.approx(plain, rel=1e-9)
+        # read in another placement, back through the resharding every microbatch, into the parameter
+        resharded = edge_cost((R,), (S(0),), weight.shape, 4, True, ctx, frozenset(), from_parameter=True,
+                              step_src=state)
+        assert resharded == edge_cost((R,), (S(0),), weight.shape, 4, True, ctx, frozenset(), from_parameter=True)
+
+
 def test_accumulated_microbatches_reduce_a_zero2_gradient_each_time() -> None:
     """Under gradient accumulation a ZeRO-2 gradient is reduce-scattered after every
     microbatch (no whole gradient outlives one), a ZeRO-1 or replicated one once per step: the
@@ -120,10 +156,14 @@ def test_zero_programs_pass_check(world: int, tmp_path) -> None:
         sharded = [s for s in plan.storage.values() if s.optimizer_state != s.param]
         assert sharded and all((s.grad != s.param) == zero2 for s in sharded), label
         assert any(c.phase == "optimizer" and c.kind == "all_gather" for c in plan.collectives), label
-        assert zero2 == any(c.kind == "reduce_scatter" and c.tensor == "gradient" for c in plan.collectives), label
+        scattered = [c for c in plan.collectives if c.kind == "reduce_scatter" and c.tensor == "gradient"]
+        assert scattered, label
         if zero2:  # a ZeRO-2 gradient is reduce-scattered after every microbatch, not once per step
-            assert all(c.count % plan.microbatches == 0 for c in plan.collectives
-                       if c.kind == "reduce_scatter" and c.tensor == "gradient" and c.bucketed), label
+            assert all(c.count % plan.microbatches == 0 for c in scattered if c.bucketed), label
+        else:  # a ZeRO-1 gradient once per step, by the optimizer step, parameter by parameter
+            assert all(c.phase == "optimizer" and not c.bucketed for c in scattered), label
+            assert sum(c.count for c in scattered) <= len(sharded), label  # tied: one; positions: none
+            assert not any(c.tensor == "gradient" and c.bucketed for c in plan.collectives), label
     write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
     results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600)
     assert_checks_passed(results, plans)

@@ -10,7 +10,9 @@ Which parameters: those whose every consumer reads them as stored and leaves the
 partial on the same mesh axes, where the parameter is replicated (data parallelism over those
 axes: the reduction is an all-reduce per axis). Their edges do not reduce
 (:attr:`ShardedProgram.deferred_gradients`); their gradients accumulate as partial sums, and
-the post-accumulate hook puts each in its bucket. A bucket (parameters in reverse order of
+the post-accumulate hook puts each in its bucket. A ZeRO-1 parameter's deferred gradient is
+not bucketed: it stays partial sums until the optimizer step reduce-scatters it into the shard
+of the optimizer state, as the plan lists it (:func:`reduced_before_step`). A bucket (parameters in reverse order of
 definition, about the order the backward produces them, grouped by mesh axes and dtype, up
 to ``cap_bytes`` of local gradient) is flattened and all-reduced asynchronously as soon as
 its last gradient arrives; at the end of the backward the rest are launched, every reduction
@@ -46,9 +48,11 @@ class _Bucket:
     done: dict[int, DTensor] = field(default_factory=dict)  # gradients finished outside the buffer
 
 
-def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, ...], int]]:
+def deferred_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, ...], int]]:
     """Placeholder name → (mesh axes, number of edges that read it), for every parameter whose
-    gradient reduction can be deferred into a bucket (see the module docstring)."""
+    gradient reduction can be deferred to the end of the backward (see the module docstring):
+    into a bucket, or, for a ZeRO-1 parameter (:func:`reduced_before_step`), to the optimizer
+    step."""
     plan, mesh_shape = program.plan, tuple(program.mesh.shape)
     edges: dict[str, list[tuple[list[str] | None, tuple[int, ...]]]] = {}
     for node in program.graph_module.graph.nodes:
@@ -79,6 +83,15 @@ def bucketable_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int,
     return out
 
 
+def reduced_before_step(program: ShardedProgram, name: str) -> bool:
+    """Whether the parameter of placeholder ``name`` stores its optimizer state sharded under a
+    whole gradient (ZeRO-1): its deferred gradient stays partial sums until the optimizer step
+    reduce-scatters it into the state's shard
+    (:meth:`~autoplan.codegen.sharded_state.ShardedOptimizerState.before_step`), not bucketed."""
+    storage = program.plan.storage.get(program.placeholder_fqn[name])
+    return storage is not None and storage.grad == storage.param and storage.optimizer_state != storage.param
+
+
 class GradientBuckets:
     """Buckets the gradient reductions of ``program``'s bucketable parameters; see the module
     docstring. Construct it before the first forward."""
@@ -86,8 +99,10 @@ class GradientBuckets:
     def __init__(self, program: ShardedProgram, cap_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         self.program = program
         self.mesh = program.mesh
-        chosen = bucketable_parameters(program)
-        program.deferred_gradients = set(chosen)
+        deferred = deferred_parameters(program)
+        program.deferred_gradients = set(deferred)
+        chosen = {name: found for name, found in deferred.items() if not reduced_before_step(program, name)}
+        self.before_step = {id(program.tensor(program.placeholder_fqn[name])) for name in deferred if name not in chosen}
         self._axes_of = {name: axes for name, (axes, _) in chosen.items()}
         self._edges = {name: edges for name, (_, edges) in chosen.items()}
         params = [(name, program.tensor(program.placeholder_fqn[name])) for name in chosen]
@@ -117,7 +132,8 @@ class GradientBuckets:
         return out
 
     def owns(self, param: torch.Tensor) -> bool:
-        return id(param) in self._bucket_of
+        """Whether ``param``'s gradient is reduced here, or left to the optimizer step (ZeRO-1)."""
+        return id(param) in self._bucket_of or id(param) in self.before_step
 
     def replaced(self) -> int:
         """The plan's all-reduces of these parameters' gradients per step (edge by edge)."""

@@ -86,7 +86,7 @@ from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_sk
     schedule_class, stage_ranks)
 from autoplan.codegen.precision import compute_precision, gathered_dtype
 from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, redistribute, to_dtensor_placements
-from autoplan.codegen.sharded_state import gradient_placements
+from autoplan.codegen.sharded_state import gradient_placements, reduced_before_step
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
@@ -304,6 +304,7 @@ class PipelineProgram(torch.nn.Module):
             else:
                 self._local[fqn] = torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad)
         self.gradient_targets = gradient_placements(plan.storage, self._local)
+        self.reduced_before_step = reduced_before_step(plan.storage, self._local)  # ZeRO-1 parameters (ids)
         constants = ShardedProgram._lifted_constants(graph)
         node_plans = {np_.name: np_ for np_ in plan.nodes}
         self.stage_modules = torch.nn.ModuleList(
@@ -429,6 +430,8 @@ class PipelineProgram(torch.nn.Module):
             g = p.grad
             if not isinstance(g, DTensor):
                 continue
+            if id(p) in self.reduced_before_step:  # ZeRO-1: reduce-scattered by the optimizer step
+                continue
             target = self.gradient_targets.get(id(p))
             if target is not None:  # ZeRO-2: reduced (or sliced) into the gradient's own placements
                 if tuple(g.placements) != tuple(target):
@@ -458,7 +461,9 @@ class PipelineProgram(torch.nn.Module):
         for fqn, group in self._shared:
             p = self._local[fqn]
             g = p.grad
-            placements = tuple(self.gradient_targets.get(id(p), p.placements))  # a ZeRO-2 gradient: sharded
+            # a ZeRO-2 gradient: sharded; a ZeRO-1 gradient: still partial sums
+            placements = tuple(g.placements) if g is not None and id(p) in self.reduced_before_step \
+                else tuple(self.gradient_targets.get(id(p), p.placements))
             if g is None:
                 with torch.no_grad():
                     local = torch.zeros_like(p.detach().redistribute(p.device_mesh, placements).to_local())

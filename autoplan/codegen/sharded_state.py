@@ -5,13 +5,14 @@ The plan's :class:`~autoplan.plan_schema.ParamStorage` gives, per parameter, thr
 the parameter, its gradient after the reduction and its optimizer state. Where the optimizer
 state's differs from the parameter's (ZeRO-1), the optimizer steps a *master shard*: a DTensor
 in the state's placements holding this rank's part of the parameter (taken from the parameter
-by a local slice, no communication). Before the step the reduced gradient is brought into the
-state's placements (a local slice of a replicated gradient; nothing for a gradient reduced
-straight into them), the optimizer updates the shard and its moments, and the parameter is
-rebuilt from the updated shards with DTensor's all-gather: the planned optimizer-phase
-collective. Where the gradient's placements differ too (ZeRO-2), the backward reduces the
-gradient's partial sums straight into them, a reduce-scatter instead of an all-reduce, so no
-rank holds a whole reduced gradient.
+by a local slice, no communication). The gradient is not all-reduced in the backward: it stays
+partial sums (through the microbatches it accumulates), and before the step it is
+reduce-scattered into the state's placements, as DeepSpeed's ZeRO-1 does; the optimizer
+updates the shard and its moments, and the parameter is rebuilt from the updated shards with
+DTensor's all-gather. Both are the plan's optimizer-phase collectives: a reduce-scatter and an
+all-gather per parameter, the bytes of the all-reduce plain storage runs. Where the gradient's
+placements differ too (ZeRO-2), the backward reduces the gradient's partial sums straight into
+them, a reduce-scatter instead of an all-reduce, so no rank holds a whole reduced gradient.
 """
 
 from __future__ import annotations
@@ -50,6 +51,15 @@ def gradient_placements(plan_storage: Mapping[str, ParamStorage], params: Mappin
             for fqn, storage in zero_parameters(plan_storage, params).items() if storage.grad != storage.param}
 
 
+def reduced_before_step(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
+                        ) -> set[int]:
+    """``id(parameter)`` of the ZeRO-1 parameters (optimizer state sharded under a whole
+    gradient): their gradients stay partial sums through the backward, and
+    :meth:`ShardedOptimizerState.before_step` reduce-scatters them into the state's shard."""
+    return {id(params[fqn]) for fqn, storage in zero_parameters(plan_storage, params).items()
+            if storage.grad == storage.param}
+
+
 class ShardedOptimizerState:
     """The master shards of the ZeRO parameters of ``params`` and the step around them; see
     the module docstring. :meth:`parameters` replaces those parameters by their shards in the
@@ -73,7 +83,9 @@ class ShardedOptimizerState:
         return [self._masters.get(id(p), p) for p in params]
 
     def before_step(self) -> None:
-        """Hand each reduced gradient to its master shard, in the state's placements."""
+        """Hand each gradient to its master shard, in the state's placements: a ZeRO-1
+        gradient left as partial sums is reduce-scattered there (the plan's optimizer-phase
+        reduction), a ZeRO-2 one is already there (or a local slice away)."""
         for param, master in self._pairs:
             grad = param.grad
             param.grad = None

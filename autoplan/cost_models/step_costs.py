@@ -37,8 +37,12 @@ optimizer phase). The gradient's edges reduce into ``g`` instead of ``p``: a red
 where the parameter's reduction is an all-reduce, the same bytes on a ring. Where microbatches
 accumulate, a ZeRO-2 gradient is reduce-scattered after every microbatch's backward and summed
 into its shard (as DeepSpeed's ZeRO-2 does), so that no whole gradient outlives a microbatch:
-``microbatches`` reduce-scatters per step; a ZeRO-1 gradient accumulates whole and is reduced
-once.
+``microbatches`` reduce-scatters per step. A ZeRO-1 gradient (``g = p``) accumulates whole, as
+partial sums, and is reduced once per step, before the optimizer step, straight into ``s``
+(the shard the optimizer steps): a reduce-scatter where plain storage all-reduces, parameter by
+parameter (a latency each, not bucketed), so that ZeRO-1 moves the bytes of plain data
+parallelism (a reduce-scatter and an all-gather make one all-reduce) and keeps a shard of the
+optimizer state (:func:`edge_steps`' ``step_src``).
 
 Activation checkpointing. A recomputed node (in a layer the plan recomputes,
 ``recompute_regions``) runs its forward once more in the backward, and so does every
@@ -301,8 +305,8 @@ def _as_gradient_spec(spec: ShardingSpec) -> ShardingSpec:
 
 def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
                ctx: CostContext, partial_axes: frozenset[int] = frozenset(), whole_axes: frozenset[int] = frozenset(),
-               grad_src: ShardingSpec | None = None, forward_itemsize: int | None = None
-               ) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
+               grad_src: ShardingSpec | None = None, forward_itemsize: int | None = None,
+               step_src: ShardingSpec | None = None) -> tuple[list[CollectiveStep], list[CollectiveStep]]:
     """Forward and backward collectives of an edge whose producer emits ``src`` and whose
     consumer reads ``dst``. The consumer's backward leaves the gradient as partial sums on
     ``partial_axes`` (:attr:`Strategy.partial_grads`); carrying it back into the producer's
@@ -310,15 +314,17 @@ def edge_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], ite
     into a sharded one (as DTensor's backward does). On ``whole_axes`` the consumer's backward
     gives the gradient replicated (:attr:`Strategy.whole_grad_axes`). A parameter whose
     gradient is stored in ``grad_src`` (ZeRO-2) has it reduced into that placement instead:
-    a reduce-scatter where the parameter's would be an all-reduce. The forward moves
-    ``forward_itemsize`` bytes per element where given (:func:`resharded_itemsize`), the
-    backward ``itemsize``."""
+    a reduce-scatter where the parameter's would be an all-reduce. A parameter read as stored
+    whose optimizer state is stored in ``step_src`` (ZeRO-1) has its gradient reduced into that
+    placement, once per step (the module docstring). The forward moves ``forward_itemsize``
+    bytes per element where given (:func:`resharded_itemsize`), the backward ``itemsize``."""
     forward = reshard_steps(src, dst, shape, forward_itemsize or itemsize, ctx.mesh_shape) if src != dst else []
     backward: list[CollectiveStep] = []
     if carries_grad:
         g_dst = tuple(P if axis in partial_axes else R if axis in whole_axes else p
                       for axis, p in enumerate(_as_gradient_spec(dst)))
-        g_src = grad_src if grad_src is not None else _as_gradient_spec(src)
+        g_src = grad_src if grad_src is not None else step_src if step_src is not None and src == dst \
+            else _as_gradient_spec(src)
         if g_dst != g_src:
             backward = reshard_steps(g_dst, g_src, shape, itemsize, ctx.mesh_shape)
     return forward, backward
@@ -345,6 +351,14 @@ def steps_seconds(steps: list[CollectiveStep], ctx: CostContext, bucketed: bool 
     return total
 
 
+def step_reduction_spec(spec: ShardingSpec, grad_spec: ShardingSpec | None, state_spec: ShardingSpec | None
+                        ) -> ShardingSpec | None:
+    """The placement a ZeRO-1 parameter stored in ``spec`` has its gradient reduced into once
+    per step: its optimizer state's (None for plain storage and ZeRO-2, whose gradient has its
+    own placement ``grad_spec``)."""
+    return state_spec if grad_spec is None and state_spec is not None and state_spec != spec else None
+
+
 def gradient_reductions(grad_spec: ShardingSpec | None, spec: ShardingSpec, ctx: CostContext) -> int:
     """How many times a step reduces the gradient of a parameter stored in ``spec`` and read so:
     once, or, where its gradient is stored sharded unlike it (ZeRO-2), after every microbatch."""
@@ -363,24 +377,27 @@ def regather_runs(from_parameter: bool, recomputed: bool, kept: bool) -> int:
 def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
               ctx: CostContext, partial_axes: frozenset[int] = frozenset(), from_parameter: bool = False,
               whole_axes: frozenset[int] = frozenset(), recomputed: bool = False, kept: bool = False,
-              grad_src: ShardingSpec | None = None, forward_itemsize: int | None = None) -> float:
+              grad_src: ShardingSpec | None = None, forward_itemsize: int | None = None,
+              step_src: ShardingSpec | None = None) -> float:
     """Seconds per step spent resharding along an edge, memoised: the forward every
     microbatch (twice where the consumer is ``recomputed``); the backward every microbatch,
     except for the gradient of a parameter read as it is stored, which is reduced once per
     step (bucketed, no latency per parameter). A parameter read in another placement is
     resharded every microbatch, and its gradient goes back through that resharding each time;
     where its consumer ``kept`` it for the backward, the backward gathers it again
-    (:func:`regather_runs`). ``grad_src``, ``forward_itemsize``: see :func:`edge_steps`."""
+    (:func:`regather_runs`); a ZeRO-1 gradient (``step_src``) is reduce-scattered parameter by
+    parameter, not in buckets. ``grad_src``, ``forward_itemsize``, ``step_src``: see
+    :func:`edge_steps`."""
     if src == dst and not (carries_grad and partial_axes):
         return 0.0
     key = (src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes,
-           ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src, forward_itemsize)
+           ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src, forward_itemsize, step_src)
     cached = ctx.cache.get(key)
     if cached is None:
         forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
-                                       grad_src, forward_itemsize)
+                                       grad_src, forward_itemsize, step_src)
         if from_parameter and src == dst:  # reduced once per step; a ZeRO-2 gradient every microbatch
-            cached = steps_seconds(backward, ctx, bucketed=True) * gradient_reductions(grad_src, src, ctx)
+            cached = steps_seconds(backward, ctx, bucketed=step_src is None) * gradient_reductions(grad_src, src, ctx)
         else:
             runs = 1.0 + regather_runs(from_parameter, recomputed, kept)
             cached = (runs * steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches

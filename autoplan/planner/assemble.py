@@ -8,7 +8,8 @@ import math
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
                                              edge_steps, gradient_reductions, model_flops_utilization, regather_runs,
-                                             resharded_itemsize, sharded_state_steps, steps_seconds, value_itemsize)
+                                             resharded_itemsize, sharded_state_steps, step_reduction_spec,
+                                             steps_seconds, value_itemsize)
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
     StagePlan)
@@ -42,6 +43,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     bucket: dict[tuple, PlannedCollective] = {}
     seconds = 0.0
     fx_nodes = graph.fx_nodes
+    reduced_once: set[str] = set()  # ZeRO-1 parameters whose gradient's reduction is listed
     for name, strategy in result.chosen.items():
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
         info_v = graph.nodes[name]
@@ -66,10 +68,12 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
                 continue
             info = graph.nodes[inp]
             itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
+            step_src = step_reduction_spec(src_strategy.output_spec, src_strategy.grad_spec, src_strategy.state_spec) \
+                if info.kind == "parameter" else None
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), itemsize,
                                            result.needs_grad[inp], ctx, strategy.partial_axes(pos),
                                            strategy.whole_grad_axes, src_strategy.grad_spec,
-                                           resharded_itemsize(info, ctx.optimizer.mixed_precision))
+                                           resharded_itemsize(info, ctx.optimizer.mixed_precision), step_src)
             where = f"{_shown(graph, classes.representative(classes.class_of[inp]))} -> {where_v}"
             moved = "parameter" if info.kind == "parameter" else "activation"
             seconds += steps_seconds(forward, ctx) * ctx.microbatches
@@ -83,7 +87,16 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
                 for step in forward:
                     _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes,
                          f"{where} ({'recomputed' if recomputed else 're-gathered'})", moved, times=ctx.microbatches)
-            if moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
+            if moved == "parameter" and src_strategy.output_spec == dst and step_src is not None:
+                # ZeRO-1: the accumulated gradient reduce-scattered into the optimizer state's
+                # shard once per step, before the optimizer step, one collective per parameter
+                if inp not in reduced_once:
+                    reduced_once.add(inp)
+                    seconds += steps_seconds(backward, ctx)
+                    for step in backward:
+                        _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes,
+                             f"{_shown(graph, classes.representative(classes.class_of[inp]))} (gradient)", "gradient")
+            elif moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
                 times = gradient_reductions(src_strategy.grad_spec, dst, ctx)  # step in buckets (ZeRO-2: per
                 seconds += steps_seconds(backward, ctx, bucketed=True) * times  # microbatch)
                 for step in backward:

@@ -33,7 +33,7 @@ from torch import fx
 
 from autoplan.cost_models.transient_memory import GatheredRead, gathered_bytes, peak_moments, value_bytes
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
-    edge_steps, resharded_itemsize, steps_seconds, storage_cost, value_itemsize)
+    edge_steps, resharded_itemsize, step_reduction_spec, steps_seconds, storage_cost, value_itemsize)
 from autoplan.errors import AutoplanError
 from autoplan.planner.pins import PinSet
 from autoplan.sharding import R, ShardingSpec, spec_to_json
@@ -424,7 +424,8 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
         gu, gv = grouping.group_of[u], grouping.group_of[v]
         from_parameter = src_info.kind == "parameter"
         sources = (strat[u].strategies[j] for j in grouping.choice_map[u])
-        src_specs = tuple((s.output_spec, s.grad_spec) for s in sources)
+        src_specs = tuple((s.output_spec, s.grad_spec, step_reduction_spec(s.output_spec, s.grad_spec, s.state_spec))
+                          for s in sources)
         reads = tuple((s.input_specs[pos], s.partial_axes(pos), s.whole_grad_axes)
                       for s in (strat[v].strategies[j] for j in grouping.choice_map[v]))
         recomputed = ctx.region_of(classes.representative(v)) is not None
@@ -526,13 +527,13 @@ def _read_spec(strategy: Strategy, position: int) -> ShardingSpec | None:
     return strategy.input_specs[position] if position < len(strategy.input_specs) else None
 
 
-def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...],
+def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None, ShardingSpec | None], ...],
                  reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
                  shape: tuple[int, ...], itemsize: int, grad: bool, ctx: CostContext, from_parameter: bool,
                  recomputed: bool = False, kept: bool = False, forward_itemsize: int | None = None
                  ) -> list[list[float]]:
-    """Seconds of one edge for every producer (its spec, and its gradient's where stored
-    unlike it) × consumer read (its spec, partial and whole gradient axes), memoised whole in
+    """Seconds of one edge for every producer (its spec, its gradient's where stored unlike it,
+    and a ZeRO-1 gradient's reduction placement: :func:`step_reduction_spec`) × consumer read (its spec, partial and whole gradient axes), memoised whole in
     ``ctx.cache``: the edges between ops of one kind repeat within a layer and across the
     layers planned on one mesh."""
     key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
@@ -541,13 +542,13 @@ def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None], ...]
     if matrix is None:
         # many producer choices emit the same spec, and many consumer choices read the same:
         # each distinct pair is costed once
-        sources: dict[tuple[ShardingSpec, ShardingSpec | None], int] = {}
+        sources: dict[tuple[ShardingSpec, ShardingSpec | None, ShardingSpec | None], int] = {}
         targets: dict[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], int] = {}
         rows = [sources.setdefault(s, len(sources)) for s in src_specs]
         cols = [targets.setdefault(r, len(targets)) for r in reads]
         distinct = [[0.0 if dst is None else edge_cost(src, dst, shape, itemsize, grad, ctx, partial, from_parameter,
-                                                       whole, recomputed, kept, grad_src, forward_itemsize)
-                     for dst, partial, whole in targets] for src, grad_src in sources]
+                                                       whole, recomputed, kept, grad_src, forward_itemsize, step_src)
+                     for dst, partial, whole in targets] for src, grad_src, step_src in sources]
         matrix = [[distinct[i][j] for j in cols] for i in rows]
         ctx.cache[key] = matrix
     return matrix
