@@ -12,9 +12,9 @@ axes: the reduction is an all-reduce per axis). Their edges do not reduce
 (:attr:`ShardedProgram.deferred_gradients`); their gradients accumulate as partial sums, and
 the post-accumulate hook puts each in its bucket. A ZeRO-1 parameter's deferred gradient is
 not bucketed: it stays partial sums until the optimizer step reduce-scatters it into the shard
-of the optimizer state, as the plan lists it (:func:`reduced_before_step`). A bucket (parameters in reverse order of
-definition, about the order the backward produces them, grouped by mesh axes and dtype, up
-to ``cap_bytes`` of local gradient) is flattened and all-reduced asynchronously as soon as
+of the optimizer state, as the plan lists it (:func:`left_to_optimizer_step`). A bucket
+(parameters in reverse order of definition, about the order the backward produces them,
+grouped by mesh axes and dtype, up to ``cap_bytes`` of local gradient) is flattened and all-reduced asynchronously as soon as
 its last gradient arrives; at the end of the backward the rest are launched, every reduction
 is awaited and the gradients are written back in the parameters' placements.
 
@@ -26,7 +26,7 @@ like.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor, Partial
 
 from autoplan.codegen.dtensor_program import ShardedProgram
 from autoplan.codegen.redistribution import reduce_to
+from autoplan.plan_schema import NodePlan
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -48,42 +49,57 @@ class _Bucket:
     done: dict[int, DTensor] = field(default_factory=dict)  # gradients finished outside the buffer
 
 
-def deferred_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, ...], int]]:
-    """Placeholder name → (mesh axes, number of edges that read it), for every parameter whose
-    gradient reduction can be deferred to the end of the backward (see the module docstring):
-    into a bucket, or, for a ZeRO-1 parameter (:func:`reduced_before_step`), to the optimizer
-    step."""
-    plan, mesh_shape = program.plan, tuple(program.mesh.shape)
+def parameter_reads(graph_module: torch.fx.GraphModule, node_plans: Mapping[str, NodePlan],
+                    placeholder_fqn: Mapping[str, str]) -> dict[str, list[tuple[list[str] | None, tuple[int, ...]]]]:
+    """Placeholder name → per edge that reads the parameter: the spec it reads and the mesh
+    axes on which its backward leaves the gradient partial."""
     edges: dict[str, list[tuple[list[str] | None, tuple[int, ...]]]] = {}
-    for node in program.graph_module.graph.nodes:
-        node_plan = program.node_plans.get(node.name)
+    for node in graph_module.graph.nodes:
+        node_plan = node_plans.get(node.name)
         if node_plan is None:
             continue
         tensor_inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
         for pos, a in enumerate(tensor_inputs):
-            if a.name in program.placeholder_fqn and pos < len(node_plan.inputs):
+            if a.name in placeholder_fqn and pos < len(node_plan.inputs):
                 partial = node_plan.grad_partial[pos] if pos < len(node_plan.grad_partial) else []
                 edges.setdefault(a.name, []).append((node_plan.inputs[pos], tuple(partial)))
+    return edges
+
+
+def deferred_axes(uses: list[tuple[list[str] | None, tuple[int, ...]]], stored: list[str],
+                  mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The mesh axes a parameter's gradient is reduced over at the end of the backward, where
+    every edge reads it as ``stored`` and leaves the gradient partial on the same axes, all of
+    them replicated in storage (data parallelism); else None (its edges reduce it)."""
+    axes = {partial for _, partial in uses}
+    if len(axes) != 1 or any(spec != stored for spec, _ in uses):
+        return None
+    reduced = tuple(a for a in next(iter(axes)) if mesh_shape[a] > 1)
+    return reduced if reduced and all(stored[a] == "R" for a in reduced) else None
+
+
+def deferred_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, ...], int]]:
+    """Placeholder name → (mesh axes, number of edges that read it), for every parameter whose
+    gradient reduction can be deferred to the end of the backward (see the module docstring):
+    into a bucket, or, for a ZeRO-1 parameter (:func:`left_to_optimizer_step`), to the optimizer
+    step."""
+    plan, mesh_shape = program.plan, tuple(program.mesh.shape)
     out: dict[str, tuple[tuple[int, ...], int]] = {}
-    for name, uses in edges.items():
+    for name, uses in parameter_reads(program.graph_module, program.node_plans, program.placeholder_fqn).items():
         fqn = program.placeholder_fqn[name]
-        stored = plan.params.get(fqn, ["R"] * len(mesh_shape))
         storage = plan.storage.get(fqn)
         if storage is not None and storage.grad != storage.param:  # ZeRO-2: reduce-scattered, not bucketed
             continue
         tensor = program.tensor(fqn)
         if not (isinstance(tensor, torch.nn.Parameter) and tensor.requires_grad):
             continue
-        axes = {partial for _, partial in uses}
-        if len(axes) != 1 or any(spec != stored for spec, _ in uses):
-            continue
-        reduced = tuple(a for a in next(iter(axes)) if mesh_shape[a] > 1)
-        if reduced and all(stored[a] == "R" for a in reduced):
+        reduced = deferred_axes(uses, plan.params.get(fqn, ["R"] * len(mesh_shape)), mesh_shape)
+        if reduced is not None:
             out[name] = (reduced, len(uses))
     return out
 
 
-def reduced_before_step(program: ShardedProgram, name: str) -> bool:
+def left_to_optimizer_step(program: ShardedProgram, name: str) -> bool:
     """Whether the parameter of placeholder ``name`` stores its optimizer state sharded under a
     whole gradient (ZeRO-1): its deferred gradient stays partial sums until the optimizer step
     reduce-scatters it into the state's shard
@@ -101,7 +117,7 @@ class GradientBuckets:
         self.mesh = program.mesh
         deferred = deferred_parameters(program)
         program.deferred_gradients = set(deferred)
-        chosen = {name: found for name, found in deferred.items() if not reduced_before_step(program, name)}
+        chosen = {name: found for name, found in deferred.items() if not left_to_optimizer_step(program, name)}
         self.before_step = {id(program.tensor(program.placeholder_fqn[name])) for name in deferred if name not in chosen}
         self._axes_of = {name: axes for name, (axes, _) in chosen.items()}
         self._edges = {name: edges for name, (_, edges) in chosen.items()}

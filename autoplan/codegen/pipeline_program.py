@@ -79,6 +79,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
+from autoplan.codegen.gradient_buckets import deferred_axes, parameter_reads
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
@@ -304,9 +305,16 @@ class PipelineProgram(torch.nn.Module):
             else:
                 self._local[fqn] = torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad)
         self.gradient_targets = gradient_placements(plan.storage, self._local)
-        self.reduced_before_step = reduced_before_step(plan.storage, self._local)  # ZeRO-1 parameters (ids)
-        constants = ShardedProgram._lifted_constants(graph)
         node_plans = {np_.name: np_ for np_ in plan.nodes}
+        # ZeRO-1 parameters (ids) whose every edge reads them as stored: their partial sums are
+        # reduce-scattered by the optimizer step (the others' edges reduce them, as planned)
+        deferred = {placeholder_fqn[name] for name, uses in parameter_reads(graph.graph_module, node_plans,
+                                                                            placeholder_fqn).items()
+                    if placeholder_fqn[name] in self._local and deferred_axes(
+                        uses, plan.params.get(placeholder_fqn[name], []),
+                        tuple(self._local[placeholder_fqn[name]].device_mesh.shape)) is not None}
+        self.reduced_before_step = reduced_before_step(plan.storage, self._local, deferred)
+        constants = ShardedProgram._lifted_constants(graph)
         self.stage_modules = torch.nn.ModuleList(
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),

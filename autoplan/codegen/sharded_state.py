@@ -17,7 +17,7 @@ them, a reduce-scatter instead of an all-reduce, so no rank holds a whole reduce
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -51,13 +51,14 @@ def gradient_placements(plan_storage: Mapping[str, ParamStorage], params: Mappin
             for fqn, storage in zero_parameters(plan_storage, params).items() if storage.grad != storage.param}
 
 
-def reduced_before_step(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
-                        ) -> set[int]:
+def reduced_before_step(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter],
+                        deferred: Collection[str]) -> set[int]:
     """``id(parameter)`` of the ZeRO-1 parameters (optimizer state sharded under a whole
-    gradient): their gradients stay partial sums through the backward, and
+    gradient) among ``deferred`` (FQNs whose edges leave the gradient partial sums): their
+    gradients stay partial sums through the backward, and
     :meth:`ShardedOptimizerState.before_step` reduce-scatters them into the state's shard."""
     return {id(params[fqn]) for fqn, storage in zero_parameters(plan_storage, params).items()
-            if storage.grad == storage.param}
+            if storage.grad == storage.param and fqn in deferred}
 
 
 class ShardedOptimizerState:

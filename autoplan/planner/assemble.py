@@ -15,7 +15,7 @@ from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, Planne
     StagePlan)
 from autoplan.planner.memory_savings import recompute_saved, sharding_saved
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
-from autoplan.sharding import spec_to_json
+from autoplan.sharding import R, spec_to_json
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import NodeClasses
 from autoplan.trace.subgraph import model_outputs
@@ -36,6 +36,29 @@ def _shown(graph: TracedGraph, name: str) -> str:
     return graph.nodes[name].fqn or name
 
 
+def read_as_stored_alike(graph: TracedGraph, result: IntraOpResult, mesh_shape: tuple[int, ...]) -> set[str]:
+    """The parameters every consumer of ``result`` reads as stored, each leaving the gradient
+    partial on the same mesh axes: those whose reduction the program defers to the end of the
+    backward (:func:`autoplan.codegen.gradient_buckets.deferred_parameters`), a ZeRO-1 one to the
+    optimizer step. (A ZeRO-1 parameter read otherwise has its gradient reduced on its edges,
+    into the parameter, as plain storage's.)"""
+    reads: dict[str, set[tuple[bool, frozenset[int]]]] = {}
+    for name, strategy in result.chosen.items():
+        inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
+        for pos, inp in enumerate(inputs):
+            dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None
+            if dst is None or graph.nodes[inp].kind != "parameter":
+                continue
+            reads.setdefault(inp, set()).add((dst == result.chosen[inp].output_spec, strategy.partial_axes(pos)))
+    deferred = set()
+    for inp, seen in reads.items():
+        as_stored, axes = next(iter(seen))
+        reduced = [a for a in axes if mesh_shape[a] > 1]
+        if len(seen) == 1 and as_stored and reduced and all(result.chosen[inp].output_spec[a] == R for a in reduced):
+            deferred.add(inp)
+    return deferred
+
+
 def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult,
                         ctx: CostContext) -> tuple[list[PlannedCollective], float]:
     """Every collective of one training step, aggregated over repeated layers, and the
@@ -44,6 +67,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
     seconds = 0.0
     fx_nodes = graph.fx_nodes
     reduced_once: set[str] = set()  # ZeRO-1 parameters whose gradient's reduction is listed
+    deferred = read_as_stored_alike(graph, result, ctx.mesh_shape)
     for name, strategy in result.chosen.items():
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
         info_v = graph.nodes[name]
@@ -69,7 +93,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             info = graph.nodes[inp]
             itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
             step_src = step_reduction_spec(src_strategy.output_spec, src_strategy.grad_spec, src_strategy.state_spec) \
-                if info.kind == "parameter" else None
+                if inp in deferred else None
             forward, backward = edge_steps(src_strategy.output_spec, dst, info.shape or (), itemsize,
                                            result.needs_grad[inp], ctx, strategy.partial_axes(pos),
                                            strategy.whole_grad_axes, src_strategy.grad_spec,
