@@ -1,5 +1,7 @@
 """User-facing errors: each one is a single readable line naming the problem and the fix."""
 
+from __future__ import annotations
+
 
 class AutoplanError(Exception):
     """A problem with the user's input or request. The CLI prints it as one line and exits 2."""
@@ -11,3 +13,7 @@ class MemoryInfeasibleError(AutoplanError):
     def __init__(self, message: str, least_memory_bytes: float) -> None:
         super().__init__(message)
         self.least_memory_bytes = least_memory_bytes
+
+    def __reduce__(self) -> tuple[type[MemoryInfeasibleError], tuple[str, float]]:
+        # pickled whole: an exact plan planned in another process returns it as its outcome
+        return type(self), (str(self), self.least_memory_bytes)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+import pickle
 import warnings
 
 import mlp
@@ -123,6 +123,10 @@ def test_memory_below_the_least_gives_one_line_error(small_mlp_graph) -> None:
     message = str(info.value)
     assert "\n" not in message and "the least any plan needs is" in message
     assert info.value.least_memory_bytes > 1e6
+    # it crosses processes whole (an exact plan planned beside the others returns it)
+    again = pickle.loads(pickle.dumps(info.value))
+    assert type(again) is MemoryInfeasibleError and str(again) == message
+    assert again.least_memory_bytes == info.value.least_memory_bytes
 
 
 def test_python_api_plans_a_module_and_round_trips() -> None:
