@@ -14,9 +14,10 @@ the post-accumulate hook puts each in its bucket. A ZeRO-1 parameter's deferred 
 not bucketed: it stays partial sums until the optimizer step reduce-scatters it into the shard
 of the optimizer state, as the plan lists it (:func:`left_to_optimizer_step`). A bucket
 (parameters in reverse order of definition, about the order the backward produces them,
-grouped by mesh axes and dtype, up to ``cap_bytes`` of local gradient) is flattened and all-reduced asynchronously as soon as
-its last gradient arrives; at the end of the backward the rest are launched, every reduction
-is awaited and the gradients are written back in the parameters' placements.
+grouped by mesh axes and dtype, up to ``cap_bytes`` of local gradient) is flattened and
+all-reduced asynchronously as soon as its last gradient arrives; at the end of the backward
+the rest are launched, every reduction is awaited and the gradients are written back in the
+parameters' placements.
 
 Executed collectives (``CollectiveCounter``): one all-reduce per bucket and axis instead of one
 per parameter, edge and axis; :meth:`GradientBuckets.replaced` and
@@ -118,7 +119,8 @@ class GradientBuckets:
         deferred = deferred_parameters(program)
         program.deferred_gradients = set(deferred)
         chosen = {name: found for name, found in deferred.items() if not left_to_optimizer_step(program, name)}
-        self.before_step = {id(program.tensor(program.placeholder_fqn[name])) for name in deferred if name not in chosen}
+        self.before_step = {id(program.tensor(program.placeholder_fqn[name]))  # ZeRO-1's, left to the step
+                            for name in deferred if name not in chosen}
         self._axes_of = {name: axes for name, (axes, _) in chosen.items()}
         self._edges = {name: edges for name, (_, edges) in chosen.items()}
         params = [(name, program.tensor(program.placeholder_fqn[name])) for name in chosen]

@@ -533,9 +533,9 @@ def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None, Shard
                  recomputed: bool = False, kept: bool = False, forward_itemsize: int | None = None
                  ) -> list[list[float]]:
     """Seconds of one edge for every producer (its spec, its gradient's where stored unlike it,
-    and a ZeRO-1 gradient's reduction placement: :func:`step_reduction_spec`) × consumer read (its spec, partial and whole gradient axes), memoised whole in
-    ``ctx.cache``: the edges between ops of one kind repeat within a layer and across the
-    layers planned on one mesh."""
+    and a ZeRO-1 gradient's reduction placement: :func:`step_reduction_spec`) × consumer read
+    (its spec, partial and whole gradient axes), memoised whole in ``ctx.cache``: the edges
+    between ops of one kind repeat within a layer and across the layers planned on one mesh."""
     key = ("edge matrix", src_specs, reads, shape, itemsize, grad, from_parameter,
            ctx.parameter_edges if from_parameter else -1, recomputed, kept, forward_itemsize)
     matrix = ctx.cache.get(key)
