@@ -132,6 +132,10 @@ def test_manual_plans_are_costed_or_explained(small_gpt) -> None:
         < ok.predicted.memory_bytes.activations
     with pytest.raises(AutoplanError, match="ac=selective"):
         parse_manual("dp=2,ac=some")
+    # more stages than the model has layers: one line that names the layers and the fix
+    deep = cost_manual(small_gpt, make_options(8, "cpu"), parse_manual("pp=8,microbatches=8"))
+    assert deep.predicted is None and "\n" not in deep.reason
+    assert "model cuts into 4 (h.0, h.1, h.2, h.3): choose pp=4 or fewer" in deep.reason
 
 
 def test_cli_shows_manual_plans_and_writes_a_timeline(tmp_path: Path) -> None:

@@ -256,7 +256,9 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     opts = replace(manual.options(options), mesh=mesh, allow_storage=manual_rule(graph, manual))
     layers = make_layers(graph, find_classes(graph), None)
     if manual.pp > len(layers):
-        raise AutoplanError(f"{manual.pp} stages but the model has {len(layers)} layers")
+        cut = ", ".join(layer.name for layer in layers)
+        raise AutoplanError(f"pp={manual.pp} needs at least {manual.pp} layers and the model cuts into {len(layers)} "
+                            f"({cut}): choose pp={len(layers)} or fewer")
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
