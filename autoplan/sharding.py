@@ -128,3 +128,18 @@ def reduce_scatter_first(src: ShardingSpec, dst: ShardingSpec) -> tuple[int, ...
 
 def num_elements_local(shape: tuple[int, ...], spec: ShardingSpec, mesh_shape: tuple[int, ...]) -> int:
     return math.prod(local_shape(shape, spec, mesh_shape))
+
+
+def deferred_axes(uses: list[tuple[list[str] | None, tuple[int, ...]]], stored: list[str],
+                  mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The mesh axes a parameter's gradient is reduced over at the end of the backward, where
+    every edge that reads it (``uses``: the spec it reads, as JSON, and the axes on which its
+    backward leaves the gradient partial) reads it as ``stored`` and leaves the gradient partial
+    on the same axes, all of them replicated in storage (data parallelism); else None (its
+    edges reduce it). The program defers those reductions into buckets, or, for ZeRO-1, to the
+    optimizer step, and the plan lists them so."""
+    axes = {partial for _, partial in uses}
+    if len(axes) != 1 or any(spec != stored for spec, _ in uses):
+        return None
+    reduced = tuple(a for a in next(iter(axes)) if mesh_shape[a] > 1)
+    return reduced if reduced and all(stored[a] == "R" for a in reduced) else None

@@ -12,7 +12,7 @@ axes: the reduction is an all-reduce per axis). Their edges do not reduce
 (:attr:`ShardedProgram.deferred_gradients`); their gradients accumulate as partial sums, and
 the post-accumulate hook puts each in its bucket. A ZeRO-1 parameter's deferred gradient is
 not bucketed: it stays partial sums until the optimizer step reduce-scatters it into the shard
-of the optimizer state, as the plan lists it (:func:`left_to_optimizer_step`). A bucket
+of the optimizer state, as the plan lists it (:func:`~autoplan.codegen.sharded_state.reduced_before_step`). A bucket
 (parameters in reverse order of definition, about the order the backward produces them,
 grouped by mesh axes and dtype, up to ``cap_bytes`` of local gradient) is flattened and
 all-reduced asynchronously as soon as its last gradient arrives; at the end of the backward
@@ -36,7 +36,9 @@ from torch.distributed.tensor import DTensor, Partial
 
 from autoplan.codegen.dtensor_program import ShardedProgram
 from autoplan.codegen.redistribution import reduce_to
+from autoplan.codegen.sharded_state import reduced_before_step
 from autoplan.plan_schema import NodePlan
+from autoplan.sharding import deferred_axes
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024  # DDP's default bucket_cap_mb
 
@@ -67,23 +69,11 @@ def parameter_reads(graph_module: torch.fx.GraphModule, node_plans: Mapping[str,
     return edges
 
 
-def deferred_axes(uses: list[tuple[list[str] | None, tuple[int, ...]]], stored: list[str],
-                  mesh_shape: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The mesh axes a parameter's gradient is reduced over at the end of the backward, where
-    every edge reads it as ``stored`` and leaves the gradient partial on the same axes, all of
-    them replicated in storage (data parallelism); else None (its edges reduce it)."""
-    axes = {partial for _, partial in uses}
-    if len(axes) != 1 or any(spec != stored for spec, _ in uses):
-        return None
-    reduced = tuple(a for a in next(iter(axes)) if mesh_shape[a] > 1)
-    return reduced if reduced and all(stored[a] == "R" for a in reduced) else None
-
-
 def deferred_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, ...], int]]:
     """Placeholder name → (mesh axes, number of edges that read it), for every parameter whose
     gradient reduction can be deferred to the end of the backward (see the module docstring):
-    into a bucket, or, for a ZeRO-1 parameter (:func:`left_to_optimizer_step`), to the optimizer
-    step."""
+    into a bucket, or, for a ZeRO-1 parameter
+    (:func:`~autoplan.codegen.sharded_state.reduced_before_step`), to the optimizer step."""
     plan, mesh_shape = program.plan, tuple(program.mesh.shape)
     out: dict[str, tuple[tuple[int, ...], int]] = {}
     for name, uses in parameter_reads(program.graph_module, program.node_plans, program.placeholder_fqn).items():
@@ -100,15 +90,6 @@ def deferred_parameters(program: ShardedProgram) -> dict[str, tuple[tuple[int, .
     return out
 
 
-def left_to_optimizer_step(program: ShardedProgram, name: str) -> bool:
-    """Whether the parameter of placeholder ``name`` stores its optimizer state sharded under a
-    whole gradient (ZeRO-1): its deferred gradient stays partial sums until the optimizer step
-    reduce-scatters it into the state's shard
-    (:meth:`~autoplan.codegen.sharded_state.ShardedOptimizerState.before_step`), not bucketed."""
-    storage = program.plan.storage.get(program.placeholder_fqn[name])
-    return storage is not None and storage.grad == storage.param and storage.optimizer_state != storage.param
-
-
 class GradientBuckets:
     """Buckets the gradient reductions of ``program``'s bucketable parameters; see the module
     docstring. Construct it before the first forward."""
@@ -118,9 +99,10 @@ class GradientBuckets:
         self.mesh = program.mesh
         deferred = deferred_parameters(program)
         program.deferred_gradients = set(deferred)
-        chosen = {name: found for name, found in deferred.items() if not left_to_optimizer_step(program, name)}
-        self.before_step = {id(program.tensor(program.placeholder_fqn[name]))  # ZeRO-1's, left to the step
-                            for name in deferred if name not in chosen}
+        tensors = {program.placeholder_fqn[name]: program.tensor(program.placeholder_fqn[name]) for name in deferred}
+        self.before_step = reduced_before_step(program.plan.storage, tensors, tensors)  # ZeRO-1's, left to the step
+        chosen = {name: found for name, found in deferred.items()
+                  if id(tensors[program.placeholder_fqn[name]]) not in self.before_step}
         self._axes_of = {name: axes for name, (axes, _) in chosen.items()}
         self._edges = {name: edges for name, (_, edges) in chosen.items()}
         params = [(name, program.tensor(program.placeholder_fqn[name])) for name in chosen]

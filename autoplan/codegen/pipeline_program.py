@@ -79,7 +79,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
-from autoplan.codegen.gradient_buckets import deferred_axes, parameter_reads
+from autoplan.codegen.gradient_buckets import parameter_reads
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
@@ -89,6 +89,7 @@ from autoplan.codegen.precision import compute_precision, gathered_dtype
 from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, redistribute, to_dtensor_placements
 from autoplan.codegen.sharded_state import gradient_placements, reduced_before_step
 from autoplan.errors import AutoplanError
+from autoplan.sharding import deferred_axes
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import NodeKind, TracedGraph

@@ -15,7 +15,7 @@ from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, Planne
     StagePlan)
 from autoplan.planner.memory_savings import recompute_saved, sharding_saved
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
-from autoplan.sharding import R, spec_to_json
+from autoplan.sharding import deferred_axes, spec_to_json
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import NodeClasses
 from autoplan.trace.subgraph import model_outputs
@@ -39,24 +39,18 @@ def _shown(graph: TracedGraph, name: str) -> str:
 def read_as_stored_alike(graph: TracedGraph, result: IntraOpResult, mesh_shape: tuple[int, ...]) -> set[str]:
     """The parameters every consumer of ``result`` reads as stored, each leaving the gradient
     partial on the same mesh axes: those whose reduction the program defers to the end of the
-    backward (:func:`autoplan.codegen.gradient_buckets.deferred_parameters`), a ZeRO-1 one to the
-    optimizer step. (A ZeRO-1 parameter read otherwise has its gradient reduced on its edges,
-    into the parameter, as plain storage's.)"""
-    reads: dict[str, set[tuple[bool, frozenset[int]]]] = {}
+    backward, a ZeRO-1 one to the optimizer step (:func:`autoplan.sharding.deferred_axes`, the
+    rule the program applies to the plan's node plans). A ZeRO-1 parameter read otherwise has
+    its gradient reduced on its edges, into the parameter, as plain storage's."""
+    uses: dict[str, list[tuple[list[str] | None, tuple[int, ...]]]] = {}
     for name, strategy in result.chosen.items():
         inputs = [] if graph.nodes[name].target == "getitem" else result.input_names[name]
         for pos, inp in enumerate(inputs):
             dst = strategy.input_specs[pos] if pos < len(strategy.input_specs) else None
-            if dst is None or graph.nodes[inp].kind != "parameter":
-                continue
-            reads.setdefault(inp, set()).add((dst == result.chosen[inp].output_spec, strategy.partial_axes(pos)))
-    deferred = set()
-    for inp, seen in reads.items():
-        as_stored, axes = next(iter(seen))
-        reduced = [a for a in axes if mesh_shape[a] > 1]
-        if len(seen) == 1 and as_stored and reduced and all(result.chosen[inp].output_spec[a] == R for a in reduced):
-            deferred.add(inp)
-    return deferred
+            if dst is not None and graph.nodes[inp].kind == "parameter":  # as node_plans records the edge
+                uses.setdefault(inp, []).append((spec_to_json(dst), tuple(sorted(strategy.partial_axes(pos)))))
+    return {inp for inp, used in uses.items()
+            if deferred_axes(used, spec_to_json(result.chosen[inp].output_spec), mesh_shape) is not None}
 
 
 def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult,
