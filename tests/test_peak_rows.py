@@ -144,3 +144,27 @@ def test_pairs_are_validated() -> None:
         IntraOpProblem([[1.0, 2.0], [1.0]], [[1.0, 1.0], [1.0]], [], peaks=[PeakRow({}, 0.0, {(0, 1): [[1.0]]})])
     with pytest.raises(ValueError, match="cannot be negative"):
         IntraOpProblem([[1.0], [1.0]], [[1.0], [1.0]], [], peaks=[PeakRow({}, 0.0, {(0, 1): [[-1.0]]})])
+
+
+def test_a_fractional_relaxation_that_passes_the_peak_starts_the_tightening_at_its_transient(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two groups: fast and large (6 bytes kept, 3 held at the peak) or slow and small (2 bytes).
+    Under 10 bytes the relaxation takes 1.5 of the large choices (fractional); its likeliest
+    assignment, both large, holds 6 at the peak: the budget is tightened by 6 before any
+    branch-and-bound, and the one that follows finds the answer."""
+    import autoplan.solvers.intra_op.solve as solve_module
+
+    runs: list[bool] = []
+    run_model = solve_module.run_model
+
+    def counted(*args: object, **kwargs: object) -> object:
+        runs.append(bool(kwargs.get("branch", True)))
+        return run_model(*args, **kwargs)
+
+    monkeypatch.setattr(solve_module, "run_model", counted)
+    problem = IntraOpProblem([[0.0, 1.0], [0.0, 1.0]], [[6.0, 2.0], [6.0, 2.0]], [], memory_budget=10.0,
+                             peaks=[PeakRow({0: [3.0, 0.0], 1: [3.0, 0.0]})])
+    sol = solve_intra_op(problem, canonical=False)
+    assert sol.choices == [1, 1] and sol.peak == 4.0
+    assert runs == [False, True]  # the relaxation alone, then one branch-and-bound
+    assert sol.objective == brute_force(problem).objective

@@ -119,18 +119,20 @@ class HighsBackend:
     ILP is solved from the start with presolve (``relaxation_bound`` None), from the model's
     last values as its first incumbent with ``warm_start`` (the canonical tie-break starts
     from the optimum it breaks the tie of: it is feasible there, and the search only has to
-    prove it or beat it, in half the time on a 20,000-variable model)."""
+    prove it or beat it, in half the time on a 20,000-variable model). Without ``branch`` a
+    fractional relaxation is the answer: no solution, the relaxation's values."""
 
     relaxation_bound: float | None = None
 
     def __init__(self, time_limit_s: float | None, gap_rel: float, gap_abs: float,
-                 options: dict[str, Any] | None = None, warm_start: bool = False) -> None:
+                 options: dict[str, Any] | None = None, warm_start: bool = False, branch: bool = True) -> None:
         self.time_limit_s = time_limit_s
         self.options = {"output_flag": False, "mip_rel_gap": gap_rel, "mip_abs_gap": gap_abs, "threads": 1,
                         **HIGHS_MIP_OPTIONS, **(options or {})}
         if time_limit_s is not None:
             self.options["time_limit"] = float(time_limit_s)
         self.warm_start = warm_start
+        self.branch = branch
 
     def _highs(self, model: IlpModel) -> Any:
         """A HiGHS instance holding the model's columns (costs, bounds) and rows, every column
@@ -168,6 +170,8 @@ class HighsBackend:
                 if np.all(np.abs(relaxed - np.round(relaxed)) <= INTEGRALITY_TOL):
                     self.relaxation_bound = float(highs.getInfo().objective_function_value)
                     return Answer(pulp.LpStatusOptimal, pulp.LpSolutionOptimal, values, self.relaxation_bound)
+                if not self.branch:
+                    return Answer(pulp.LpStatusNotSolved, pulp.LpSolutionNoSolutionFound, values, None)
             highs.changeColsIntegrality(integer.size, integer, np.full(integer.size, kinds.kInteger))
             # HiGHS 1.16 may report the branch-and-bound's objective beside a stale solution
             # of the relaxation's run unless its solver state is cleared in between
@@ -208,18 +212,20 @@ def pick_solver(requested: object) -> SolverName:
 
 
 def make_backend(name: SolverName, time_limit_s: float | None, mip_gap: float | None,
-                 log_path: str, exact_abs_gap: float | None = None, warm_start: bool = False
-                 ) -> HighsBackend | pulp.LpSolver:
+                 log_path: str, exact_abs_gap: float | None = None, warm_start: bool = False,
+                 branch: bool = True) -> HighsBackend | pulp.LpSolver:
     """The backend that solves a model: :class:`HighsBackend`, or pulp's CBC. With
     ``exact_abs_gap`` (the tie-break solves): no relative gap, that absolute gap, and rows held
     to EXACT_FEASIBILITY_TOL instead of the default 1e-7. ``warm_start``: HiGHS starts from the
-    model's last values (CBC ignores it)."""
+    model's last values; without ``branch`` it stops at a fractional relaxation (CBC ignores
+    both)."""
     exact = exact_abs_gap is not None
     gap_rel = 0.0 if exact else (DEFAULT_MIP_GAP if mip_gap is None else mip_gap)
     if name == "highs":
         _highs_banner_silenced()
         extra = {"primal_feasibility_tolerance": EXACT_FEASIBILITY_TOL} if exact else {}
-        return HighsBackend(time_limit_s, gap_rel, exact_abs_gap if exact else HIGHS_ABS_GAP, extra, warm_start)
+        return HighsBackend(time_limit_s, gap_rel, exact_abs_gap if exact else HIGHS_ABS_GAP, extra, warm_start,
+                            branch)
     # CBC's integer preprocessing cut off the optimum of a 6-group model with a binding memory row
     # and reported the worse answer optimal (tests/test_intra_op_ilp.py: seed 479001599); without it
     # the branch-and-bound is exact

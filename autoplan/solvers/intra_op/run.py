@@ -55,11 +55,12 @@ def _solve_with_cbc(model: IlpModel, backend: pulp.LpSolver, log_path: str) -> A
 
 
 def run_model(model: IlpModel, solver: SolverName, time_limit_s: float | None,
-              mip_gap: float | None, exact_abs_gap: float | None = None, warm_start: bool = False) -> SolverRun:
-    """Solve ``model`` with its current objective (see :func:`make_backend` for the gaps and
-    ``warm_start``); its ``values`` and ``status`` become the answer's."""
+              mip_gap: float | None, exact_abs_gap: float | None = None, warm_start: bool = False,
+              branch: bool = True) -> SolverRun:
+    """Solve ``model`` with its current objective (see :func:`make_backend` for the gaps,
+    ``warm_start`` and ``branch``); its ``values`` and ``status`` become the answer's."""
     if solver == "highs":
-        backend = make_backend(solver, time_limit_s, mip_gap, "", exact_abs_gap, warm_start)
+        backend = make_backend(solver, time_limit_s, mip_gap, "", exact_abs_gap, warm_start, branch)
         assert isinstance(backend, HighsBackend)
         start = time.perf_counter()
         answer = backend.solve(model)
@@ -75,6 +76,16 @@ def run_model(model: IlpModel, solver: SolverName, time_limit_s: float | None,
     if answer.values is not None:
         model.values = answer.values
     return SolverRun(solver, answer.sol_status, answer.bound, seconds)
+
+
+def likeliest_choices(model: IlpModel, reduced: ReducedProblem, num_groups: int) -> list[int]:
+    """The largest ``s`` per active group (lowest index on ties), fixed choices for the rest:
+    a fractional relaxation's likeliest assignment."""
+    assert model.values is not None, "the model has not been solved"
+    choices = [reduced.fixed.get(g, -1) for g in range(num_groups)]
+    for g, columns in model.s.items():
+        choices[g] = int(np.argmax(model.values[columns]))
+    return choices
 
 
 def extract_choices(model: IlpModel, reduced: ReducedProblem, num_groups: int) -> list[int]:
