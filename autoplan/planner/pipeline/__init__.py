@@ -249,11 +249,25 @@ def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], 
     """The exact plans of ``candidates``, in processes side by side, while this process runs
     ``meanwhile`` (with one job: after them)."""
     pool: TaskPool[Plan | AutoplanError] = TaskPool(options.jobs if len(candidates) > 1 or meanwhile else 1)
-    for candidate in candidates:
-        pool.submit(partial(_planned_exactly, spec, candidate, options, schedule))
+    order = sorted(range(len(candidates)), key=lambda i: -_stage_work(candidates[i]))
+    for i in order:
+        pool.submit(partial(_planned_exactly, spec, candidates[i], options, schedule))
     if meanwhile is not None:
         meanwhile()
-    return pool.results()
+    outcomes = dict(zip(order, pool.results()))
+    return [outcomes[i] for i in range(len(candidates))]
+
+
+def _stage_work(candidate: PipelineCandidate) -> int:
+    """An estimate of the work of a candidate's exact plan, by which the largest are started
+    first (so that the last to finish is a small one): its distinct stages' ILP sizes, an op
+    having a few sharding choices per mesh axis and an edge the square of its ends' choices,
+    so ``nodes * 16 ** axes`` per stage (the Llama-70B shape: seconds for a pipeline of 2-D
+    meshes, which the search's order started last, a second or two for one of 1-D meshes)."""
+    distinct = {(tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
+                 end == len(candidate.layers), mesh): sum(len(layer.nodes) for layer in candidate.layers[start:end])
+                for (start, end), mesh in zip(candidate.cuts, candidate.meshes)}
+    return sum(nodes * 16 ** len(key[-1]) for key, nodes in distinct.items())
 
 
 def _likely_winner_traced(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int) -> None:
