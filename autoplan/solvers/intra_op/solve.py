@@ -171,9 +171,10 @@ def _solve_tightened(problem: IntraOpProblem, solver: SolverName, time_limit_s: 
     :func:`_solve_with_lazy_peaks`, find that one too, at many times the solver's time). None
     where the tightened budget admits no plan, or after ``TIGHTENINGS`` solves.
 
-    With HiGHS the first model's relaxation is solved alone: where it is fractional and its
-    likeliest assignment (:func:`likeliest_choices`) does not fit, ``T`` starts at that
-    assignment's transient, and the branch-and-bound under ``M`` is skipped (on the stages of the Llama-70B shape the likeliest assignment's transient was
+    With HiGHS the first model's relaxation is solved alone (an integral one is the answer, as
+    ever): where it is fractional and its likeliest assignment (:func:`likeliest_choices`) does
+    not fit, ``T`` starts at that assignment's transient, and the branch-and-bound under ``M``
+    is skipped (on the stages of the Llama-70B shape the likeliest assignment's transient was
     the answer's every time, and its first branch-and-bound a third of the stage's time)."""
     if problem.memory_budget is None or not problem.peaks:
         return None
@@ -191,16 +192,17 @@ def _solve_tightened(problem: IntraOpProblem, solver: SolverName, time_limit_s: 
         if not reduced.active:
             return None
         model = build_model(tight, reduced)
+        run = run_model(model, solver, time_limit_s, mip_gap, branch=not relaxed_first)
+        seconds += run.seconds
         if relaxed_first:
             relaxed_first = False
-            run = run_model(model, solver, time_limit_s, mip_gap, branch=False)
-            seconds += run.seconds
             likely_transient = _likely_transient(problem, reduced, model, run)
             if likely_transient is not None:
                 held = likely_transient
                 continue
-        run = run_model(model, solver, time_limit_s, mip_gap)
-        seconds += run.seconds
+            if run.sol_status == pulp.LpSolutionNoSolutionFound:  # fractional: the branch-and-bound
+                run = run_model(model, solver, time_limit_s, mip_gap)
+                seconds += run.seconds
         if model.status == pulp.LpStatusInfeasible:
             return None
         solution_status(run.sol_status, time_limit_s)  # raises where there is no answer
