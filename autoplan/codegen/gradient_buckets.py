@@ -100,7 +100,7 @@ class GradientBuckets:
         deferred = deferred_parameters(program)
         program.deferred_gradients = set(deferred)
         tensors = {program.placeholder_fqn[name]: program.tensor(program.placeholder_fqn[name]) for name in deferred}
-        self.before_step = reduced_before_step(program.plan.storage, tensors, tensors)  # ZeRO-1's, left to the step
+        self.before_step = reduced_before_step(program.plan.storage, tensors, tensors.keys())  # ZeRO-1's, to the step
         chosen = {name: found for name, found in deferred.items()
                   if id(tensors[program.placeholder_fqn[name]]) not in self.before_step}
         self._axes_of = {name: axes for name, (axes, _) in chosen.items()}

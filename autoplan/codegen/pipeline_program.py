@@ -309,11 +309,13 @@ class PipelineProgram(torch.nn.Module):
         node_plans = {np_.name: np_ for np_ in plan.nodes}
         # ZeRO-1 parameters (ids) whose every edge reads them as stored: their partial sums are
         # reduce-scattered by the optimizer step (the others' edges reduce them, as planned)
-        deferred = {placeholder_fqn[name] for name, uses in parameter_reads(graph.graph_module, node_plans,
-                                                                            placeholder_fqn).items()
-                    if placeholder_fqn[name] in self._local and deferred_axes(
-                        uses, plan.params.get(placeholder_fqn[name], []),
-                        tuple(self._local[placeholder_fqn[name]].device_mesh.shape)) is not None}
+        deferred = set()
+        for name, uses in parameter_reads(graph.graph_module, node_plans, placeholder_fqn).items():
+            fqn = placeholder_fqn[name]
+            local = self._local.get(fqn)
+            if local is not None and deferred_axes(uses, plan.params.get(fqn, []),
+                                                   tuple(local.device_mesh.shape)) is not None:
+                deferred.add(fqn)
         self.reduced_before_step = reduced_before_step(plan.storage, self._local, deferred)
         constants = ShardedProgram._lifted_constants(graph)
         self.stage_modules = torch.nn.ModuleList(

@@ -89,12 +89,11 @@ def likeliest_choices(model: IlpModel, reduced: ReducedProblem, num_groups: int)
 
 
 def extract_choices(model: IlpModel, reduced: ReducedProblem, num_groups: int) -> list[int]:
-    """argmax of s per active group (lowest index on ties), fixed choices for the rest."""
-    choices = [reduced.fixed.get(g, -1) for g in range(num_groups)]
+    """The solver's answer: :func:`likeliest_choices`, where every group's is taken (its ``s``
+    at least 0.5)."""
+    choices = likeliest_choices(model, reduced, num_groups) if model.values is not None else None
     for g, columns in model.s.items():
         values = [float(x) for x in model.values[columns]] if model.values is not None else [0.0] * len(columns)
-        best = max(range(len(values)), key=lambda i: (values[i], -i))
-        if values[best] < 0.5:
+        if choices is None or values[choices[g]] < 0.5:
             raise RuntimeError(f"the ILP solver left group {g} without a choice ({values})")
-        choices[g] = best
-    return choices
+    return choices if choices is not None else [reduced.fixed.get(g, -1) for g in range(num_groups)]
