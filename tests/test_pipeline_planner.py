@@ -507,6 +507,24 @@ def test_interleaved_stages_share_their_ranks_memory(small_gpt, budget: float) -
     assert max(per_rank(plan)) <= budget
     assert plan.predicted.memory_bytes.peak == pytest.approx(max(per_rank(plan)))
 
+def test_an_interleaved_steps_parts_are_its_busiest_ranks(small_gpt) -> None:
+    """Interleaved, a pipeline rank runs two stages: the step's compute and communication are
+    that rank's (both of its stages'), and the bubble is what the schedule adds to its work, not
+    the second stage's work counted as waiting."""
+    from autoplan.planner.pipeline.schedules import busiest_rank, rank_stages
+
+    assert rank_stages(4, "interleaved1f1b") == [[0, 2], [1, 3]] and rank_stages(2, "1f1b") == [[0], [1]]
+    assert busiest_rank([1.0, 3.0, 3.5, 1.0], "interleaved1f1b") == [0, 2]
+    assert busiest_rank([1.0, 3.0, 2.5, 1.0], "1f1b") == [1]
+    popts = PipelineOptions(stages=2, microbatches=4, schedule="interleaved1f1b")
+    plan = plan_pipeline(small_gpt, make_options(4, "cpu"), popts)
+    p, latencies = plan.predicted, [s.latency_s for s in plan.stages]
+    busy = max(sum(latencies[rank::2]) for rank in range(2))
+    assert p.bubble_s == pytest.approx(pipeline_time(latencies, 4, "interleaved1f1b") - 4 * busy)
+    assert p.bubble_s < p.step_time_s / 2
+    assert p.compute_s + p.comm_s + p.bubble_s == pytest.approx(p.step_time_s, rel=1e-6)
+
+
 
 def test_a_ranks_memory_is_split_among_its_stages() -> None:
     """Stage s on rank s % 2: each stage gets its least need plus a share of what is left in

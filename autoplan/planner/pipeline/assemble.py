@@ -17,7 +17,7 @@ from autoplan.planner.mesh_plan import emit_warnings
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.exact import stage_results
 from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages
-from autoplan.planner.pipeline.schedules import pipeline_time
+from autoplan.planner.pipeline.schedules import busiest_rank, pipeline_time
 from autoplan.planner.recompute import recomputed_layers
 from autoplan.sharding import local_shape, spec_from_json
 from autoplan.solvers import format_bytes
@@ -73,12 +73,13 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     scheduled = pipeline_time(latencies, candidate.microbatches, schedule)
     step = scheduled + after
     worst = worst_rank(per_rank(memories, candidate.ranks))
-    busiest = max(range(len(latencies)), key=lambda i: latencies[i])
-    by_kind = dict(kinds[busiest])
-    for kind, seconds in after_kinds.items():
+    busiest = busiest_rank(latencies, schedule)  # the parts: its compute, communication and bubble
+    by_kind: dict[str, float] = {}
+    for kind, seconds in [*(item for s in busiest for item in kinds[s].items()), *after_kinds.items()]:
         by_kind[kind] = by_kind.get(kind, 0.0) + seconds
-    predicted = Prediction(step, computes[busiest], comms[busiest] + after, MemoryEstimate(**vars(worst)), by_kind,
-                           bubble_s=max(0.0, scheduled - candidate.microbatches * max(latencies)),
+    busy = candidate.microbatches * sum(latencies[s] for s in busiest)
+    predicted = Prediction(step, sum(computes[s] for s in busiest), sum(comms[s] for s in busiest) + after,
+                           MemoryEstimate(**vars(worst)), by_kind, bubble_s=max(0.0, scheduled - busy),
                            mfu=model_flops_utilization(graph.nodes.values(), candidate.microbatches, step,
                                                        options.devices, options.cluster.device,
                                                        options.optimizer.mixed_precision))

@@ -38,11 +38,26 @@ def activations_in_flight(schedule: str, microbatches: int, stages: int) -> int:
     return microbatches if schedule == "gpipe" else min(microbatches, stages)
 
 
+def rank_stages(stages: int, schedule: str) -> list[list[int]]:
+    """The stages each pipeline rank runs: one each, or, interleaved, stages ``r, r + D, ...``
+    on rank ``r`` of ``D`` (torch's loop placement)."""
+    if schedule in INTERLEAVED and stages >= INTERLEAVE:
+        ranks = stages // INTERLEAVE
+        return [list(range(r, stages, ranks)) for r in range(ranks)]
+    return [[s] for s in range(stages)]
+
+
+def busiest_rank(latencies: list[float], schedule: str) -> list[int]:
+    """The stages of the pipeline rank that works longest per microbatch: the rank whose
+    compute and communication a step's parts report, beside the bubble it waits out."""
+    return max(rank_stages(len(latencies), schedule), key=lambda stages: sum(latencies[s] for s in stages))
+
+
 def pipeline_time(latencies: list[float], microbatches: int, schedule: str) -> float:
     """Step time of a pipeline whose stages take ``latencies`` per microbatch."""
     if schedule in INTERLEAVED and len(latencies) >= INTERLEAVE:
         ranks = len(latencies) // INTERLEAVE
-        per_rank = [sum(latencies[r::ranks]) for r in range(ranks)]
+        per_rank = [sum(latencies[s] for s in stages) for stages in rank_stages(len(latencies), schedule)]
         # zero bubble: the weight-gradient half of each backward fills the warm-up and drain
         bubble = (ranks - 1) * max(latencies) * (ZERO_BUBBLE_LEFT if schedule == "interleavedzerobubble" else 1.0)
         return microbatches * max(per_rank) + bubble
