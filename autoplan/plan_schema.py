@@ -79,11 +79,19 @@ class ParamStorage:
     """How one parameter is stored between steps, one placement per mesh axis: the parameter
     itself (as ``Plan.params``), its gradient after the reduction, and its optimizer state.
     All three equal is plain (DDP-like) storage; a sharded optimizer state under a replicated
-    parameter is ZeRO-1, a sharded gradient too ZeRO-2."""
+    parameter is ZeRO-1, a sharded gradient too ZeRO-2.
+
+    ``held``: the parameter is stored in its optimizer state's placements (FSDP's shard), and
+    every step gathers it once into ``param``'s, in the precision's parameter dtype, and holds it
+    there through its microbatches; its gradient accumulates in ``param``'s placements and is
+    reduced into the shard once, after the last microbatch (FSDP2 under a pipeline with
+    ``reshard_after_forward=False``, as torchtitan composes them:
+    :mod:`autoplan.codegen.held_parameters`)."""
 
     param: list[str]
     grad: list[str]
     optimizer_state: list[str]
+    held: bool = False
 
 
 class RecomputeMode(StrEnum):
@@ -157,6 +165,10 @@ class BatchCouplingPlan:
     node: str
     description: str  # "native_batch_norm in layer1.norm (batch statistics)"
     handling: CouplingHandling
+
+
+# the ``where`` of a held parameter's all-gather, once per step (:attr:`ParamStorage.held`)
+HELD_SUFFIX = "(held for the step)"
 
 
 @dataclass

@@ -14,3 +14,9 @@ import gpt  # noqa: E402
 def nanogpt():
     model, inputs = gpt.build(hidden=64, layers=2, heads=4, seq=16, vocab=128, batch=8)
     return model, inputs, gpt.loss_fn
+
+
+def nanogpt4():
+    """Four blocks: two pipeline ranks of two interleaved stages each."""
+    model, inputs = gpt.build(hidden=64, layers=4, heads=4, seq=16, vocab=128, batch=8)
+    return model, inputs, gpt.loss_fn

@@ -28,6 +28,9 @@ def build_optimizer(spec: OptimizerPlan, params: Iterable[torch.nn.Parameter]) -
 def refuse_unsupported(plan: Plan) -> None:
     """One line for the first decision of ``plan`` this program cannot carry out."""
     for name, storage in plan.storage.items():
+        if storage.held and not plan.scheduled:
+            raise AutoplanError(f"the plan holds {name} gathered through a step's microbatches, but it has one "
+                                "microbatch and no pipeline: plan again")
         for kind, placements in (("gradient", storage.grad), ("optimizer state", storage.optimizer_state)):
             if any(p.startswith("P") for p in placements):
                 raise AutoplanError(f"the plan stores {name}'s {kind} as partial sums ({placements}): "

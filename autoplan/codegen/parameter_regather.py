@@ -18,6 +18,10 @@ autocast's bf16 cast of the gathered parameter, not the parameter: a saved tenso
 
 Inside a recomputed layer, activation checkpointing's own hooks (innermost) take the saved
 tensors instead: the recomputed forward gathers again, as the plan lists it.
+
+A parameter held gathered through the step (:mod:`autoplan.codegen.held_parameters`) is read
+from its held copy: a saved read of it (or a cast of one) is packed as the recipe to take it
+from that copy again, without communication (:meth:`GatheredParameters.remember_held`).
 """
 
 from __future__ import annotations
@@ -47,8 +51,7 @@ class _Regather:
     (``placements``, global ``shape`` and ``stride``), or a view of its local tensor (an op run
     on local tensors, :mod:`autoplan.codegen.op_calls`; ``placements`` None)."""
 
-    param: DTensor
-    specs: list[str]
+    source: _Source
     placements: tuple[Placement, ...] | None
     shape: torch.Size
     stride: tuple[int, ...]
@@ -56,6 +59,24 @@ class _Regather:
     local_stride: tuple[int, ...]
     local_offset: int
     dtype: torch.dtype | None  # a cast of the gathered parameter (autocast's): its dtype
+
+
+@dataclass(frozen=True)
+class _Source:
+    """Where a gathered parameter comes from again: the stored ``param`` redistributed to
+    ``specs``, or, for a held one, its ``held`` copy (cast to ``dtype``, the read's)."""
+
+    param: DTensor
+    specs: list[str]
+    held: DTensor | None = None
+    dtype: torch.dtype | None = None
+
+    def rebuild(self, param_dtype: torch.dtype | None) -> torch.Tensor:
+        """The gathered parameter's local tensor."""
+        if self.held is not None:
+            return _local(self.held).to(self.dtype)
+        mesh = self.param.device_mesh
+        return _local(redistribute(self.param, self.specs, mesh, param_dtype=param_dtype))
 
 
 def _local(t: DTensor) -> torch.Tensor:
@@ -68,19 +89,29 @@ class GatheredParameters:
 
     def __init__(self, param_dtype: torch.dtype | None = None) -> None:
         self.param_dtype = param_dtype  # what a parameter's gather moves (the plan's bf16), as in the forward
-        self._gathered: dict[StorageWeakRef, tuple[DTensor, list[str]]] = {}
-        self._by_grad_fn: dict[Any, tuple[DTensor, list[str]]] = {}  # autograd node of a gathered one
+        self._gathered: dict[StorageWeakRef, _Source] = {}
+        self._by_grad_fn: dict[Any, _Source] = {}  # autograd node of a gathered one
+        self.active = False  # inside :meth:`hooks` (a forward)
 
     def remember(self, gathered: Any, param: Any, specs: Sequence[str]) -> None:
         """``gathered`` is ``param`` redistributed to ``specs`` for a consumer."""
         if isinstance(gathered, DTensor) and isinstance(param, DTensor) and gathered is not param:
             key = StorageWeakRef(_local(gathered).untyped_storage())
             if key != StorageWeakRef(_local(param).untyped_storage()):  # not a view of the stored one
-                self._gathered[key] = (param, list(specs))
-                if gathered.grad_fn is not None:
-                    self._by_grad_fn[gathered.grad_fn] = (param, list(specs))
+                self._remember(gathered, _Source(param, list(specs)))
 
-    def _cast_of_gathered(self, t: torch.Tensor) -> tuple[DTensor, list[str]] | None:
+    def remember_held(self, read: DTensor, held: DTensor) -> None:
+        """``read`` is a held parameter's ``held`` copy as a consumer reads it (cast). Only
+        inside a forward: a recomputation in the backward keeps what it reads."""
+        if self.active:
+            self._remember(read, _Source(held, [], held, read.dtype))  # no reference to the read itself
+
+    def _remember(self, gathered: DTensor, source: _Source) -> None:
+        self._gathered[StorageWeakRef(_local(gathered).untyped_storage())] = source
+        if gathered.grad_fn is not None:
+            self._by_grad_fn[gathered.grad_fn] = source
+
+    def _cast_of_gathered(self, t: torch.Tensor) -> _Source | None:
         """The gathered parameter ``t`` is a dtype cast of (or a view of such a cast: autocast's
         ``linear`` saves the transposed cast), if it is one. The cast keeps the gathered
         parameter's layout, so ``t``'s place in the cast's storage is its place in the gathered
@@ -106,17 +137,16 @@ class GatheredParameters:
             if entry is None:
                 return t
             dtype = t.dtype
-        param, specs = entry
         placements = tuple(t.placements) if isinstance(t, DTensor) else None
-        return _Regather(param, specs, placements, t.shape, tuple(t.stride()),
+        return _Regather(entry, placements, t.shape, tuple(t.stride()),
                          local.size(), tuple(local.stride()), local.storage_offset(), dtype)
 
     def _unpack(self, packed: Any) -> Any:
         if not isinstance(packed, _Regather):
             return packed
-        mesh = packed.param.device_mesh
+        mesh = packed.source.param.device_mesh
         with torch.no_grad():
-            full = _local(redistribute(packed.param, packed.specs, mesh, param_dtype=self.param_dtype))
+            full = packed.source.rebuild(self.param_dtype)
             if packed.dtype is not None:
                 full = full.to(packed.dtype)
         local = full.as_strided(packed.local_size, packed.local_stride, packed.local_offset)
@@ -129,9 +159,11 @@ class GatheredParameters:
     def hooks(self) -> Iterator[None]:
         """Run a forward under this: gathered parameters its ops save are re-gathered in the
         backward instead of kept."""
+        self.active = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            self.active = False
             self._gathered.clear()
             self._by_grad_fn.clear()

@@ -52,6 +52,9 @@ parameter: :attr:`PipelineProgram.gradient_buckets_launched` counts them for ``-
 A gradient the plan stores sharded unlike its parameter (ZeRO-2) is instead reduce-scattered on
 each edge that reads the parameter, in every microbatch's backward, and accumulates as a shard
 (``reduce_gradient_on_edge``): no whole gradient outlives a microbatch, as the plan costs it.
+A held parameter (FSDP under a pipeline: stored as its shard, gathered once per step and held
+through the microbatches) is gathered before the schedule runs and its accumulated gradient
+reduce-scattered into the shard after it (:mod:`autoplan.codegen.held_parameters`).
 
 Tied weights (nanoGPT's ``wte``/``lm_head``): a parameter read by stages on different pp ranks
 is held by each of them (distributed the same way on each sub-mesh); after the step the copies'
@@ -80,6 +83,7 @@ from torch.distributed.tensor.placement_types import Placement
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
 from autoplan.codegen.gradient_buckets import parameter_reads
+from autoplan.codegen.held_parameters import HeldParameter, held_parameters
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
@@ -114,7 +118,7 @@ class _StageModule(torch.nn.Module):
                  recomputed: Sequence[RecomputedLayer] = (),
                  precision: Callable[[], AbstractContextManager] = nullcontext,
                  gradient_targets: dict[int, tuple[Placement, ...]] | None = None,
-                 param_dtype: torch.dtype | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, held: dict[str, HeldParameter] | None = None) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
@@ -129,9 +133,12 @@ class _StageModule(torch.nn.Module):
         self.is_last = index == layout.num_stages - 1
         self._locals: dict[torch.fx.Node, str] = {}  # parameter/buffer placeholder -> attribute
         self._constants: dict[torch.fx.Node, torch.Tensor] = {}
+        self._held: dict[torch.fx.Node, HeldParameter] = {}  # read from the step's held copy
         for node in layout.param_nodes[index]:
             if node.name in placeholder_fqn:
                 fqn = placeholder_fqn[node.name]
+                if held and fqn in held:
+                    self._held[node] = held[fqn]
                 attr = fqn.replace(".", "__")
                 tensor = params[fqn]
                 if isinstance(tensor, torch.nn.Parameter):
@@ -157,7 +164,7 @@ class _StageModule(torch.nn.Module):
             env[node] = DTensor.from_local(value, self.mesh, replicate, run_check=False) \
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
         for node, attr in self._locals.items():
-            env[node] = getattr(self, attr)
+            env[node] = self._held.get(node) or getattr(self, attr)  # a held one is read at each use
         env.update(self._constants)
         with self.precision(), dispatch_settings(self.mesh.device_type), self.gathered.hooks():
             for n in self.nodes:
@@ -191,12 +198,19 @@ class _StageModule(torch.nn.Module):
             return None
         node_plan = self.node_plans.get(n.name)
         arrived: dict[torch.fx.Node, Any] = {}
+        for a in n.all_input_nodes:
+            if isinstance(env.get(a), HeldParameter):  # its held copy, cast, for this consumer only
+                arrived[a] = env[a].read()
+                self.gathered.remember_held(arrived[a], env[a].copy)
         if node_plan is not None and n.target is not operator.getitem:
             tensor_inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
             if len(node_plan.inputs) != len(tensor_inputs):
                 raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph has "
                                     f"{len(tensor_inputs)}: the plan is not for this graph")
             for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
+                if a in self._held:
+                    arrived[a] = redistribute(arrived[a], specs, self.mesh)
+                    continue
                 target = self.gradient_targets.get(id(env[a])) if a in self._locals else None
                 arrived[a] = redistribute(env[a], specs, self.mesh, target, self.param_dtype)
                 if a in self._locals:  # a parameter's partial gradient is reduced after the schedule,
@@ -293,7 +307,10 @@ class PipelineProgram(torch.nn.Module):
             tensor = params[fqn].detach()
             tensor = tensor if tensor.is_meta else tensor.to(self.device)
             mesh = holder[fqn]
-            specs = plan.params.get(fqn, ["R"] * mesh.ndim)
+            storage = plan.storage.get(fqn)
+            # a held parameter is stored as its optimizer state's shard, and gathered once per step
+            specs = storage.optimizer_state if storage is not None and storage.held \
+                else plan.params.get(fqn, ["R"] * mesh.ndim)
             if len(specs) != mesh.ndim:
                 raise AutoplanError(f"plan stores {fqn} as {specs}, but its stage's mesh has {mesh.ndim} axes: "
                                     "the stages holding a parameter must share a logical mesh")
@@ -306,6 +323,7 @@ class PipelineProgram(torch.nn.Module):
             else:
                 self._local[fqn] = torch.nn.Parameter(dt, requires_grad=params[fqn].requires_grad)
         self.gradient_targets = gradient_placements(plan.storage, self._local)
+        self.held = held_parameters(plan.storage, self._local, gathered_dtype(plan.precision))
         node_plans = {np_.name: np_ for np_ in plan.nodes}
         # ZeRO-1 parameters (ids) whose every edge reads them as stored: their partial sums are
         # reduce-scattered by the optimizer step (the others' edges reduce them, as planned)
@@ -321,7 +339,7 @@ class PipelineProgram(torch.nn.Module):
         self.stage_modules = torch.nn.ModuleList(
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
-                         self.gradient_targets, gathered_dtype(plan.precision))
+                         self.gradient_targets, gathered_dtype(plan.precision), self.held)
             for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):
@@ -407,7 +425,11 @@ class PipelineProgram(torch.nn.Module):
             p.grad = None
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
+        for held in self.held.values():  # gathered once for all the microbatches
+            held.gather()
         self.schedule.step(*args, target=self._microbatch_weights(inputs), losses=losses, return_outputs=False)
+        for held in self.held.values():  # reduce-scattered once, after the last microbatch
+            held.reduce_gradient()
         self._finish_gradients(params)
         for p, old in zip(params, stashed):
             if old is not None:

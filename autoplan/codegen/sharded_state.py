@@ -30,12 +30,14 @@ from autoplan.plan_schema import ParamStorage
 def zero_parameters(plan_storage: Mapping[str, ParamStorage], params: Mapping[str, torch.nn.Parameter]
                     ) -> dict[str, ParamStorage]:
     """The parameters of ``params`` (by FQN) whose plan storage shards the gradient or the
-    optimizer state unlike the parameter; one FQN per parameter object."""
+    optimizer state unlike the parameter; one FQN per parameter object. A held parameter
+    (:mod:`autoplan.codegen.held_parameters`) is stored as its optimizer state's shard: not one."""
     out: dict[str, ParamStorage] = {}
     seen: set[int] = set()
     for fqn, param in params.items():
         storage = plan_storage.get(fqn)
-        if storage is None or id(param) in seen or not isinstance(param, DTensor) or not param.requires_grad:
+        if storage is None or storage.held or id(param) in seen or not isinstance(param, DTensor) \
+                or not param.requires_grad:
             continue
         if storage.grad != storage.param or storage.optimizer_state != storage.param:
             out[fqn] = storage

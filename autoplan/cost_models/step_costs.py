@@ -44,6 +44,20 @@ parameter (a latency each, not bucketed), so that ZeRO-1 moves the bytes of plai
 parallelism (a reduce-scatter and an all-gather make one all-reduce) and keeps a shard of the
 optimizer state (:func:`edge_steps`' ``step_src``).
 
+Parameters gathered once per step and held (FSDP under a pipeline, ``reshard_after_forward=False``,
+:attr:`Strategy.held`). Where microbatches run, a parameter may be stored sharded as its
+optimizer state ``s`` and gathered into ``p`` once per step, before the first microbatch, as a
+copy in the precision's parameter dtype (bf16) that every microbatch reads; its gradient
+accumulates whole (fp32) in ``p`` and is reduce-scattered into ``s`` once per step, after the
+last microbatch. Its edges are ZeRO-1's (read as stored in ``p``, the gradient reduced once
+into ``s``); memory: the shard ``|s|·b_param``, the held copy ``|p|·b_copy`` (2 under bf16, no
+other compute copy: autocast's cast of it is taken from it again in the backward), the
+accumulated gradient ``|p|·b_grad``, the state ``|s|·b_state``; the step's all-gather moves
+``|p|·b_copy``. Against ZeRO-1 (``|p|·(b_param + b_copy) + |p|·b_grad + |s|·b_state``, the
+updated fp32 shards gathered) it keeps ``|p|·b_param − |s|·b_param`` less and gathers half the
+bytes under bf16; under fp32 it keeps more and gathers as much, so the search offers it under
+mixed precision only (a manual plan's ``fsdp=`` under a pipeline asks for it in any precision).
+
 Activation checkpointing. A recomputed node (in a layer the plan recomputes,
 ``recompute_regions``) runs its forward once more in the backward, and so does every
 resharding on its inputs (the recomputed forward redistributes again). It keeps its output
@@ -206,22 +220,28 @@ def local_bytes(shape: tuple[int, ...], itemsize: int, spec: ShardingSpec, mesh_
 
 
 def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable: bool,
-                 grad_spec: ShardingSpec | None = None, state_spec: ShardingSpec | None = None) -> NodeCost:
+                 grad_spec: ShardingSpec | None = None, state_spec: ShardingSpec | None = None,
+                 held: bool = False) -> NodeCost:
     """A parameter, buffer or user input stored in ``spec``. A trained parameter's gradient
     is kept in ``grad_spec`` and its optimizer state in ``state_spec`` (``None``: as the
     parameter). Under a sharded state (ZeRO-1/2) the optimizer steps this rank's shard, and
-    the updated shards are all-gathered into the parameter's placement once per step."""
+    the updated shards are all-gathered into the parameter's placement once per step. A
+    ``held`` parameter is stored in ``state_spec`` (the module docstring)."""
     shape = info.shape or ()
     elements = float(math.prod(local_shape(shape, spec, ctx.mesh_shape)))
     if info.kind == "parameter" and trainable:
         param_b, grad_b, opt_b = ctx.optimizer.state_bytes_per_param(info.itemsize)
-        param_b += ctx.optimizer.compute_copy_bytes
         grad_elements = float(math.prod(local_shape(shape, grad_spec or spec, ctx.mesh_shape)))
         state_elements = float(math.prod(local_shape(shape, state_spec or spec, ctx.mesh_shape)))
         step = optimizer_step_time(state_elements, ctx.device, ctx.optimizer, info.itemsize)
-        gather = steps_seconds(sharded_state_steps(spec, state_spec, shape, info.itemsize, ctx), ctx)
+        copy_b = resharded_itemsize(info, ctx.optimizer.mixed_precision) if held else info.itemsize
+        gather = steps_seconds(sharded_state_steps(spec, state_spec, shape, copy_b, ctx), ctx)
+        if held:  # the stored shard, and the held copy the forward computes with
+            params = state_elements * param_b + elements * copy_b
+        else:
+            params = elements * (param_b + ctx.optimizer.compute_copy_bytes)
         return NodeCost(comm_s=gather, optimizer_s=step,
-                        memory=MemoryParts(elements * param_b, grad_elements * grad_b, state_elements * opt_b))
+                        memory=MemoryParts(params, grad_elements * grad_b, state_elements * opt_b))
     if info.kind in ("parameter", "buffer", "constant"):
         return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
     itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)

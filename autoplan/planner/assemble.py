@@ -11,8 +11,8 @@ from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_red
                                              resharded_itemsize, sharded_state_steps, step_reduction_spec,
                                              steps_seconds, value_itemsize)
 from autoplan.cost_models.transient_memory import backward_transient
-from autoplan.plan_schema import (MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction, SolverStats,
-    StagePlan)
+from autoplan.plan_schema import (HELD_SUFFIX, MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction,
+    SolverStats, StagePlan)
 from autoplan.planner.memory_savings import recompute_saved, sharding_saved
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
 from autoplan.sharding import deferred_axes, spec_to_json
@@ -66,11 +66,16 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
         info_v = graph.nodes[name]
         zero = strategy.state_spec is not None
+        copy_b = resharded_itemsize(info_v, ctx.optimizer.mixed_precision) if strategy.held else info_v.itemsize
         for step in sharded_state_steps(strategy.output_spec, strategy.state_spec, info_v.shape or (),
-                                        info_v.itemsize, ctx) if zero else []:  # ZeRO-1/2: the shards gathered
+                                        copy_b, ctx) if zero else []:  # ZeRO-1/2: the shards gathered
             seconds += steps_seconds([step], ctx)
-            _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes, f"{where_v} (optimizer state)",
-                 "parameter")
+            if strategy.held:  # once per step, before the first microbatch
+                _add(bucket, step.kind, "forward", step.mesh_axis, step.nbytes, f"{where_v} {HELD_SUFFIX}",
+                     "parameter")
+            else:
+                _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes, f"{where_v} (optimizer state)",
+                     "parameter")
         if result.needs_grad.get(name):
             again = [("backward", f"{where_v} (recomputed)")] if ctx.recomputes(name) else []
             for step in count_reduction_steps(graph.nodes[name], strategy):
@@ -108,12 +113,13 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
             if moved == "parameter" and src_strategy.output_spec == dst and step_src is not None:
                 # ZeRO-1: the accumulated gradient reduce-scattered into the optimizer state's
                 # shard once per step, before the optimizer step, one collective per parameter
-                if inp not in reduced_once:
+                if inp not in reduced_once:  # a held one's after the last microbatch, in the step
                     reduced_once.add(inp)
                     seconds += steps_seconds(backward, ctx)
                     for step in backward:
-                        _add(bucket, step.kind, "optimizer", step.mesh_axis, step.nbytes,
-                             f"{_shown(graph, classes.representative(classes.class_of[inp]))} (gradient)", "gradient")
+                        _add(bucket, step.kind, "backward" if src_strategy.held else "optimizer", step.mesh_axis,
+                             step.nbytes, f"{_shown(graph, classes.representative(classes.class_of[inp]))} (gradient)",
+                             "gradient")
             elif moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
                 times = gradient_reductions(src_strategy.grad_spec, dst, ctx)  # step in buckets (ZeRO-2: per
                 seconds += steps_seconds(backward, ctx, bucketed=True) * times  # microbatch)
@@ -176,14 +182,15 @@ def placements(graph: TracedGraph, result: IntraOpResult, kinds: tuple[str, ...]
 
 def sharded_storage(graph: TracedGraph, result: IntraOpResult) -> dict[str, ParamStorage]:
     """The parameters (by FQN, tied names too) whose chosen storage shards the gradient or the
-    optimizer state unlike the parameter (ZeRO-1/2)."""
+    optimizer state unlike the parameter (ZeRO-1/2), or the parameter itself held through the
+    step."""
     out: dict[str, ParamStorage] = {}
     for name, strategy in result.chosen.items():
         info = graph.nodes[name]
         if info.kind == "parameter" and strategy.state_spec is not None:
             param = spec_to_json(strategy.output_spec)
             grad = spec_to_json(strategy.grad_spec) if strategy.grad_spec is not None else param
-            out[info.fqn or name] = ParamStorage(param, grad, spec_to_json(strategy.state_spec))
+            out[info.fqn or name] = ParamStorage(param, grad, spec_to_json(strategy.state_spec), strategy.held)
     for alias, used in graph.tied.items():
         if used in out:
             out[alias] = out[used]

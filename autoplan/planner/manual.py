@@ -1,12 +1,14 @@
 """Hand-written plans, costed under the same model as the found one (``--manual``).
 
 ``dp=2,fsdp=4,tp=4,pp=2,microbatches=64[,schedule=1f1b]`` is a Megatron-LM / torchtitan style
-plan: ``pp`` stages of equal layer counts, each on a ``dp × fsdp × tp`` mesh (axes of degree 1
+plan: ``pp`` stages of equal layer counts (``pp`` pipeline ranks of two stages each under the
+interleaved schedules, as torchtitan's), each on a ``dp × fsdp × tp`` mesh (axes of degree 1
 left out); over the ``dp`` axis every parameter is replicated and the batch sharded (data
 parallelism); over the ``fsdp`` axis the batch is sharded too and every parameter stored
 sharded, gathered at use (FSDP / ZeRO-3; ``dp`` and ``fsdp`` together are HSDP: the batch split
-over both axes, each parameter replicated over ``dp`` and sharded over ``fsdp``); over the
-``tp`` axis every weight matrix is sharded and used in place, as a column or a row of a
+over both axes, each parameter replicated over ``dp`` and sharded over ``fsdp``; under a pipeline
+with several microbatches gathered once per step and held through them, as torchtitan runs
+FSDP2 under pipelining); over the ``tp`` axis every weight matrix is sharded and used in place, as a column or a row of a
 Megatron pair (:func:`manual_rule`). ``zero=1`` shards each trained parameter's optimizer state
 over the ``dp`` axis, ``zero=2`` its reduced gradient too (ZeRO-1/2).
 Within those rules the intra-op ILP picks the rest. The result is recorded as an alternative
@@ -26,6 +28,8 @@ from autoplan.plan_schema import PRECISIONS, Alternative, Plan
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.recompute import RecomputePolicy, every_layer, recomputable
+from autoplan.planner.pipeline.candidates import interleave
+from autoplan.planner.pipeline.schedules import INTERLEAVED
 from autoplan.planner.pipeline import (
     PipelineCandidate,
     PipelineOptions,
@@ -159,7 +163,10 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     Sharded data parallelism over the ``fsdp`` axis: the batch as over ``dp``, and every
     parameter that ``fsdp`` divides along some dim is stored sharded there; its consumers,
     which compute on a slice of the batch, gather it before use and reduce-scatter its
-    gradient (FSDP / ZeRO-3).
+    gradient (FSDP / ZeRO-3). Under a pipeline with several microbatches the parameter is
+    gathered once per step and held through its microbatches, its gradient reduce-scattered
+    once, after the last (:attr:`~autoplan.plan_schema.ParamStorage.held`): torchtitan's FSDP2
+    under ``torch.distributed.pipelining``, with ``reshard_after_forward=False``.
 
     Megatron tensor parallelism over the ``tp`` axis: every weight matrix that ``tp`` divides
     is stored sharded, and every op that reads one computes with its shard in place: its output
@@ -170,6 +177,7 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     between them, so pairs come out as Megatron's, with one all-reduce per pair in the forward
     (after the row) and one in the backward (the gradient of the column's input)."""
     dp_axis, fsdp_axis, tp_axis = manual.axis("dp"), manual.axis("fsdp"), manual.axis("tp")
+    held = fsdp_axis is not None and manual.pp > 1 and manual.microbatches > 1
     if dp_axis is None and fsdp_axis is None and tp_axis is None:
         return None
     batch_axes = [axis for axis in (dp_axis, fsdp_axis) if axis is not None]
@@ -188,11 +196,12 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
             if info.kind in ("buffer", "constant") and not spec[fsdp_axis].is_replicate:
                 return False
             divisible = info.kind == "parameter" and any(d % manual.fsdp == 0 for d in info.shape or ())
-            if divisible and not spec[fsdp_axis].is_shard:
-                return False
+            if divisible and not (spec[fsdp_axis].is_replicate if held else spec[fsdp_axis].is_shard):
+                return False  # held: read whole there, stored as the held variant's shard
         return tp_axis is None or tensor_parallel_allows(info, spec[tp_axis], sharded_weights)
 
-    return StorageRule(allow, ZeroStage(manual.zero, dp_axis), dims_over_axes=len(batch_axes) > 1)
+    return StorageRule(allow, ZeroStage(manual.zero, dp_axis, fsdp_axis if held else None),
+                       dims_over_axes=len(batch_axes) > 1)
 
 
 def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights: frozenset[str]) -> bool:
@@ -226,16 +235,21 @@ def tensor_parallel_rule(graph: TracedGraph, tp: int) -> StorageRule:
 
 @dataclass(frozen=True)
 class ZeroStage:
-    """The sharded state a manual plan's ``zero=`` requires: ``zero(strategy)`` accepts the
-    ZeRO strategy that shards the optimizer state (and, for 2, the gradient) over the ``dp``
-    axis; with ``zero`` 0 it accepts none (plain storage)."""
+    """The sharded state a manual plan requires: ``zero(strategy)`` accepts the ZeRO strategy
+    that shards the optimizer state (and, for ``zero=2``, the gradient) over the ``dp`` axis,
+    and with ``held_axis`` (``fsdp=`` under a pipeline) the held strategy sharded over that
+    axis (a parameter shards its state over one axis: where both are accepted the ILP picks);
+    with neither it accepts none (plain storage)."""
 
     zero: int = 0
     dp_axis: int | None = None
+    held_axis: int | None = None
 
     def __call__(self, strategy: Strategy) -> bool:
         state = strategy.state_spec
-        if not self.zero or self.dp_axis is None or state is None or not state[self.dp_axis].is_shard:
+        if strategy.held or state is None:
+            return strategy.held and self.held_axis is not None and state[self.held_axis].is_shard
+        if not self.zero or self.dp_axis is None or not state[self.dp_axis].is_shard:
             return False
         return (strategy.grad_spec is not None) == (self.zero == 2)
 
@@ -268,6 +282,8 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
         manual.ac == "none" and options.recompute == RecomputePolicy.SELECTIVE) else frozenset()
     candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)),
                                   math.inf, graph, layers, recomputed=recomputed, selective=selective)
+    if manual.schedule in INTERLEAVED:  # pp ranks of INTERLEAVE stages each, as the search builds them
+        candidate = interleave(candidate)
     return assemble_pipeline(spec, candidate, opts, manual.schedule, {})
 
 

@@ -240,15 +240,18 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
         strategies = pinned_strategies(info, strategies, mesh_shape, pins)
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
-        if _trained_parameter(view, name):  # ZeRO-1/2
-            variants = [v for s in strategies for v in sharded_state_strategies(
-                s, info.shape or (), mesh_shape, gradients=True)]
+        if _trained_parameter(view, name):  # ZeRO-1/2; held where microbatches run (under bf16, or
+            # asked for) and one consumer reads it, whose gradient the step accumulates as it comes
             required = allow_storage.sharded_state if allow_storage is not None else None
+            held = ctx.microbatches > 1 and len(view.users[name]) == 1 \
+                and (ctx.optimizer.mixed_precision or required is not None)
+            variants = [v for s in strategies for v in sharded_state_strategies(
+                s, info.shape or (), mesh_shape, gradients=True, held=held)]
             if required is None:  # a free choice
                 strategies = strategies + variants
             else:  # a rule that names a sharded state (--manual zero=) requires it where it exists
                 strategies = [v for v in variants if required(v)] or strategies
-        costs = [storage_cost(info, s.output_spec, ctx, view.needs_grad[name], s.grad_spec, s.state_spec)
+        costs = [storage_cost(info, s.output_spec, ctx, view.needs_grad[name], s.grad_spec, s.state_spec, s.held)
                  for s in strategies]
         return ClassStrategies("storage", strategies, costs)
     input_names = view.inputs[name]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from autoplan.plan_schema import Alternative, MemoryEstimate, Plan, Prediction, RecomputeMode
+from autoplan.plan_schema import HELD_SUFFIX, Alternative, MemoryEstimate, Plan, Prediction, RecomputeMode
 from autoplan.planner.meshes import mesh_label, stage_meshes_text
 from autoplan.solvers import format_bytes, format_seconds
 
@@ -71,17 +71,21 @@ def recompute_modes_text(plan: Plan) -> str:
 
 
 def _gathered_lines(plan: Plan) -> list[str]:
-    """The parameters stored sharded and gathered at use (FSDP / ZeRO-3), and those whose
-    optimizer state (and gradient) alone is sharded (ZeRO-1/2)."""
+    """The parameters stored sharded and gathered at use (FSDP / ZeRO-3), those held gathered
+    through the step, and those whose optimizer state (and gradient) alone is sharded (ZeRO-1/2)."""
     gathers = [c for c in plan.collectives if c.tensor == "parameter" and c.kind == "all_gather"
-               and c.phase != "optimizer"]
+               and c.phase != "optimizer" and not c.where.endswith(HELD_SUFFIX)]
     lines = []
     if gathers:
         again = sum(c.count for c in gathers if c.phase == "backward")
         lines += ["", f"parameters gathered at use (FSDP / ZeRO-3): "
                       f"{sum(c.count for c in gathers if c.phase == 'forward')} gathers per step in the forward, "
                       f"{again} again in the backward"]
-    sharded = [s for s in plan.storage.values() if s.optimizer_state != s.param]
+    held = sum(1 for s in plan.storage.values() if s.held)
+    if held:
+        lines += ["", f"parameters stored sharded and held gathered through the step: {held} (gathered once per step, "
+                      f"before the first microbatch; their gradients reduce-scattered once, after the last)"]
+    sharded = [s for s in plan.storage.values() if s.optimizer_state != s.param and not s.held]
     if sharded:
         zero2 = sum(1 for s in sharded if s.grad != s.param)
         lines += ["", f"optimizer state sharded under whole parameters: {len(sharded) - zero2} parameters (ZeRO-1), "

@@ -40,7 +40,9 @@ class Strategy:
     ``whole_grad_axes`` those on which every input's gradient comes back replicated.
     A stored parameter's strategy may shard what the optimizer holds unlike the parameter:
     ``state_spec`` for its optimizer state (ZeRO-1), ``grad_spec`` for its reduced gradient
-    too (ZeRO-2); ``None`` keeps them as the parameter.
+    too (ZeRO-2); ``None`` keeps them as the parameter. ``held``: the parameter itself is stored
+    in ``state_spec`` too (FSDP's shard) and gathered into ``output_spec`` once per step, held
+    there through the step's microbatches (:attr:`~autoplan.plan_schema.ParamStorage.held`).
     """
 
     name: str
@@ -52,6 +54,7 @@ class Strategy:
     whole_grad_axes: frozenset[int] = frozenset()
     grad_spec: ShardingSpec | None = None
     state_spec: ShardingSpec | None = None
+    held: bool = False
 
     @property
     def output_spec(self) -> ShardingSpec:
@@ -180,10 +183,11 @@ def storage_strategies(shape: tuple[int, ...], mesh_shape: tuple[int, ...], dims
 
 
 def sharded_state_strategies(stored: Strategy, shape: tuple[int, ...], mesh_shape: tuple[int, ...],
-                             gradients: bool) -> list[Strategy]:
-    """ZeRO-1 (and, with ``gradients``, ZeRO-2) variants of a trained parameter ``stored`` as
-    ``stored.output_spec``: on each mesh axis where the parameter is replicated, its optimizer
-    state (and reduced gradient) sharded on the first dim that axis may shard."""
+                             gradients: bool, held: bool = False) -> list[Strategy]:
+    """ZeRO-1 (and, with ``gradients``, ZeRO-2; with ``held``, the held variant) variants of a
+    trained parameter ``stored`` as ``stored.output_spec``: on each mesh axis where the
+    parameter is replicated, its optimizer state (and reduced gradient, or the parameter
+    itself between steps) sharded on the first dim that axis may shard."""
     spec = stored.output_spec
     valid = set(tensor_specs(shape, mesh_shape))
     out = []
@@ -197,6 +201,8 @@ def sharded_state_strategies(stored: Strategy, shape: tuple[int, ...], mesh_shap
         out.append(replace(stored, name=f"{stored.name} zero1@{axis}", state_spec=sharded))
         if gradients:
             out.append(replace(stored, name=f"{stored.name} zero2@{axis}", grad_spec=sharded, state_spec=sharded))
+        if held:
+            out.append(replace(stored, name=f"{stored.name} held@{axis}", state_spec=sharded, held=True))
     return out
 
 
