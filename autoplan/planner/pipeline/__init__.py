@@ -96,9 +96,9 @@ every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):
   (stage ``s`` of torch's ``Schedule1F1B`` keeps ``min(B, S − s)``: every stage is counted as
   the first, more than later stages need, never less);
 - ``interleaved1f1b``: ``v = 2`` chunks per pipeline rank; the bubble shrinks to
-  ``(D − 1)·max t / v`` (``D`` ranks); each chunk keeps ``min(B, v·D)`` microbatches'
-  activations (torch's schedule keeps at most ``(v − 1)·D + 2(D − 1)`` chunk-forwards on a rank,
-  at most ``2D − 2`` of them in one chunk), and a rank's chunks share its memory;
+  ``(D − 1)·max t / v`` (``D`` ranks); torch's schedule keeps at most ``(v − 1)·D + 2(D − 1) + 1``
+  chunk-forwards on a rank (its first rank's warm-up and one more), each chunk counted as keeping
+  an equal share of them (at most ``B``), and a rank's chunks share its memory;
 - ``interleavedzerobubble``: as interleaved, with the weight-gradient half of each backward
   scheduled into the bubble, which leaves about a third of it.
 """

@@ -35,7 +35,18 @@ def normalize_schedule(name: str) -> Schedule:
 
 
 def activations_in_flight(schedule: str, microbatches: int, stages: int) -> int:
-    return microbatches if schedule == "gpipe" else min(microbatches, stages)
+    """Microbatches whose activations one stage keeps at once. GPipe: all of them; 1F1B: at most
+    one per stage; the interleaved schedules (``stages`` chunks, ``v = INTERLEAVE`` per rank on
+    ``D`` ranks): torch's keeps at most ``(v − 1)·D + 2(D − 1) + 1`` chunk-forwards on a rank
+    (its first rank's warm-up, then the forward before the first backward), counted here as an
+    equal share per chunk (its chunks have equal layer counts)."""
+    if schedule == "gpipe":
+        return microbatches
+    if schedule in INTERLEAVED and stages >= INTERLEAVE:
+        ranks = stages // INTERLEAVE
+        per_rank = (INTERLEAVE - 1) * ranks + 2 * (ranks - 1) + 1
+        return max(1, min(microbatches, -(-per_rank // INTERLEAVE)))
+    return min(microbatches, stages)
 
 
 def rank_stages(stages: int, schedule: str) -> list[list[int]]:
