@@ -204,6 +204,7 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     from autoplan.cost_models.step_costs import CostContext
     from autoplan.planner.mesh_plan import plan_intra_op
     from autoplan.planner.pipeline import LayerCosts
+    from autoplan.planner.pipeline.range_costs import FAST, RangeTable
     from autoplan.trace.subgraph import extract
 
     model, inputs = gpt.build(hidden=256, layers=4, heads=4, seq=64, vocab=512, batch=8, device="meta")
@@ -221,6 +222,16 @@ def test_boundary_correction_brings_a_range_to_its_own_ilp() -> None:
     assert costs.boundary(graph, a, b) <= 1e-12
     assert abs(corrected - exact) < abs(apart - exact)
     assert exact <= corrected + 1e-12
+
+    # layers far dearer apart than together (as Llama 3.1 405B's on 128 devices): a correction
+    # saves at most half of the two, so a range of them never costs less than nothing
+    fresh = LayerCosts(options, ctx)
+    fresh.cache.update({(layer.signature, FAST): (10.0, 0.0) for layer in layers})
+    assert fresh.boundary(graph, b, c) == pytest.approx(-10.0)
+    table = RangeTable(graph, layers, fresh, boundaries=True)
+    fastest = [table._range(FAST, start, end)[0] + table.joins[end - 1] - table.joins[start]
+               for start in range(len(layers)) for end in range(start + 1, len(layers) + 1)]
+    assert min(fastest) >= 0
 
 
 def test_recomputing_a_layer_inside_a_stage_is_costed_in_its_pairs_plan() -> None:
