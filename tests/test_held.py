@@ -5,7 +5,8 @@ The held strategy and its costs (the stored shard, a bf16 copy, one all-gather a
 reduce-scatter per step however many microbatches run); the search taking it under a budget
 where microbatches run in bf16; ``--manual fsdp=`` under a pipeline asking for it; and its
 programs passing ``--check`` on 4 gloo processes (fp32 and bf16, a tied weight on two pipeline
-ranks, torch's interleaved zero-bubble schedule) with every gather and reduce-scatter counted."""
+ranks, torch's interleaved zero-bubble schedule, gradient accumulation as the search plans it)
+with every gather and reduce-scatter counted."""
 
 from __future__ import annotations
 
@@ -92,7 +93,22 @@ def test_manual_fsdp_under_a_pipeline_holds_and_interleaves_over_its_ranks() -> 
     assert len(interleaved.stages) == 4 and sorted({tuple(s.devices) for s in interleaved.stages}) == [(0, 1), (2, 3)]
 
 
+def _searched_nanogpt() -> Plan:
+    """The search's plan of nanoGPT, two microbatches accumulated in bf16 on 4 devices, under a
+    budget that replicated Adam state exceeds: it holds some parameters through the step."""
+    spec = make_model_spec(*fsdp_cases.nanogpt(), name="nanogpt")
+
+    def planned(budget: float | None) -> Plan:
+        return plan_model(spec, PlanOptions(4, "cpu", stages=1, microbatches=2, mesh=(4,), recompute="none",
+                                            precision="bf16", memory_per_device=budget))
+
+    free = planned(None).predicted.memory_bytes
+    return planned(free.peak_with_transient - 0.5 * free.optimizer)
+
+
 def test_held_programs_pass_check(tmp_path) -> None:
+    searched = _searched_nanogpt()
+    assert any(s.held for s in searched.storage.values()) and searched.precision.compute_dtype == "bfloat16"
     cases = {"nanogpt 2 stages x fsdp held": ("nanogpt", "fsdp=2,pp=2,microbatches=4", "fp32"),
              "llama 2 stages x fsdp held bf16": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full", "bf16"),
              "nanogpt interleaved zero bubble x fsdp held": (
@@ -100,5 +116,6 @@ def test_held_programs_pass_check(tmp_path) -> None:
     plans = {label: (model, _manual(model, text, 4, precision)) for label, (model, text, precision) in cases.items()}
     for label, (_, plan) in plans.items():
         assert _held(plan), label
+    plans["nanogpt 2 microbatches accumulated, searched, bf16"] = ("nanogpt", searched)
     write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py", "nanogpt4": "fsdp_cases.py"})
     assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", 4, tmp_path, timeout=600), plans)
