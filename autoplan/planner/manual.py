@@ -8,9 +8,9 @@ parallelism); over the ``fsdp`` axis the batch is sharded too and every paramete
 sharded, gathered at use (FSDP / ZeRO-3; ``dp`` and ``fsdp`` together are HSDP: the batch split
 over both axes, each parameter replicated over ``dp`` and sharded over ``fsdp``; under a pipeline
 with several microbatches gathered once per step and held through them, as torchtitan runs
-FSDP2 under pipelining); over the ``tp`` axis every weight matrix is sharded and used in place, as a column or a row of a
-Megatron pair (:func:`manual_rule`). ``zero=1`` shards each trained parameter's optimizer state
-over the ``dp`` axis, ``zero=2`` its reduced gradient too (ZeRO-1/2).
+FSDP2 under pipelining); over the ``tp`` axis every weight matrix is sharded and used in place,
+as a column or a row of a Megatron pair (:func:`manual_rule`). ``zero=1`` shards each trained
+parameter's optimizer state over the ``dp`` axis, ``zero=2`` its reduced gradient too (ZeRO-1/2).
 Within those rules the intra-op ILP picks the rest. The result is recorded as an alternative
 with its predicted figures, or why it is infeasible.
 """
