@@ -64,17 +64,17 @@ class _Regather:
 @dataclass(frozen=True)
 class _Source:
     """Where a gathered parameter comes from again: the stored ``param`` redistributed to
-    ``specs``, or, for a held one, its ``held`` copy (cast to ``dtype``, the read's)."""
+    ``specs``, or, with ``held_read`` (the dtype a consumer reads it in), ``param`` is a held
+    parameter's copy, cast to that dtype."""
 
     param: DTensor
     specs: list[str]
-    held: DTensor | None = None
-    dtype: torch.dtype | None = None
+    held_read: torch.dtype | None = None
 
     def rebuild(self, param_dtype: torch.dtype | None) -> torch.Tensor:
         """The gathered parameter's local tensor."""
-        if self.held is not None:
-            return _local(self.held).to(self.dtype)
+        if self.held_read is not None:
+            return _local(self.param).to(self.held_read)
         mesh = self.param.device_mesh
         return _local(redistribute(self.param, self.specs, mesh, param_dtype=param_dtype))
 
@@ -104,7 +104,7 @@ class GatheredParameters:
         """``read`` is a held parameter's ``held`` copy as a consumer reads it (cast). Only
         inside a forward: a recomputation in the backward keeps what it reads."""
         if self.active:
-            self._remember(read, _Source(held, [], held, read.dtype))  # no reference to the read itself
+            self._remember(read, _Source(held, [], read.dtype))  # no reference to the read itself
 
     def _remember(self, gathered: DTensor, source: _Source) -> None:
         self._gathered[StorageWeakRef(_local(gathered).untyped_storage())] = source

@@ -234,7 +234,7 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
         grad_elements = float(math.prod(local_shape(shape, grad_spec or spec, ctx.mesh_shape)))
         state_elements = float(math.prod(local_shape(shape, state_spec or spec, ctx.mesh_shape)))
         step = optimizer_step_time(state_elements, ctx.device, ctx.optimizer, info.itemsize)
-        copy_b = resharded_itemsize(info, ctx.optimizer.mixed_precision) if held else info.itemsize
+        copy_b = state_gather_itemsize(info, ctx, held)
         gather = steps_seconds(sharded_state_steps(spec, state_spec, shape, copy_b, ctx), ctx)
         if held:  # the stored shard, and the held copy the forward computes with
             params = state_elements * param_b + elements * copy_b
@@ -246,6 +246,13 @@ def storage_cost(info: NodeInfo, spec: ShardingSpec, ctx: CostContext, trainable
         return NodeCost(memory=MemoryParts(params=elements * info.itemsize))
     itemsize = value_itemsize(info, ctx.optimizer.mixed_precision)
     return NodeCost(memory=MemoryParts(activations=elements * itemsize * ctx.activations_in_flight))
+
+
+def state_gather_itemsize(info: NodeInfo, ctx: CostContext, held: bool) -> int:
+    """Bytes per element of a sharded-state parameter's gather once per step: a held one's copy
+    moves in the precision's parameter dtype (:func:`resharded_itemsize`), ZeRO-1/2's updated
+    shards in the parameter's own."""
+    return resharded_itemsize(info, ctx.optimizer.mixed_precision) if held else info.itemsize
 
 
 def sharded_state_steps(spec: ShardingSpec, state_spec: ShardingSpec | None, shape: tuple[int, ...], itemsize: int,

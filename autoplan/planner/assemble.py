@@ -8,8 +8,8 @@ import math
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
                                              edge_steps, gradient_reductions, model_flops_utilization, regather_runs,
-                                             resharded_itemsize, sharded_state_steps, step_reduction_spec,
-                                             steps_seconds, value_itemsize)
+                                             resharded_itemsize, sharded_state_steps, state_gather_itemsize,
+                                             step_reduction_spec, steps_seconds, value_itemsize)
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (HELD_SUFFIX, MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction,
     SolverStats, StagePlan)
@@ -66,7 +66,7 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
         where_v = _shown(graph, classes.representative(classes.class_of[name]))
         info_v = graph.nodes[name]
         zero = strategy.state_spec is not None
-        copy_b = resharded_itemsize(info_v, ctx.optimizer.mixed_precision) if strategy.held else info_v.itemsize
+        copy_b = state_gather_itemsize(info_v, ctx, strategy.held)
         for step in sharded_state_steps(strategy.output_spec, strategy.state_spec, info_v.shape or (),
                                         copy_b, ctx) if zero else []:  # ZeRO-1/2: the shards gathered
             seconds += steps_seconds([step], ctx)
