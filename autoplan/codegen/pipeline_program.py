@@ -15,8 +15,9 @@ stage, ``(2, 2)`` for the next, say). For every distinct stage mesh shape the jo
 ``("pp", "m0", "m1", ...)``: pp rank p owns the contiguous ranks ``p*k .. p*k+k-1``, and a
 stage's sub-mesh is the slice of its shape's world mesh at this rank's pp coordinate. The
 ``pp`` process group of a rank links the ranks with the same position ``rank % k`` in every pp
-rank (the same for every shape); stages send over it. Values cross between stages whole
-(replicated), so neighbouring stages need not agree on their meshes.
+rank (the same for every shape); stages send over it. Between two stages on the same logical
+mesh a value crosses as shards (rank ``i`` sends rank ``i`` its piece); to a stage on another
+logical mesh it crosses whole (:class:`StageCrossing`).
 
 Mapping ``plan.stages`` to ranks: ``plan.stages[s].devices`` must be exactly one pp rank's block.
 ``len(plan.stages) == pp`` for the single-stage schedules (``gpipe``, ``1f1b``): stage s on pp
@@ -36,9 +37,14 @@ inputs are the values crossing its left boundary: every value produced before th
 inputs included) and used in it or after it, in graph order; the first stage takes all user
 inputs, and passes on those later stages need (nanoGPT's ``targets`` travels to the last stage).
 A stage's outputs are the next stage's inputs; the last stage returns its microbatch's scalar
-loss. Values cross as plain local tensors: a stage output is redistributed to Replicate and
-``to_local()``-ed, a received tensor is wrapped as a replicated DTensor (its backward all-reduces
-a partial gradient, so every rank of the sub-mesh sends back the full gradient).
+loss. Values cross as plain local tensors, each rank's piece of the value as
+:func:`~autoplan.sharding.boundary_spec` lays it out on the stage's mesh (the residual stream
+``[b, s, h]`` of a stage on ``4x2`` is sent as its ``[S(0), S(1)]`` shards, an eighth per rank,
+as torchtitan's tensor-parallel stages hand on theirs), or whole to and from a stage on another
+logical mesh: a stage output is redistributed to those placements and ``to_local()``-ed, a
+received tensor is wrapped as a DTensor of them (its backward redistributes the gradient to
+them, so every rank sends back the gradient of the piece it received). The planner costs each
+stage's ILP with its received values and outputs fixed so.
 
 Loss and gradients: the schedule's ``loss_fn`` returns the stage's loss times ``1/M`` (for a
 mean loss; ``loss_reduction="sum"`` uses 1), and the schedule runs with ``scale_grads=False``:
@@ -70,6 +76,7 @@ import math
 import operator
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -93,7 +100,7 @@ from autoplan.codegen.precision import compute_precision, gathered_dtype
 from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, redistribute, to_dtensor_placements
 from autoplan.codegen.sharded_state import gradient_placements, reduced_before_step
 from autoplan.errors import AutoplanError
-from autoplan.sharding import deferred_axes
+from autoplan.sharding import boundary_spec, deferred_axes, spec_to_json
 from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import NodeKind, TracedGraph
@@ -108,6 +115,41 @@ __all__ = [
     "stage_ranks",
 ]
 
+@dataclass(frozen=True)
+class StageCrossing:
+    """How a stage's values cross its boundaries: the placements (on its sub-mesh) of each value
+    it receives and of each it hands on, in :class:`StageLayout` order. Rank ``i`` of a stage
+    sends its shard to rank ``i`` of the next, so both lay a value out alike
+    (:func:`~autoplan.sharding.boundary_spec`); the first stage receives the microbatch whole,
+    the last hands on only its loss."""
+
+    inputs: list[tuple[Placement, ...]]
+    outputs: list[tuple[Placement, ...]]
+
+    @classmethod
+    def of(cls, layout: StageLayout, meshes: Sequence[tuple[int, ...]], index: int) -> StageCrossing:
+        mesh = tuple(meshes[index])
+
+        def placements(node: torch.fx.Node, neighbour: tuple[int, ...]) -> tuple[Placement, ...]:
+            shape = tuple(int(d) for d in node.meta["val"].shape)
+            return tuple(to_dtensor_placements(spec_to_json(boundary_spec(shape, mesh, neighbour))))
+
+        whole = (Replicate(),) * len(mesh)
+        inputs = [placements(n, tuple(meshes[index - 1])) if index else whole for n in layout.inputs[index]]
+        last = index == layout.num_stages - 1
+        outputs = [whole if last else placements(n, tuple(meshes[index + 1])) for n in layout.outputs[index]]
+        return cls(inputs, outputs)
+
+    def example_inputs(self, nodes: Sequence[torch.fx.Node], mesh_shape: tuple[int, ...], grads: Sequence[bool],
+                       device: torch.device) -> tuple[torch.Tensor, ...]:
+        """What torch's stage receives (its buffers' shapes): this rank's shard of each value."""
+        return tuple(_example(n, g, device, p, mesh_shape) for n, g, p in zip(nodes, grads, self.inputs))
+
+    def example_outputs(self, nodes: Sequence[torch.fx.Node], mesh_shape: tuple[int, ...], grads: Sequence[bool],
+                        device: torch.device) -> tuple[torch.Tensor, ...]:
+        return tuple(_example(n, g, device, p, mesh_shape) for n, g, p in zip(nodes, grads, self.outputs))
+
+
 class _StageModule(torch.nn.Module):
     """One pipeline stage: runs its nodes on DTensors over its sub-mesh. ``forward`` takes the
     boundary values as plain (full) tensors and returns plain tensors (or the scalar loss)."""
@@ -118,10 +160,13 @@ class _StageModule(torch.nn.Module):
                  recomputed: Sequence[RecomputedLayer] = (),
                  precision: Callable[[], AbstractContextManager] = nullcontext,
                  gradient_targets: dict[int, tuple[Placement, ...]] | None = None,
-                 param_dtype: torch.dtype | None = None, held: dict[str, HeldParameter] | None = None) -> None:
+                 param_dtype: torch.dtype | None = None, held: dict[str, HeldParameter] | None = None,
+                 crossing: StageCrossing | None = None) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
+        # how each value arrives and leaves (this rank's shard of it, or the whole value)
+        self.crossing = crossing or StageCrossing([], [])
         self.precision = precision  # the plan's precision, entered by each forward
         self.gradient_targets = gradient_targets or {}  # id(parameter) -> its gradient's placements (ZeRO-2)
         self.node_plans = node_plans
@@ -158,10 +203,11 @@ class _StageModule(torch.nn.Module):
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_nodes):
             raise AutoplanError(f"stage {self.index} takes {len(self.input_nodes)} values, got {len(args)}")
-        replicate = [Replicate()] * self.mesh.ndim
+        replicate = (Replicate(),) * self.mesh.ndim
         env: dict[torch.fx.Node, Any] = {}
-        for node, value in zip(self.input_nodes, args):
-            env[node] = DTensor.from_local(value, self.mesh, replicate, run_check=False) \
+        for i, (node, value) in enumerate(zip(self.input_nodes, args)):
+            arrives = self.crossing.inputs[i] if i < len(self.crossing.inputs) else replicate
+            env[node] = DTensor.from_local(value, self.mesh, arrives, run_check=False) \
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) else value
         for node, attr in self._locals.items():
             env[node] = self._held.get(node) or getattr(self, attr)  # a held one is read at each use
@@ -170,11 +216,12 @@ class _StageModule(torch.nn.Module):
             for n in self.nodes:
                 env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
         outs = []
-        for node in self.output_nodes:
+        for i, node in enumerate(self.output_nodes):
             value = env[node]
             if isinstance(value, DTensor):
-                if any(not p.is_replicate() for p in value.placements):
-                    value = value.redistribute(self.mesh, replicate)
+                leaves = self.crossing.outputs[i] if i < len(self.crossing.outputs) else replicate
+                if tuple(value.placements) != tuple(leaves):
+                    value = value.redistribute(self.mesh, leaves)
                 value = value.to_local()
             if isinstance(value, torch.Tensor):
                 # sent as traced: a value the precision computed in bf16 goes out in its model dtype
@@ -227,10 +274,15 @@ class _StageModule(torch.nn.Module):
         return REPLACED_OPS.get(n.target, n.target)(*args, **kwargs)
 
 
-def _example(node: torch.fx.Node, requires_grad: bool, device: torch.device) -> torch.Tensor:
+def _example(node: torch.fx.Node, requires_grad: bool, device: torch.device,
+             placements: tuple[Placement, ...] = (), mesh_shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """An empty tensor of ``node``'s value as one rank holds it under ``placements``."""
     val = node.meta["val"]
-    return torch.empty(tuple(int(d) for d in val.shape), dtype=val.dtype, device=device,
-                       requires_grad=requires_grad)
+    shape = [int(d) for d in val.shape]
+    for p, n in zip(placements, mesh_shape):
+        if p.is_shard():
+            shape[p.dim] //= n
+    return torch.empty(tuple(shape), dtype=val.dtype, device=device, requires_grad=requires_grad)
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,7 +391,8 @@ class PipelineProgram(torch.nn.Module):
         self.stage_modules = torch.nn.ModuleList(
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
-                         self.gradient_targets, gathered_dtype(plan.precision), self.held)
+                         self.gradient_targets, gathered_dtype(plan.precision), self.held,
+                         StageCrossing.of(layout, [tuple(st.mesh) for st in plan.stages], s))
             for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):
@@ -366,12 +419,15 @@ class PipelineProgram(torch.nn.Module):
         for module in self.stage_modules:
             s = module.index
             first = s == 0
-            in_args = tuple(_example(n, (not first) and layout.needs_grad.get(n, False), self.device)
-                            for n in layout.inputs[s])
+            shape = tuple(module.mesh.shape)
+            in_args = module.crossing.example_inputs(
+                layout.inputs[s], shape, [(not first) and layout.needs_grad.get(n, False) for n in layout.inputs[s]],
+                self.device)
             if module.is_last:
                 out_args: tuple[torch.Tensor, ...] = (_example(layout.loss_node, True, self.device),)
             else:
-                out_args = tuple(_example(n, layout.needs_grad.get(n, False), self.device) for n in layout.outputs[s])
+                out_args = module.crossing.example_outputs(
+                    layout.outputs[s], shape, [layout.needs_grad.get(n, False) for n in layout.outputs[s]], self.device)
             self.pipeline_stages.append(PipelineStage(module, s, layout.num_stages, self.device,
                                                       input_args=in_args, output_args=out_args,
                                                       group=self.pp_group))

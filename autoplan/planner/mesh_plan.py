@@ -36,7 +36,7 @@ from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost
     edge_steps, resharded_itemsize, step_reduction_spec, steps_seconds, storage_cost, value_itemsize)
 from autoplan.errors import AutoplanError
 from autoplan.planner.pins import PinSet
-from autoplan.sharding import R, ShardingSpec, spec_to_json
+from autoplan.sharding import R, ShardingSpec, boundary_spec, spec_name, spec_to_json
 from autoplan.solvers import Edge, IntraOpProblem, IntraOpSolution, PeakRow, evaluate, solve_intra_op, transient
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy,
     sharded_state_strategies, storage_strategies, strategy_name, tensor_specs)
@@ -138,9 +138,15 @@ class GraphView:
         return cls(graph, fx_nodes, inputs, users, needs_grad, loss.name)
 
 
-def _output_class_strategies(mesh_ndim: int, num_inputs: int) -> ClassStrategies:
-    """The graph's outputs that must be materialised leave replicated."""
-    specs = tuple((R,) * mesh_ndim for _ in range(num_inputs))
+def _output_class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...]) -> ClassStrategies:
+    """The graph's outputs that must be materialised leave replicated; a pipeline stage's leave
+    as they cross to the next stage (:func:`~autoplan.sharding.boundary_spec`; the loss, a
+    scalar, replicated)."""
+    graph = view.graph
+    if graph.materialized_outputs is None:
+        specs = tuple(boundary_spec(graph.nodes[i].shape or (), mesh_shape, graph.next_mesh) for i in view.inputs[name])
+    else:
+        specs = tuple((R,) * len(mesh_shape) for _ in view.inputs[name])
     return ClassStrategies("output", [Strategy(strategy_name(specs, ()), specs, (), 1)], [NodeCost()])
 
 
@@ -229,12 +235,14 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     info = view.graph.nodes[name]
     node = view.fx_nodes[name]
     if info.kind == "output":
-        return _output_class_strategies(len(mesh_shape), len(view.inputs[name]))
+        return _output_class_strategies(view, name, mesh_shape)
     over_axes = splits_dims_over_axes(ctx, allow_storage)
     if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape, over_axes)
-        if info.kind == "activation":  # a value received from an earlier stage arrives whole, and its
-            strategies = [s for s in strategies if all(p == R for p in s.output_spec)]  # gradient leaves whole
+        if info.kind == "activation":  # received from an earlier stage as it crosses, its gradient sent back alike
+            arrives = boundary_spec(info.shape or (), mesh_shape, view.graph.previous_mesh)
+            strategies = [s for s in strategies if s.output_spec == arrives] or \
+                [Strategy(spec_name(arrives), (), (arrives,), 1)]
         elif allow_storage is not None:
             strategies = [s for s in strategies if allow_storage(info, s.output_spec)] or strategies[:1]
         strategies = pinned_strategies(info, strategies, mesh_shape, pins)

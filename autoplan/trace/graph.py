@@ -77,9 +77,14 @@ class TracedGraph:
     # this maps each other FQN (whose placeholder has no users) to the FQN the graph reads.
     # Count such a tensor once, and keep it one parameter after distribution.
     tied: dict[str, str] = field(default_factory=dict)
-    # how many leading outputs must end replicated (the loss); None: all of them (a pipeline
-    # stage hands every output to the next stage whole)
+    # how many leading outputs must end replicated (the loss); None: a pipeline stage's graph,
+    # which hands every output on to the next stage
     materialized_outputs: int | None = 1
+    # a pipeline stage's graph: the logical meshes of the stages it receives from and hands on
+    # to, where they differ from its own (None: the same); values cross between stages as
+    # :func:`autoplan.sharding.boundary_spec` lays them out
+    previous_mesh: tuple[int, ...] | None = None
+    next_mesh: tuple[int, ...] | None = None
 
     def fx_node(self, name: str) -> torch.fx.Node:
         return self.fx_nodes[name]

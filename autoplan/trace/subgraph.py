@@ -1,10 +1,11 @@
 """Cut a contiguous run of op nodes out of a traced graph, as a graph of its own.
 
 A pipeline stage is such a run: the values it reads from earlier stages become placeholders
-of kind ``"activation"`` (parameters it reads keep their kind and FQN; they arrive whole and
-send their gradients back whole), and every value it produces that a later stage needs, and
-the loss, becomes an output that must leave replicated. The model's other outputs are not
-outputs of a stage: a pipelined step returns only the loss.
+of kind ``"activation"`` (user inputs too, in every stage but the first, which hands them
+on; parameters it reads keep their kind and FQN), and every value it produces that a later
+stage needs, and the loss, becomes an output, which leaves as it crosses to the next stage
+(:func:`autoplan.sharding.boundary_spec`). The model's other outputs are not outputs of a
+stage: a pipelined step returns only the loss.
 """
 
 from __future__ import annotations
@@ -52,11 +53,22 @@ def model_outputs(graph: TracedGraph) -> list[str]:
     return [v.name for v in values[1:] if isinstance(v, fx.Node)]
 
 
+def _received_kinds(graph: TracedGraph, node_names: list[str]) -> tuple[str, ...]:
+    """The kinds of value a run receives from the stage before it: the values of ops, and,
+    unless the run is the first (no op of the graph comes before it), the user inputs too: the
+    first stage takes them from the batch and hands on those later stages read."""
+    order = graph.node_order
+    start = order[node_names[0]] if node_names else 0
+    first = not any(info.kind == "op" and order.get(name, start) < start for name, info in graph.nodes.items())
+    return ("op",) if first else ("op", "input")
+
+
 def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
     """The run ``node_names`` (op nodes, graph order) as a :class:`TracedGraph`."""
     reads, produced = boundary_values(graph, node_names)
     fx_nodes = graph.fx_nodes
     trained = graph.trained_values
+    received = _received_kinds(graph, node_names)
     new = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     infos: dict[str, NodeInfo] = {}
@@ -66,7 +78,7 @@ def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
         node.meta = dict(old.meta)
         env[old] = node
         info = graph.nodes[name]
-        if info.kind == "op":
+        if info.kind in received:
             info = replace(info, kind="activation", target="placeholder", flops=0.0, params=(),
                            carries_grad=name in trained)
         infos[node.name] = info

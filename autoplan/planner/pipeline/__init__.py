@@ -10,9 +10,12 @@ logical mesh of it, each distinct layer is costed by the intra-op ILP once (laye
 ops and shapes share the answer).
 
 Ranges (:class:`RangeTable`). A stage's cost is the sum of its layers' costs plus sending its
-boundary activations (and receiving their gradients) over the link to the next stage:
+boundary activations (and receiving their gradients) over the link to the next stage, each
+rank its shard of them (:func:`~autoplan.sharding.boundary_spec`: every mesh axis shards a
+dim of the value; the next stage on the same logical mesh, as the stage DP assumes):
 
-- apart, every layer hands its values on replicated, as if a stage boundary followed it; the
+- apart, every layer receives its inputs and hands its values on as they cross a stage
+  boundary, as if one preceded and followed it; the
   ``REFINED`` best pipelines are searched again with each boundary inside a stage corrected
   by what planning the two layers that meet there together changes (the ILP of the pair, once
   per distinct pair; usually a saving, as the value may stay sharded). For a stage of two
@@ -84,8 +87,9 @@ exactly beside it, within ``WHOLE_BATCH_MARGIN`` (:func:`_whole_batch_rival`).
 
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
-once per step (amortised). A stage receives its inputs whole and sends their gradients back
-whole; it hands on only what later stages read (and the loss). After the schedule, once per
+once per step (amortised). A stage receives its inputs as they cross the boundary (sharded; whole
+from a stage on another logical mesh, which the exact plans cost) and sends their gradients back
+alike; it hands on only what later stages read (and the loss). After the schedule, once per
 step: the gradients of a weight held by stages on several pipeline ranks (a tied embedding)
 are summed among them (all stages store it as the first chose), and the loss is broadcast to
 every rank; both are added to the step time. Schedules (:data:`SCHEDULES`):

@@ -33,7 +33,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     coupling = coupling_plans(graph, candidate.microbatches)  # refuses a split that changes the model
     results = stage_results(candidate, options, schedule)
     link = link_between_stages(options, candidate.submesh)
-    crossing = cut_bytes(graph, layers)
+    crossing: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}  # by (sender mesh, receiver mesh)
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     storage: dict[str, ParamStorage] = {}
     latencies, memories, computes, comms, kinds = [], [], [], [], []
@@ -41,7 +41,12 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
         for c in stage_collectives:
             c.stages = [index]
-        send_bytes = crossing[end] if end < len(layers) else 0.0
+        send_bytes = 0.0
+        if end < len(layers):  # what each rank sends the next stage: its shards, or whole values to another mesh
+            pair = (tuple(candidate.meshes[index]), tuple(candidate.meshes[index + 1]))
+            if pair not in crossing:
+                crossing[pair] = cut_bytes(graph, layers, *pair)
+            send_bytes = crossing[pair][end]
         send = 2 * collective_time("send_recv", send_bytes, 2, link) if send_bytes else 0.0
         if send_bytes:
             where = f"stage {index} -> stage {index + 1}"

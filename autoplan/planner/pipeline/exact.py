@@ -86,7 +86,11 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     allow_storage = StorageRule(allowed, rule.sharded_state if rule else None, rule is not None and rule.dims_over_axes)
 
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
-    sub = extract(candidate.graph, nodes) if stages > 1 else candidate.graph
+    sub = candidate.graph
+    if stages > 1:  # values cross whole to or from a neighbour on another logical mesh
+        neighbours = [tuple(candidate.meshes[i]) if 0 <= i < stages and tuple(candidate.meshes[i]) != tuple(mesh)
+                      else None for i in (index - 1, index + 1)]
+        sub = replace(extract(candidate.graph, nodes), previous_mesh=neighbours[0], next_mesh=neighbours[1])
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
     selective = tuple(i for i in recomputed if start + i in candidate.selective)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
@@ -100,7 +104,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
         raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
                             "the stages holding it must share one")
     key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-           end == len(candidate.layers), pinned, mesh, budget, recomputed, selective)
+           end == len(candidate.layers), pinned, mesh, sub.previous_mesh, sub.next_mesh, budget, recomputed, selective)
     result = renamed(*solved[key], sub) if key in solved else None
     if result is None:
         result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,
@@ -118,9 +122,9 @@ def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False) -> 
     """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
     layer count, least 0, where they are not at hand)."""
     least, fast = [], []
-    reads = layer_inputs(candidate.graph, candidate.layers, mixed_precision)
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
         if candidate.costs and mesh in candidate.costs:
+            reads = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh)
             table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads)
             least.append(table.least_memory(start, end))
             fast.append(max(least[-1], table.cost(start, end, None)[1]))

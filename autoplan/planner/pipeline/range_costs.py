@@ -17,6 +17,7 @@ from autoplan.planner.mesh_plan import (IntraOpResult, PreparedPlan, plan_intra_
                                        splits_dims_over_axes)
 from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
     regions, saved_outputs)
+from autoplan.sharding import boundary_shards
 from autoplan.solvers import evaluate
 from autoplan.solvers.intra_op.trimming import TrimPath, TrimWalk
 from autoplan.solvers.inter_op import SubMesh
@@ -168,8 +169,9 @@ class LayerCosts:
 
     def boundary(self, graph: TracedGraph, first: Layer, second: Layer) -> float:
         """Seconds that planning two adjacent layers together adds to planning them apart (their
-        fastest plans). Apart, every value the first layer hands on must leave it replicated (it
-        could be a stage boundary); together, it may stay sharded: the correction is usually a
+        fastest plans). Apart, every value the first layer hands on leaves it as it would cross
+        a stage boundary (:func:`~autoplan.sharding.boundary_spec`), and the second layer takes
+        it so; together, it may stay as the first computes it: the correction is usually a
         saving. Memory is not corrected: apart, the handed-on value counts in both layers, which
         errs on the safe side (the pair's own plan may differ from both layers', so a memory
         correction taken from it can err on the unsafe side).
@@ -204,8 +206,8 @@ class LayerCosts:
         """Seconds per step that recomputing ``layer``'s fastest plan in ``mode`` adds: its own ops
         in the plan of the pair it forms with the layer ``before`` it, where it follows that
         layer inside a stage and their pair is costed (:meth:`boundary`); else in its own plan
-        (:meth:`recomputed`). Alone, a layer receives its inputs replicated, and its plan may
-        compute its first ops replicated before it shards them (Llama 3.1 8B's block on a 4x8
+        (:meth:`recomputed`). Alone, a layer receives its inputs as across a stage boundary, and
+        its plan may gather them and compute its first ops replicated before it shards them (Llama 3.1 8B's block on a 4x8
         mesh: its RMSNorm's upcast on the whole batch), which recomputing would run again; in
         the pair it takes them as the layer before hands them on (the block's recomputation
         costed 21% less there)."""
@@ -238,11 +240,15 @@ def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
         cluster.inter_node
 
 
-def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
+def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ...] = (),
+              neighbour_mesh: tuple[int, ...] | None = None) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
-    (one microbatch), for every cut 0..len(layers). A value produced in layer i and last read
-    in layer j (or, the loss, by the graph's output) crosses the cuts i+1..j. (Sizes in the
-    traced dtype: pipeline stages send their values so, under bf16 autocast too.)"""
+    (one microbatch), for every cut 0..len(layers): what each rank of a stage on ``mesh_shape``
+    sends to one on ``neighbour_mesh`` (None: the same), its shard of each value
+    (:func:`~autoplan.sharding.boundary_spec`; no mesh: whole values). A value produced in
+    layer i and last read in layer j (or, the loss, by the graph's output) crosses the cuts
+    i+1..j. (Sizes in the traced dtype: pipeline stages send their values so, under bf16
+    autocast too.)"""
     layer_of = layer_index(layers)
     fx_nodes = graph.fx_nodes
     loss = loss_name(graph)
@@ -252,7 +258,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer]) -> list[float]:
                     if user.op != "output" or name == loss), default=i)
         info = graph.nodes[name]
         if last > i and info.shape is not None:
-            nbytes = math.prod(info.shape) * info.itemsize
+            nbytes = math.prod(info.shape) * info.itemsize / boundary_shards(info.shape, mesh_shape, neighbour_mesh)
             diff[i + 1] += nbytes
             diff[last + 1] -= nbytes
     return list(itertools.accumulate(diff))[:len(layers) + 1]
@@ -326,7 +332,8 @@ class RangeTable:
                  policy: RecomputePolicy | None = None, may_recompute: frozenset[int] | None = None) -> None:
         self.graph, self.layers, self.costs, self.boundaries = graph, layers, costs, boundaries
         self.policy = policy or costs.options.recompute  # which layers may be recomputed
-        self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision) if reads is None else reads
+        self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision, costs.ctx.mesh_shape) \
+            if reads is None else reads
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute = may_recompute  # the layers that may be recomputed (:func:`recomputable`)
@@ -687,10 +694,11 @@ def _selective(applied: dict[int, tuple[RecomputeMode, float, float]]) -> frozen
     return frozenset(i for i, (how, _, _) in applied.items() if how == RecomputeMode.SELECTIVE)
 
 
-def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False
-                 ) -> list[dict[str, tuple[int, float]]]:
+def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False,
+                 mesh_shape: tuple[int, ...] = ()) -> list[dict[str, tuple[int, float]]]:
     """For each layer, the values it reads that an earlier layer produced: name -> (producing
-    layer, bytes of the whole value). Parameters, buffers and user inputs are not listed."""
+    layer, bytes of the value as it arrives on a device of ``mesh_shape``: its shard, as it
+    crosses a stage boundary). Parameters, buffers and user inputs are not listed."""
     layer_of = layer_index(layers)
     fx_nodes = graph.fx_nodes
     out: list[dict[str, tuple[int, float]]] = []
@@ -701,7 +709,8 @@ def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool 
                 producer = layer_of.get(source.name, i)
                 info = graph.nodes.get(source.name)
                 if producer != i and info is not None and info.kind == "op" and info.shape is not None:
-                    reads[source.name] = (producer, math.prod(info.shape) * value_itemsize(info, mixed_precision))
+                    nbytes = math.prod(info.shape) * value_itemsize(info, mixed_precision)
+                    reads[source.name] = (producer, nbytes / boundary_shards(info.shape, mesh_shape))
         out.append(reads)
     return out
 

@@ -55,10 +55,11 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     for mesh in meshes:
         if mesh not in costs:
             costs[mesh] = layer_costs(options, mesh, microbatches, in_flight, stages)
-    reads = layer_inputs(graph, layers, options.optimizer.mixed_precision)
+    # what each layer receives and each cut sends, as values cross between stages of a mesh
+    reads = {mesh: layer_inputs(graph, layers, options.optimizer.mixed_precision, mesh) for mesh in meshes}
     may_recompute = recomputable(graph, layers)
     link = link_between_stages(options, submesh)
-    boundary = cut_bytes(graph, layers)
+    boundary = {mesh: cut_bytes(graph, layers, mesh) for mesh in meshes}
     budget = options.memory_budget
     tied = tied_layers(graph, layers)
     nodes, per_node = cluster_shape(options)
@@ -73,19 +74,20 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
     policies = [RecomputePolicy.NONE, RecomputePolicy.AUTO] if options.recompute == RecomputePolicy.AUTO \
         else [options.recompute]
     for policy in policies:
-        tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads, policy, may_recompute)
+        tables = {mesh: RangeTable(graph, layers, costs[mesh], boundaries, reads[mesh], policy, may_recompute)
                   for mesh in meshes}
 
         def stage_cost(start: int, end: int, allowed: list[tuple[int, ...]],
                        tables: dict[tuple[int, ...], RangeTable] = tables) -> StageCost:
-            send = 2 * collective_time("send_recv", boundary[end], 2, link) if end < len(layers) else 0.0
             best, best_rank = None, None
-            for mesh in allowed:
+            for mesh in allowed:  # (the next stage on the same logical mesh: values cross as shards)
+                send = 2 * collective_time("send_recv", boundary[mesh][end], 2, link) if end < len(layers) else 0.0
                 seconds, memory = tables[mesh].cost(start, end, budget)
+                latency = seconds / microbatches + send
                 fits = budget is None or memory <= budget
-                rank = (not fits, seconds if fits else memory)  # the fastest that fits, else the leanest
+                rank = (not fits, latency if fits else memory)  # the fastest that fits, else the leanest
                 if best_rank is None or rank < best_rank:
-                    best, best_rank = StageCost(seconds / microbatches + send, memory, logical_mesh=mesh), rank
+                    best, best_rank = StageCost(latency, memory, logical_mesh=mesh), rank
             assert best is not None
             return best
 
@@ -348,10 +350,10 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     """Search the ``REFINED`` best pipelines again with the boundaries inside their stages
     costed (two ILPs more per distinct pair of adjacent layers, so not for every sub-mesh),
     and the best of every other pipeline depth (stage count); best first. Uncorrected, every
-    boundary inside a stage costs as if the value handed on were replicated there, which
-    overestimates a deep stage of a data-parallel mesh most: the one-stage plans would lose to
-    pipelines on that error alone (GPT-2 124M on 8 H100s, bf16: one stage on 2x4 estimated
-    5.62 ms uncorrected, planned at 4.23 ms). The pairs' ILPs run first, spread over the
+    boundary inside a stage costs as if the value handed on crossed a stage boundary there.
+    When values crossed whole, that overestimated a deep stage of a data-parallel mesh most:
+    the one-stage plans lost to pipelines on that error alone (GPT-2 124M on 8 H100s, bf16:
+    one stage on 2x4 estimated 5.62 ms uncorrected, planned at 4.23 ms). The pairs' ILPs run first, spread over the
     processes (one task per logical mesh of each searched sub-mesh); then the searches again,
     one task per pipeline."""
     candidates = sorted(candidates, key=lambda c: c.step_time_s)
