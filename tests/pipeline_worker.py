@@ -215,10 +215,20 @@ def run_case(name: str) -> dict:
     mesh_key = (plan.devices // k, *plan.mesh)
     program = build_pipeline(graph, plan, tensors, "cpu", world_mesh=_MESHES.get(mesh_key))
     _MESHES[mesh_key] = program.mesh
+    received: dict[int, list[list[int]]] = {}  # stage -> the shapes its first forward was handed
+
+    def record(module, args) -> None:
+        received.setdefault(module.index, [list(a.shape) for a in args if isinstance(a, torch.Tensor)])
+
+    hooks = [module.register_forward_pre_hook(record) for module in program.stage_modules]
     loss = program.train_step(*inputs)
+    for hook in hooks:
+        hook.remove()
     result: dict = {"stages_here": program.stage_indices, "params": plan.params, "inputs": base.inputs,
                     "stage_meshes": {s: list(m.shape) for s, m in program.stage_meshes.items()},
-                    "buckets": program.gradient_buckets_launched}
+                    "buckets": program.gradient_buckets_launched, "received": received,
+                    "values": {s: [list(n.meta["val"].shape) for n in program.layout.inputs[s]]
+                               for s in program.stage_indices}}
     result["loss_diff"], result["loss_ok"] = _diff(loss, ref_loss)
     params = program.named_plan_parameters()
     grad_diffs, bad, missing = {}, [], []

@@ -73,6 +73,33 @@ def test_stages_are_sharded_inside(results):
         assert _case(results, name)[0]["inputs"]["x"] != ["R"]
 
 
+def test_values_cross_as_shards_between_stages_of_one_mesh(results):
+    """A stage after the first is handed its share of each value (1/k on a stage mesh of k
+    devices: the microbatch's batch dim here), as the planner costs it; between stages on
+    different logical meshes ((4,) and (2, 2)), whole values."""
+    import math
+
+    from autoplan.sharding import boundary_spec, local_shape
+
+    checked = 0
+    for name, case in CASES.items():
+        mixed = name in STAGE_MESHES
+        for res in _case(results, name):
+            for stage, shapes in res["received"].items():
+                values = res["values"][stage]
+                if int(stage) == 0:  # the microbatch, whole
+                    assert shapes == values
+                    continue
+                mesh = tuple(res["stage_meshes"][stage])
+                want = [list(v) if mixed else list(local_shape(tuple(v), boundary_spec(tuple(v), mesh), mesh))
+                        for v in values]
+                assert shapes == want, (name, stage)
+                if case[2] > 1 and not mixed:
+                    assert all(math.prod(g) * case[2] == math.prod(v) for g, v in zip(shapes, values) if len(v) > 1)
+                checked += 1
+    assert checked > 0
+
+
 def test_layout_boundaries():
     """Without processes: what crosses the stage boundaries of a 2-stage nanoGPT."""
     from autoplan.codegen.pipeline_layout import pipeline_layout, stage_ranks
