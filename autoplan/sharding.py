@@ -145,19 +145,17 @@ def deferred_axes(uses: list[tuple[list[str] | None, tuple[int, ...]]], stored: 
     return reduced if reduced and all(stored[a] == "R" for a in reduced) else None
 
 
-def boundary_spec(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
-                  neighbour_mesh: tuple[int, ...] | None = None) -> ShardingSpec:
-    """How a value crosses a pipeline stage boundary: every mesh axis of more than one device
-    shards the first tensor dim that no earlier axis shards and that it divides evenly (a
-    residual stream ``[b, s, h]`` on a ``4x2`` mesh goes ``[S(0), S(1)]``, with a batch of one
-    ``[S(1), S(2)]``); an axis that finds none leaves it replicated. Rank ``i`` of the sender's
-    sub-mesh sends its shard to rank ``i`` of the receiver's, so both must lay out the value
-    alike: where the two stages' logical meshes differ (``neighbour_mesh``, the other stage's;
-    None: the same as ``mesh_shape``), the value crosses whole. The spec is on ``mesh_shape``. torchtitan's pipeline stages hand on their tensor-parallel
-    shards the same way; a value sent whole costs every rank the whole value in transfer and
-    in the memory of every microbatch in flight."""
-    if neighbour_mesh is not None and tuple(neighbour_mesh) != tuple(mesh_shape):
-        return replicated(len(mesh_shape))
+def boundary_spec(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> ShardingSpec:
+    """How a value crosses a pipeline stage boundary between two stages on logical mesh
+    ``mesh_shape``: every mesh axis of more than one device shards the first tensor dim that
+    no earlier axis shards and that it divides evenly (a residual stream ``[b, s, h]`` on a
+    ``4x2`` mesh goes ``[S(0), S(1)]``, with a batch of one ``[S(1), S(2)]``); an axis that
+    finds none leaves it replicated. Rank ``i`` of the sender's sub-mesh sends its shard to
+    rank ``i`` of the receiver's, so both must lay the value out alike: a value whose way from
+    the stage computing it to the last reading it passes a stage on another logical mesh
+    crosses whole instead. torchtitan's pipeline stages hand on their tensor-parallel shards
+    the same way; a value sent whole costs every rank the whole value in transfer and in the
+    memory of every microbatch in flight."""
     used: set[int] = set()
     spec: list[Placement] = []
     for n in mesh_shape:
@@ -171,8 +169,7 @@ def boundary_spec(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
     return tuple(spec)
 
 
-def boundary_shards(shape: tuple[int, ...], mesh_shape: tuple[int, ...],
-                    neighbour_mesh: tuple[int, ...] | None = None) -> int:
+def boundary_shards(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
     """Into how many pieces :func:`boundary_spec` cuts a value: each rank sends one."""
-    spec = boundary_spec(shape, mesh_shape, neighbour_mesh)
+    spec = boundary_spec(shape, mesh_shape)
     return math.prod(n for p, n in zip(spec, mesh_shape) if p.is_shard)

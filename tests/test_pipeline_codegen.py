@@ -138,6 +138,35 @@ def test_layout_boundaries():
         pipeline_layout(graph, wrong)
 
 
+def test_values_on_their_way_to_another_logical_mesh_cross_whole():
+    """Without processes: three nanoGPT stages, the last on another logical mesh. The labels,
+    read by the last stage, cross whole at both boundaries; the residual stream the second
+    stage alone reads crosses as shards (the batch over the 4 ranks); what the second stage
+    hands the third crosses whole."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoplan.codegen.pipeline_layout import pipeline_layout
+    from autoplan.codegen.pipeline_program import StageCrossing
+    from autoplan.planner.api import make_options, plan_traced
+    from autoplan.load import make_model_spec
+    from autoplan.trace.microbatch import microbatch_inputs
+    from autoplan.trace.tracer import trace
+
+    build, loss_fn, starts = MODELS["gpt"]
+    model, inputs = build()
+    graph = trace(make_model_spec(model, microbatch_inputs(inputs, 2), loss_fn))
+    plan = split_plan(plan_traced(graph, make_options(1, "cpu", mesh=(1,))), graph, starts[3], 2, "1f1b", pp=3)
+    layout = pipeline_layout(graph, plan)
+    meshes = [(4,), (4,), (2, 2)]
+    first, second = StageCrossing.of(layout, meshes, 0), StageCrossing.of(layout, meshes, 1)
+    names = [n.name for n in layout.outputs[0]]
+    assert names[0] == "targets" and first.outputs[0] == (Replicate(),) and second.inputs[0] == (Replicate(),)
+    residual = [p for n, p in zip(layout.outputs[0], first.outputs) if n not in layout.inputs[2]]
+    assert residual and all(p == (Shard(0),) for p in residual)
+    assert second.outputs == [(Replicate(),)] * len(layout.outputs[1])
+    assert StageCrossing.of(layout, meshes, 2).inputs == [(Replicate(), Replicate())] * len(layout.inputs[2])
+
+
 def test_stages_on_different_logical_meshes(results):
     """Two stages of 4 devices, one on mesh (4,) and one on (2, 2): each rank's stage runs on
     its own stage's mesh, both stages hold sharded parameters (or, data-parallel, sum partial

@@ -268,8 +268,8 @@ def test_recomputing_a_layer_inside_a_stage_is_costed_in_its_pairs_plan() -> Non
 
 def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
     """A value received from the stage before arrives as the program sends it: sharded as
-    ``boundary_spec`` lays it out on the stage's mesh, or whole from a stage on another
-    logical mesh; what a stage hands on leaves alike; the model's outputs other than the loss
+    ``boundary_spec`` lays it out on the stage's mesh, or whole where its way passes a stage on
+    another logical mesh; what a stage hands on leaves alike; the model's outputs other than the loss
     leave no stage (a pipelined step returns only the loss)."""
     from dataclasses import replace
 
@@ -292,13 +292,13 @@ def test_stage_boundaries_are_costed_as_the_pipeline_runs_them() -> None:
     ctx = CostContext((2,), cluster.mesh_links((2,)), cluster.device, make_options(2, "cpu").optimizer)
     result = plan_intra_op(sub, find_classes(sub), (2,), ctx, None)
     assert result.chosen[ops[0]].output_spec == (S(0),)  # [8, 64, 1024]: the batch over the 2 ranks
-    whole = replace(sub, previous_mesh=(1, 2))
+    whole = replace(sub, whole_values=frozenset([ops[0]]))
     result = plan_intra_op(whole, find_classes(whole), (2,), ctx, None)
     assert result.chosen[ops[0]].output_spec == (R,)
-    first = extract(graph, ops[:1])  # hands its output on: it leaves sharded, unless the next mesh differs
+    first = extract(graph, ops[:1])  # hands its output on: it leaves sharded, unless it crosses whole
     output = next(n for n, info in first.nodes.items() if info.kind == "output")
     assert plan_intra_op(first, find_classes(first), (2,), ctx, None).chosen[output].input_specs == ((S(0),),)
-    apart = replace(first, next_mesh=(1, 2))
+    apart = replace(first, whole_values=frozenset([ops[0]]))
     assert plan_intra_op(apart, find_classes(apart), (2,), ctx, None).chosen[output].input_specs == ((R,),)
     # (that the program runs the stages so, the per-rank collective counts of
     # test_gpt2_two_stages_by_two_way_sharding_passes_check show)

@@ -1,5 +1,6 @@
 """How values cross pipeline stage boundaries: as shards between stages of one logical mesh
-(:func:`autoplan.sharding.boundary_spec`), whole to a stage on another; what each rank sends."""
+(:func:`autoplan.sharding.boundary_spec`), whole on a way that passes a stage on another; what
+each rank sends."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ from autoplan.load import make_model_spec
 from autoplan.sharding import R, S, boundary_shards, boundary_spec
 
 
+@pytest.fixture(scope="module")
+def small_gpt():
+    from autoplan.trace.layers import make_layers
+    from autoplan.trace.repeated import find_classes
+    from autoplan.trace.tracer import trace
+
+    model, inputs = gpt.build(hidden=64, layers=4, heads=4, seq=32, vocab=256, batch=8, device="meta")
+    graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
+    return graph, make_layers(graph, find_classes(graph))
+
+
 @pytest.mark.parametrize("shape, mesh, spec", [
     ((8, 8192, 16384), (8, 8), (S(0), S(1))),  # the residual stream: batch and sequence
     ((1, 8192, 16384), (8, 8), (S(1), S(2))),  # one sequence per microbatch
@@ -25,33 +37,41 @@ from autoplan.sharding import R, S, boundary_shards, boundary_spec
 ])
 def test_each_axis_shards_the_first_dim_it_divides(shape, mesh, spec) -> None:
     assert boundary_spec(shape, mesh) == spec
-    assert boundary_spec(shape, mesh, mesh) == spec  # a neighbour on the same mesh
     assert boundary_shards(shape, mesh) == (mesh[0] if spec[0] != R else 1) * (
         mesh[1] if len(mesh) > 1 and spec[1] != R else 1)
 
 
-def test_a_value_crosses_whole_to_another_logical_mesh() -> None:
-    assert boundary_spec((8, 64, 64), (4,), (2, 2)) == (R,)
-    assert boundary_spec((8, 64, 64), (2, 2), (4,)) == (R, R)
-    assert boundary_shards((8, 64, 64), (2, 2), (4,)) == 1
+def test_values_whose_way_passes_another_logical_mesh_cross_whole(small_gpt) -> None:
+    """Three stages, the last on another logical mesh: what the last reads crosses whole on
+    its whole way (the targets from the first stage on), what only the second reads crosses as
+    shards."""
+    from autoplan.planner.pipeline.range_costs import layer_index, whole_crossings
+
+    graph, layers = small_gpt
+    cuts, meshes = [(0, 2), (2, 3), (3, len(layers))], [(4,), (4,), (2, 2)]
+    whole = whole_crossings(graph, layers, cuts, meshes)
+    assert "targets" in whole and "idx" not in whole  # the loss reads the targets; idx only the embedding
+    layer_of = layer_index(layers)
+    crossing = {name for name, i in layer_of.items() if 0 <= i < 2 and any(
+        layer_of.get(u.name, -1) == 2 for u in graph.fx_nodes[name].users)}
+    third = {name for name, i in layer_of.items() if i < 3 and any(
+        layer_of.get(u.name, -1) >= 3 for u in graph.fx_nodes[name].users)}
+    assert crossing - third and not (crossing - third) & whole  # read in the second stage only: shards
+    assert third and third <= whole
+    assert whole_crossings(graph, layers, cuts, [(4,)] * 3) == frozenset()
 
 
-def test_each_rank_sends_its_shard_of_every_cut() -> None:
+def test_each_rank_sends_its_shard_of_every_cut(small_gpt) -> None:
     """The bytes a stage sends per rank are its shards of the values crossing the cut: half of
     them on a mesh of two, all of them to a stage on another logical mesh; what a layer receives
     from another layer is counted the same way."""
     from autoplan.planner.pipeline.range_costs import cut_bytes, layer_inputs
-    from autoplan.trace.layers import make_layers
-    from autoplan.trace.repeated import find_classes
-    from autoplan.trace.tracer import trace
 
-    model, inputs = gpt.build(hidden=64, layers=4, heads=4, seq=32, vocab=256, batch=8, device="meta")
-    graph = trace(make_model_spec(model, inputs, gpt.loss_fn, name="gpt"))
-    layers = make_layers(graph, find_classes(graph))
+    graph, layers = small_gpt
     whole = cut_bytes(graph, layers)
     assert all(b > 0 for b in whole[1:-1])
     assert cut_bytes(graph, layers, (2,))[:-1] == pytest.approx([b / 2 for b in whole[:-1]])  # (the last: the loss)
-    assert cut_bytes(graph, layers, (2, 2), (4,)) == pytest.approx(whole)
+    assert cut_bytes(graph, layers, (2,), frozenset(graph.nodes)) == pytest.approx(whole)
     halves = layer_inputs(graph, layers, mesh_shape=(2,))
     for mine, all_of_it in zip(halves, layer_inputs(graph, layers)):
         assert mine.keys() == all_of_it.keys()

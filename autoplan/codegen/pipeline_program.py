@@ -16,8 +16,8 @@ stage, ``(2, 2)`` for the next, say). For every distinct stage mesh shape the jo
 stage's sub-mesh is the slice of its shape's world mesh at this rank's pp coordinate. The
 ``pp`` process group of a rank links the ranks with the same position ``rank % k`` in every pp
 rank (the same for every shape); stages send over it. Between two stages on the same logical
-mesh a value crosses as shards (rank ``i`` sends rank ``i`` its piece); to a stage on another
-logical mesh it crosses whole (:class:`StageCrossing`).
+mesh a value crosses as shards (rank ``i`` sends rank ``i`` its piece); on its way to or from a
+stage on another logical mesh it crosses whole (:class:`StageCrossing`).
 
 Mapping ``plan.stages`` to ranks: ``plan.stages[s].devices`` must be exactly one pp rank's block.
 ``len(plan.stages) == pp`` for the single-stage schedules (``gpipe``, ``1f1b``): stage s on pp
@@ -120,8 +120,10 @@ class StageCrossing:
     """How a stage's values cross its boundaries: the placements (on its sub-mesh) of each value
     it receives and of each it hands on, in :class:`StageLayout` order. Rank ``i`` of a stage
     sends its shard to rank ``i`` of the next, so both lay a value out alike
-    (:func:`~autoplan.sharding.boundary_spec`); the first stage receives the microbatch whole,
-    the last hands on only its loss."""
+    (:func:`~autoplan.sharding.boundary_spec`), and a value whose way from the stage computing
+    it to the last reading it passes a stage on another logical mesh crosses whole, at every
+    boundary, as the planner costs it (:func:`~autoplan.planner.pipeline.range_costs.whole_crossings`);
+    the first stage receives the microbatch whole, the last hands on only its loss."""
 
     inputs: list[tuple[Placement, ...]]
     outputs: list[tuple[Placement, ...]]
@@ -129,15 +131,19 @@ class StageCrossing:
     @classmethod
     def of(cls, layout: StageLayout, meshes: Sequence[tuple[int, ...]], index: int) -> StageCrossing:
         mesh = tuple(meshes[index])
-
-        def placements(node: torch.fx.Node, neighbour: tuple[int, ...]) -> tuple[Placement, ...]:
-            shape = tuple(int(d) for d in node.meta["val"].shape)
-            return tuple(to_dtensor_placements(spec_to_json(boundary_spec(shape, mesh, neighbour))))
-
         whole = (Replicate(),) * len(mesh)
-        inputs = [placements(n, tuple(meshes[index - 1])) if index else whole for n in layout.inputs[index]]
+
+        def placements(node: torch.fx.Node) -> tuple[Placement, ...]:
+            # its way: every stage from the first that sends it to the last that receives it
+            way = [s for s in range(1, layout.num_stages) if node in layout.inputs[s]]
+            if len({tuple(meshes[s]) for s in range(way[0] - 1, way[-1] + 1)}) > 1:
+                return whole  # passes a stage on another logical mesh
+            shape = tuple(int(d) for d in node.meta["val"].shape)
+            return tuple(to_dtensor_placements(spec_to_json(boundary_spec(shape, mesh))))
+
+        inputs = [placements(n) if index else whole for n in layout.inputs[index]]
         last = index == layout.num_stages - 1
-        outputs = [whole if last else placements(n, tuple(meshes[index + 1])) for n in layout.outputs[index]]
+        outputs = [whole if last else placements(n) for n in layout.outputs[index]]
         return cls(inputs, outputs)
 
     def example_inputs(self, nodes: Sequence[torch.fx.Node], mesh_shape: tuple[int, ...], grads: Sequence[bool],

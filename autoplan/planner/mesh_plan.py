@@ -138,13 +138,22 @@ class GraphView:
         return cls(graph, fx_nodes, inputs, users, needs_grad, loss.name)
 
 
+def crossing_spec(graph: TracedGraph, name: str, mesh_shape: tuple[int, ...]) -> ShardingSpec:
+    """How value ``name`` of a pipeline stage's graph crosses its boundary: whole where the
+    stage graph says so (:attr:`TracedGraph.whole_values`), else as
+    :func:`~autoplan.sharding.boundary_spec` lays it out."""
+    if name in graph.whole_values:
+        return (R,) * len(mesh_shape)
+    return boundary_spec(graph.nodes[name].shape or (), mesh_shape)
+
+
 def _output_class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...]) -> ClassStrategies:
     """The graph's outputs that must be materialised leave replicated; a pipeline stage's leave
     as they cross to the next stage (:func:`~autoplan.sharding.boundary_spec`; the loss, a
     scalar, replicated)."""
     graph = view.graph
     if graph.materialized_outputs is None:
-        specs = tuple(boundary_spec(graph.nodes[i].shape or (), mesh_shape, graph.next_mesh) for i in view.inputs[name])
+        specs = tuple(crossing_spec(graph, i, mesh_shape) for i in view.inputs[name])
     else:
         specs = tuple((R,) * len(mesh_shape) for _ in view.inputs[name])
     return ClassStrategies("output", [Strategy(strategy_name(specs, ()), specs, (), 1)], [NodeCost()])
@@ -240,7 +249,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     if info.kind in STORED_KINDS:
         strategies = storage_strategies(info.shape or (), mesh_shape, over_axes)
         if info.kind == "activation":  # received from an earlier stage as it crosses, its gradient sent back alike
-            arrives = boundary_spec(info.shape or (), mesh_shape, view.graph.previous_mesh)
+            arrives = crossing_spec(view.graph, name, mesh_shape)
             strategies = [s for s in strategies if s.output_spec == arrives] or \
                 [Strategy(spec_name(arrives), (), (arrives,), 1)]
         elif allow_storage is not None:

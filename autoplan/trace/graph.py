@@ -80,11 +80,10 @@ class TracedGraph:
     # how many leading outputs must end replicated (the loss); None: a pipeline stage's graph,
     # which hands every output on to the next stage
     materialized_outputs: int | None = 1
-    # a pipeline stage's graph: the logical meshes of the stages it receives from and hands on
-    # to, where they differ from its own (None: the same); values cross between stages as
-    # :func:`autoplan.sharding.boundary_spec` lays them out
-    previous_mesh: tuple[int, ...] | None = None
-    next_mesh: tuple[int, ...] | None = None
+    # a pipeline stage's graph: the values it receives or hands on whole, because on their way
+    # from the stage computing them to the last reading them they pass a stage on another
+    # logical mesh; the others cross as :func:`autoplan.sharding.boundary_spec` lays them out
+    whole_values: frozenset[str] = frozenset()
 
     def fx_node(self, name: str) -> torch.fx.Node:
         return self.fx_nodes[name]

@@ -16,7 +16,7 @@ from autoplan.planner.assemble import node_plans, placements, predict, sharded_s
 from autoplan.planner.mesh_plan import emit_warnings
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.exact import stage_results
-from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages
+from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages, whole_crossings
 from autoplan.planner.pipeline.schedules import busiest_rank, pipeline_time
 from autoplan.planner.recompute import recomputed_layers
 from autoplan.sharding import local_shape, spec_from_json
@@ -33,7 +33,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     coupling = coupling_plans(graph, candidate.microbatches)  # refuses a split that changes the model
     results = stage_results(candidate, options, schedule)
     link = link_between_stages(options, candidate.submesh)
-    crossing: dict[tuple[tuple[int, ...], tuple[int, ...]], list[float]] = {}  # by (sender mesh, receiver mesh)
+    whole = whole_crossings(graph, layers, candidate.cuts, candidate.meshes)
+    crossing: dict[tuple[int, ...], list[float]] = {}  # by the sender's mesh
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     storage: dict[str, ParamStorage] = {}
     latencies, memories, computes, comms, kinds = [], [], [], [], []
@@ -42,11 +43,11 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         for c in stage_collectives:
             c.stages = [index]
         send_bytes = 0.0
-        if end < len(layers):  # what each rank sends the next stage: its shards, or whole values to another mesh
-            pair = (tuple(candidate.meshes[index]), tuple(candidate.meshes[index + 1]))
-            if pair not in crossing:
-                crossing[pair] = cut_bytes(graph, layers, *pair)
-            send_bytes = crossing[pair][end]
+        if end < len(layers):  # what each rank sends the next stage: its shards (whole values on their way
+            mesh = tuple(candidate.meshes[index])  # to or from another logical mesh)
+            if mesh not in crossing:
+                crossing[mesh] = cut_bytes(graph, layers, mesh, whole)
+            send_bytes = crossing[mesh][end]
         send = 2 * collective_time("send_recv", send_bytes, 2, link) if send_bytes else 0.0
         if send_bytes:
             where = f"stage {index} -> stage {index + 1}"

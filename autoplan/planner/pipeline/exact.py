@@ -11,7 +11,7 @@ from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import IntraOpResult, StorageRule, plan_intra_op
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pipeline.candidates import PipelineCandidate
-from autoplan.planner.pipeline.range_costs import RangeTable, layer_inputs
+from autoplan.planner.pipeline.range_costs import RangeTable, layer_inputs, whole_crossings
 from autoplan.planner.pipeline.schedules import activations_in_flight
 from autoplan.planner.recompute import regions, saved_outputs
 from autoplan.sharding import ShardingSpec
@@ -87,10 +87,10 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
 
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = candidate.graph
-    if stages > 1:  # values cross whole to or from a neighbour on another logical mesh
-        neighbours = [tuple(candidate.meshes[i]) if 0 <= i < stages and tuple(candidate.meshes[i]) != tuple(mesh)
-                      else None for i in (index - 1, index + 1)]
-        sub = replace(extract(candidate.graph, nodes), previous_mesh=neighbours[0], next_mesh=neighbours[1])
+    if stages > 1:  # values passing a stage on another logical mesh cross whole
+        sub = extract(candidate.graph, nodes)
+        whole = whole_crossings(candidate.graph, candidate.layers, candidate.cuts, candidate.meshes)
+        sub = replace(sub, whole_values=whole & set(sub.nodes))
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
     selective = tuple(i for i in recomputed if start + i in candidate.selective)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
@@ -104,7 +104,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
         raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
                             "the stages holding it must share one")
     key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-           end == len(candidate.layers), pinned, mesh, sub.previous_mesh, sub.next_mesh, budget, recomputed, selective)
+           end == len(candidate.layers), pinned, mesh, sub.whole_values, budget, recomputed, selective)
     result = renamed(*solved[key], sub) if key in solved else None
     if result is None:
         result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,
@@ -126,7 +126,7 @@ def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False) -> 
         if candidate.costs and mesh in candidate.costs:
             reads = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh)
             table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads)
-            least.append(table.least_memory(start, end))
+            least.append(table.least_memory(start, end, candidate.recomputed, candidate.selective))
             fast.append(max(least[-1], table.cost(start, end, None)[1]))
         else:
             least.append(0.0)

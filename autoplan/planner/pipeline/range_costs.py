@@ -241,11 +241,11 @@ def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
 
 
 def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ...] = (),
-              neighbour_mesh: tuple[int, ...] | None = None) -> list[float]:
+              whole: frozenset[str] = frozenset()) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers): what each rank of a stage on ``mesh_shape``
-    sends to one on ``neighbour_mesh`` (None: the same), its shard of each value
-    (:func:`~autoplan.sharding.boundary_spec`; no mesh: whole values). A value produced in
+    sends the next, its shard of each value (:func:`~autoplan.sharding.boundary_spec`; no
+    mesh, or the value in ``whole``: the whole value). A value produced in
     layer i and last read in layer j (or, the loss, by the graph's output) crosses the cuts
     i+1..j. (Sizes in the traced dtype: pipeline stages send their values so, under bf16
     autocast too.)"""
@@ -258,10 +258,34 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ..
                     if user.op != "output" or name == loss), default=i)
         info = graph.nodes[name]
         if last > i and info.shape is not None:
-            nbytes = math.prod(info.shape) * info.itemsize / boundary_shards(info.shape, mesh_shape, neighbour_mesh)
+            nbytes = math.prod(info.shape) * info.itemsize
+            if name not in whole:
+                nbytes /= boundary_shards(info.shape, mesh_shape)
             diff[i + 1] += nbytes
             diff[last + 1] -= nbytes
     return list(itertools.accumulate(diff))[:len(layers) + 1]
+
+
+def whole_crossings(graph: TracedGraph, layers: list[Layer], cuts: list[tuple[int, int]],
+                    meshes: list[tuple[int, ...]]) -> frozenset[str]:
+    """The values of a pipeline (stages ``cuts`` of ``layers`` on logical ``meshes``) that cross
+    its stage boundaries whole: those whose way from the stage computing them (the first, for a
+    user input) to the last stage reading them passes a stage on another logical mesh (the
+    program lays them out alike: :class:`~autoplan.codegen.pipeline_program.StageCrossing`)."""
+    if len({tuple(m) for m in meshes}) < 2:
+        return frozenset()
+    layer_of = layer_index(layers)
+    stage_of_layer = {i: s for s, (start, end) in enumerate(cuts) for i in range(start, end)}
+    out: set[str] = set()
+    for node in graph.graph_module.graph.nodes:
+        info = graph.nodes.get(node.name)
+        if info is None or (node.name not in layer_of and info.kind != "input"):
+            continue
+        first = stage_of_layer[layer_of[node.name]] if node.name in layer_of else 0
+        last = max((stage_of_layer[layer_of[u.name]] for u in node.users if u.name in layer_of), default=first)
+        if len({tuple(meshes[s]) for s in range(first, last + 1)}) > 1:
+            out.add(node.name)
+    return frozenset(out)
 
 
 def layer_index(layers: list[Layer]) -> dict[str, int]:
@@ -382,10 +406,20 @@ class RangeTable:
             self.excess[start] = out
         return self.excess[start][end - start]
 
-    def least_memory(self, start: int, end: int) -> float:
+    def least_memory(self, start: int, end: int, recomputed: frozenset[int] = frozenset(),
+                     selective: frozenset[int] = frozenset()) -> float:
         """Bytes per device of layers [start, end)'s least-memory plans at the step's peak (with the
-        transient of their fastest plans, which shard the backward's values no more than they do)."""
-        return self._range(LEAN, start, end)[1] - self.counted_apart(start, end) + self.transient(start, end)
+        transient of their fastest plans, which shard the backward's values no more than they do),
+        the layers in ``recomputed`` recomputed (those in ``selective`` selectively): each frees
+        what recomputing its fastest plan frees, down to the parameters' floor
+        (:meth:`state_floor`)."""
+        modes = {i: RecomputeMode.SELECTIVE if i in selective else RecomputeMode.FULL
+                 for i in recomputed if start <= i < end}
+        freed = math.fsum(self._recompute_steps(how)[i][1] for i, how in modes.items())
+        kept = self._range(LEAN, start, end)[1] - self.counted_apart(start, end)
+        if modes:
+            kept = max(kept - freed, self.state_floor(start, end))
+        return kept + self.transient(start, end, modes or None)
 
     def state_floor(self, start: int, end: int) -> float:
         """Bytes per device that no plan of layers [start, end) goes below: the parameters they
