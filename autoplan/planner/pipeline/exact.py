@@ -45,6 +45,7 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
     stored: dict[str, ShardingSpec] = {}  # FQN -> spec chosen by the first stage holding it
     results: dict[int, tuple[TracedGraph, IntraOpResult, CostContext]] = {}
     least, fast = stage_needs(candidate, options.optimizer.mixed_precision)
+    whole = whole_crossings(candidate.graph, candidate.layers, candidate.cuts, candidate.meshes)
     for rank in range(ranks):
         mine = list(range(rank, stages, ranks))
         for attempt in range(BUDGET_RETRIES + 1):
@@ -57,7 +58,7 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
                     f"together, more than {format_bytes(options.memory_budget)}: give more memory or use 1f1b", needed)
             try:
                 for s in mine:
-                    results[s] = plan_stage(candidate, s, budgets[s], options, schedule, solved, stored)
+                    results[s] = plan_stage(candidate, s, budgets[s], options, schedule, solved, stored, whole)
                 break
             except MemoryInfeasibleError as e:
                 stored.clear()
@@ -70,9 +71,10 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
 
 def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, options: PlannerOptions, schedule: str,
                 solved: dict[tuple, tuple[TracedGraph, IntraOpResult]], stored: dict[str, ShardingSpec],
-                ) -> tuple[TracedGraph, IntraOpResult, CostContext]:
+                whole: frozenset[str] = frozenset()) -> tuple[TracedGraph, IntraOpResult, CostContext]:
     """The exact ILP of one stage under ``budget``; records the placements of the parameters it
-    stores first in ``stored``."""
+    stores first in ``stored``. The values in ``whole`` cross the pipeline's boundaries whole
+    (:func:`~autoplan.planner.pipeline.range_costs.whole_crossings`)."""
     stages = len(candidate.cuts)
     (start, end), mesh = candidate.cuts[index], candidate.meshes[index]
 
@@ -87,9 +89,8 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
 
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = candidate.graph
-    if stages > 1:  # values passing a stage on another logical mesh cross whole
+    if stages > 1:
         sub = extract(candidate.graph, nodes)
-        whole = whole_crossings(candidate.graph, candidate.layers, candidate.cuts, candidate.meshes)
         sub = replace(sub, whole_values=whole & set(sub.nodes))
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
     selective = tuple(i for i in recomputed if start + i in candidate.selective)
