@@ -123,10 +123,12 @@ def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False) -> 
     """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
     layer count, least 0, where they are not at hand)."""
     least, fast = [], []
+    reads: dict[tuple[int, ...], list[dict[str, tuple[int, float]]]] = {}  # by mesh
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
         if candidate.costs and mesh in candidate.costs:
-            reads = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh)
-            table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads)
+            if mesh not in reads:
+                reads[mesh] = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh)
+            table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads[mesh])
             least.append(table.least_memory(start, end, candidate.recomputed, candidate.selective))
             fast.append(max(least[-1], table.cost(start, end, None)[1]))
         else:
