@@ -207,8 +207,9 @@ class LayerCosts:
         in the plan of the pair it forms with the layer ``before`` it, where it follows that
         layer inside a stage and their pair is costed (:meth:`boundary`); else in its own plan
         (:meth:`recomputed`). Alone, a layer receives its inputs as across a stage boundary, and
-        its plan may gather them and compute its first ops replicated before it shards them (Llama 3.1 8B's block on a 4x8
-        mesh: its RMSNorm's upcast on the whole batch), which recomputing would run again; in
+        its plan may gather them and compute its first ops replicated before it shards them
+        (Llama 3.1 8B's block on a 4x8 mesh: its RMSNorm's upcast on the whole batch, measured
+        when inputs crossed whole), which recomputing would run again; in
         the pair it takes them as the layer before hands them on (the block's recomputation
         costed 21% less there)."""
         key = None if before is None else (before.signature, layer.signature, mode)
