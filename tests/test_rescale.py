@@ -147,11 +147,19 @@ def test_rivals_are_planned_on_rescaled_graphs_and_only_the_winner_traced(monkey
     options = PlanOptions(4, "h100", jobs=1, memory_per_device=2e6, recompute="none")
     monkeypatch.setattr(pipeline_module, "RERANK_MARGIN", 100.0)  # the REFINED best all planned exactly
     sizes = _traced_sizes(monkeypatch)
+    likely: list[int] = []  # the search's best: traced while the exact plans run, as it usually wins
+    real_likely = pipeline_module._likely_winner_traced
+
+    def likely_winner_traced(candidate, *args):
+        likely.append(BATCH // candidate.microbatches)
+        return real_likely(candidate, *args)
+
+    monkeypatch.setattr(pipeline_module, "_likely_winner_traced", likely_winner_traced)
     plan = plan_model(spec, options)
     exact = [a for a in plan.alternatives if a.predicted is not None]
     rescaled_rivals = [a for a in exact if BATCH // int(re.search(r"(\d+) microbatch", a.name).group(1)) not in sizes]
     assert rescaled_rivals, [a.name for a in exact]
-    assert sizes[:2] == [BATCH, 1] and set(sizes) <= {BATCH, 1, BATCH // plan.microbatches}
+    assert sizes[:2] == [BATCH, 1] and set(sizes) <= {BATCH, 1, BATCH // plan.microbatches, *likely}
     assert BATCH // plan.microbatches in sizes
 
     # the winner checked on its trace and planned again there when the trace differs
