@@ -315,6 +315,10 @@ class Plan:
     batch_coupling: list[BatchCouplingPlan] = field(default_factory=list)
     pins: list[PinRecord] = field(default_factory=list)  # the user's pins, which the plan keeps
     pin_cost: PinCost | None = None
+    # the values that cross pipeline stage boundaries whole (small ones, and those whose way
+    # passes a stage on another logical mesh); the others cross as shards
+    # (:func:`autoplan.sharding.boundary_spec`)
+    crossing_whole: list[str] = field(default_factory=list)
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -367,6 +371,7 @@ class Plan:
                                 for c in data.get("batch_coupling", [])],
                 pins=[PinRecord(p["pin"], list(p.get("holds", []))) for p in data.get("pins", [])],
                 pin_cost=PinCost(**data["pin_cost"]) if data.get("pin_cost") else None,
+                crossing_whole=list(data.get("crossing_whole", [])),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None

@@ -165,6 +165,10 @@ def test_values_on_their_way_to_another_logical_mesh_cross_whole():
     assert residual and all(p == (Shard(0),) for p in residual)
     assert second.outputs == [(Replicate(),)] * len(layout.outputs[1])
     assert StageCrossing.of(layout, meshes, 2).inputs == [(Replicate(), Replicate())] * len(layout.inputs[2])
+    # what the plan names as crossing whole (small values) crosses whole on one mesh too
+    named = frozenset(n.name for n in layout.outputs[0])
+    assert StageCrossing.of(layout, [(4,)] * 3, 0, named).outputs == [(Replicate(),)] * len(layout.outputs[0])
+    assert StageCrossing.of(layout, [(4,)] * 3, 0).outputs[len(names) - 1] == (Shard(0),)
 
 
 def test_stages_on_different_logical_meshes(results):

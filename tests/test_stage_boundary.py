@@ -76,3 +76,38 @@ def test_each_rank_sends_its_shard_of_every_cut(small_gpt) -> None:
     for mine, all_of_it in zip(halves, layer_inputs(graph, layers)):
         assert mine.keys() == all_of_it.keys()
         assert all(mine[k][1] == pytest.approx(all_of_it[k][1] / 2) for k in mine)
+
+
+def test_values_smaller_than_a_latency_of_transfer_cross_whole(small_gpt) -> None:
+    """A value the link between stages moves in less than its latency crosses whole: sharding it
+    would save less than a latency and may cost the next stage an all-gather."""
+    from autoplan.planner.api import make_options
+    from autoplan.planner.pipeline.range_costs import cut_bytes, layer_inputs, whole_below
+
+    graph, layers = small_gpt
+    h100 = make_options(8, "h100").cluster.intra_node
+    assert whole_below(make_options(8, "h100")) == pytest.approx(h100.latency * h100.bandwidth)
+    whole = cut_bytes(graph, layers)
+    assert cut_bytes(graph, layers, (2,), below=1e12) == pytest.approx(whole)
+    assert cut_bytes(graph, layers, (2,), below=0.0)[1] == pytest.approx(whole[1] / 2)
+    assert layer_inputs(graph, layers, mesh_shape=(2,), below=1e12) == layer_inputs(graph, layers)
+
+
+def test_a_pipeline_plan_records_what_crosses_whole() -> None:
+    """The plan names the values that cross whole, so the program needs no rule of its own:
+    the small ones of a small model (all of them on the cpu preset); a plan written before the
+    field reads as none."""
+    from autoplan.plan_schema import Plan
+    from autoplan.planner.front_door import plan_model
+    from autoplan.planner.options import PlanOptions
+
+    model, inputs = gpt.build(hidden=64, layers=4, heads=4, seq=32, vocab=256, batch=8, device="meta")
+    spec = make_model_spec(model, inputs, gpt.loss_fn, name="gpt")
+    plan = plan_model(spec, PlanOptions(4, "cpu", stages=2, microbatches=2, plan_only=True))
+    assert len(plan.stages) == 2 and plan.crossing_whole
+    sends = [c for c in plan.collectives if c.kind == "send_recv"]
+    assert sends and "targets" in plan.crossing_whole
+    data = plan.to_dict()
+    assert Plan.from_dict(data).crossing_whole == plan.crossing_whole
+    del data["crossing_whole"]
+    assert Plan.from_dict(data).crossing_whole == []

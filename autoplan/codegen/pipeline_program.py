@@ -40,9 +40,10 @@ A stage's outputs are the next stage's inputs; the last stage returns its microb
 loss. Values cross as plain local tensors, each rank's piece of the value as
 :func:`~autoplan.sharding.boundary_spec` lays it out on the stage's mesh (the residual stream
 ``[b, s, h]`` of a stage on ``4x2`` is sent as its ``[S(0), S(1)]`` shards, an eighth per rank,
-as torchtitan's tensor-parallel stages hand on theirs), or whole to and from a stage on another
-logical mesh: a stage output is redistributed to those placements and ``to_local()``-ed, a
-received tensor is wrapped as a DTensor of them (its backward redistributes the gradient to
+as torchtitan's tensor-parallel stages hand on theirs), or whole where the plan says so
+(:attr:`~autoplan.plan_schema.Plan.crossing_whole`: values too small to gain from sharding)
+or its way passes a stage on another logical mesh: a stage output is redistributed to those
+placements and ``to_local()``-ed, a received tensor is wrapped as a DTensor of them (its backward redistributes the gradient to
 them, so every rank sends back the gradient of the piece it received). The planner costs each
 stage's ILP with its received values and outputs fixed so.
 
@@ -129,11 +130,16 @@ class StageCrossing:
     outputs: list[tuple[Placement, ...]]
 
     @classmethod
-    def of(cls, layout: StageLayout, meshes: Sequence[tuple[int, ...]], index: int) -> StageCrossing:
+    def of(cls, layout: StageLayout, meshes: Sequence[tuple[int, ...]], index: int,
+           crossing_whole: frozenset[str] = frozenset()) -> StageCrossing:
+        """Stage ``index``'s crossings; the values named in ``crossing_whole`` (the plan's
+        :attr:`~autoplan.plan_schema.Plan.crossing_whole`) cross whole."""
         mesh = tuple(meshes[index])
         whole = (Replicate(),) * len(mesh)
 
         def placements(node: torch.fx.Node) -> tuple[Placement, ...]:
+            if node.name in crossing_whole:
+                return whole
             # its way: every stage from the first that sends it to the last that receives it
             way = [s for s in range(1, layout.num_stages) if node in layout.inputs[s]]
             if len({tuple(meshes[s]) for s in range(way[0] - 1, way[-1] + 1)}) > 1:
@@ -398,7 +404,8 @@ class PipelineProgram(torch.nn.Module):
             _StageModule(s, layout, self.stage_meshes[s], node_plans, self._local, placeholder_fqn, constants,
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
                          self.gradient_targets, gathered_dtype(plan.precision), self.held,
-                         StageCrossing.of(layout, [tuple(st.mesh) for st in plan.stages], s))
+                         StageCrossing.of(layout, [tuple(st.mesh) for st in plan.stages], s,
+                                          frozenset(plan.crossing_whole)))
             for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):

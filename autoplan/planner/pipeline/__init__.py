@@ -12,7 +12,9 @@ ops and shapes share the answer).
 Ranges (:class:`RangeTable`). A stage's cost is the sum of its layers' costs plus sending its
 boundary activations (and receiving their gradients) over the link to the next stage, each
 rank its shard of them (:func:`~autoplan.sharding.boundary_spec`: every mesh axis shards a
-dim of the value; the next stage on the same logical mesh, as the stage DP assumes):
+dim of the value; the next stage on the same logical mesh, as the stage DP assumes), or the
+whole value where it is smaller than the link moves in one latency
+(:func:`~autoplan.planner.pipeline.range_costs.whole_below`):
 
 - apart, every layer receives its inputs and hands its values on as they cross a stage
   boundary, as if one preceded and followed it; the

@@ -16,7 +16,7 @@ from autoplan.planner.assemble import node_plans, placements, predict, sharded_s
 from autoplan.planner.mesh_plan import emit_warnings
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.exact import stage_results
-from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages, whole_crossings
+from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages, whole_below, whole_crossings
 from autoplan.planner.pipeline.schedules import busiest_rank, pipeline_time
 from autoplan.planner.recompute import recomputed_layers
 from autoplan.sharding import local_shape, spec_from_json
@@ -34,6 +34,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     results = stage_results(candidate, options, schedule)
     link = link_between_stages(options, candidate.submesh)
     whole = whole_crossings(graph, layers, candidate.cuts, candidate.meshes)
+    below = whole_below(options)
     crossing: dict[tuple[int, ...], list[float]] = {}  # by the sender's mesh
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     storage: dict[str, ParamStorage] = {}
@@ -46,7 +47,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         if end < len(layers):  # what each rank sends the next stage: its shards (whole values on their way
             mesh = tuple(candidate.meshes[index])  # to or from another logical mesh)
             if mesh not in crossing:
-                crossing[mesh] = cut_bytes(graph, layers, mesh, whole)
+                crossing[mesh] = cut_bytes(graph, layers, mesh, whole, below)
             send_bytes = crossing[mesh][end]
         send = 2 * collective_time("send_recv", send_bytes, 2, link) if send_bytes else 0.0
         if send_bytes:
@@ -96,6 +97,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         graph_hash=graph.graph_hash, devices=options.devices, cluster=options.cluster.to_dict(),
         mesh=list(candidate.meshes[0]), stages=stage_plans, microbatches=candidate.microbatches,
         schedule=schedule if len(stage_plans) > 1 or candidate.microbatches > 1 else "none", params=params,
+        crossing_whole=sorted({name for sub, _, _ in results for name, info in sub.nodes.items()
+                               if info.kind == "activation" and name in sub.whole_values}),
         storage=storage, inputs=inputs, nodes=nodes,
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name, batch_coupling=coupling,

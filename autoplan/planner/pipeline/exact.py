@@ -11,7 +11,8 @@ from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import IntraOpResult, StorageRule, plan_intra_op
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pipeline.candidates import PipelineCandidate
-from autoplan.planner.pipeline.range_costs import RangeTable, layer_inputs, whole_crossings
+from autoplan.planner.pipeline.range_costs import (RangeTable, layer_inputs, small_whole, whole_below,
+    whole_crossings)
 from autoplan.planner.pipeline.schedules import activations_in_flight
 from autoplan.planner.recompute import regions, saved_outputs
 from autoplan.sharding import ShardingSpec
@@ -44,7 +45,8 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
     solved: dict[tuple, tuple[TracedGraph, IntraOpResult]] = {}
     stored: dict[str, ShardingSpec] = {}  # FQN -> spec chosen by the first stage holding it
     results: dict[int, tuple[TracedGraph, IntraOpResult, CostContext]] = {}
-    least, fast = stage_needs(candidate, options.optimizer.mixed_precision)
+    below = whole_below(options)
+    least, fast = stage_needs(candidate, options.optimizer.mixed_precision, below)
     whole = whole_crossings(candidate.graph, candidate.layers, candidate.cuts, candidate.meshes)
     for rank in range(ranks):
         mine = list(range(rank, stages, ranks))
@@ -58,7 +60,7 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
                     f"together, more than {format_bytes(options.memory_budget)}: give more memory or use 1f1b", needed)
             try:
                 for s in mine:
-                    results[s] = plan_stage(candidate, s, budgets[s], options, schedule, solved, stored, whole)
+                    results[s] = plan_stage(candidate, s, budgets[s], options, schedule, solved, stored, whole, below)
                 break
             except MemoryInfeasibleError as e:
                 stored.clear()
@@ -71,10 +73,12 @@ def stage_results(candidate: PipelineCandidate, options: PlannerOptions, schedul
 
 def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, options: PlannerOptions, schedule: str,
                 solved: dict[tuple, tuple[TracedGraph, IntraOpResult]], stored: dict[str, ShardingSpec],
-                whole: frozenset[str] = frozenset()) -> tuple[TracedGraph, IntraOpResult, CostContext]:
+                whole: frozenset[str] = frozenset(), below: float = 0.0
+                ) -> tuple[TracedGraph, IntraOpResult, CostContext]:
     """The exact ILP of one stage under ``budget``; records the placements of the parameters it
-    stores first in ``stored``. The values in ``whole`` cross the pipeline's boundaries whole
-    (:func:`~autoplan.planner.pipeline.range_costs.whole_crossings`)."""
+    stores first in ``stored``. The values in ``whole``, and those smaller than ``below``
+    bytes, cross the pipeline's boundaries whole
+    (:func:`~autoplan.planner.pipeline.range_costs.whole_crossings`, :func:`whole_below`)."""
     stages = len(candidate.cuts)
     (start, end), mesh = candidate.cuts[index], candidate.meshes[index]
 
@@ -91,7 +95,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     sub = candidate.graph
     if stages > 1:
         sub = extract(candidate.graph, nodes)
-        sub = replace(sub, whole_values=whole & set(sub.nodes))
+        sub = small_whole(replace(sub, whole_values=whole & set(sub.nodes)), below)
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
     selective = tuple(i for i in recomputed if start + i in candidate.selective)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
@@ -105,7 +109,8 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
         raise AutoplanError(f"a tied parameter is stored on another logical mesh than {mesh_label(mesh)}: "
                             "the stages holding it must share one")
     key = (tuple(layer.signature for layer in candidate.layers[start:end]), start == 0,
-           end == len(candidate.layers), pinned, mesh, sub.whole_values, budget, recomputed, selective)
+           end == len(candidate.layers), pinned, mesh, budget, recomputed, selective,
+           tuple(i for i, name in enumerate(sub.nodes) if name in sub.whole_values))  # by position: renamed alike
     result = renamed(*solved[key], sub) if key in solved else None
     if result is None:
         result = plan_intra_op(sub, find_classes(sub), mesh, ctx, budget,
@@ -119,7 +124,8 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     return sub, result, ctx
 
 
-def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False) -> tuple[list[float], list[float]]:
+def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False, below: float = 0.0
+                ) -> tuple[list[float], list[float]]:
     """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
     layer count, least 0, where they are not at hand)."""
     least, fast = [], []
@@ -127,7 +133,7 @@ def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False) -> 
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
         if candidate.costs and mesh in candidate.costs:
             if mesh not in reads:
-                reads[mesh] = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh)
+                reads[mesh] = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh, below)
             table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads[mesh])
             least.append(table.least_memory(start, end, candidate.recomputed, candidate.selective))
             fast.append(max(least[-1], table.cost(start, end, None)[1]))

@@ -22,7 +22,7 @@ from autoplan.solvers import evaluate
 from autoplan.solvers.intra_op.trimming import TrimPath, TrimWalk
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.solvers.intra_op import IntraOpProblem
-from autoplan.trace.graph import TracedGraph
+from autoplan.trace.graph import NodeInfo, TracedGraph
 from autoplan.trace.layers import Layer
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.subgraph import extract, loss_name, model_outputs
@@ -69,7 +69,7 @@ class LayerCosts:
         """The first layer of ``layer``'s signature costed, its own graph and its strategies on
         this mesh (:func:`prepare_intra_op`)."""
         if layer.signature not in self.prepared:
-            sub = extract(graph, list(layer.nodes))
+            sub = small_whole(extract(graph, list(layer.nodes)), whole_below(self.options))
             self.prepared[layer.signature] = (layer, sub, prepare_intra_op(
                 sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, self.options.allow_storage, self.options.pins))
         return self.prepared[layer.signature]
@@ -188,7 +188,7 @@ class LayerCosts:
         it follows the first (:meth:`recompute_seconds`)."""
         key = (first.signature, second.signature)
         if key not in self.pairs:
-            sub = extract(graph, list(first.nodes) + list(second.nodes))
+            sub = small_whole(extract(graph, list(first.nodes) + list(second.nodes)), whole_below(self.options))
             result = plan_intra_op(sub, find_classes(sub), self.ctx.mesh_shape, self.ctx, None,
                                    self.options.solver, self.options.time_limit_s,
                                    allow_storage=self.options.allow_storage, canonical=False,
@@ -242,11 +242,11 @@ def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
 
 
 def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ...] = (),
-              whole: frozenset[str] = frozenset()) -> list[float]:
+              whole: frozenset[str] = frozenset(), below: float = 0.0) -> list[float]:
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers): what each rank of a stage on ``mesh_shape``
     sends the next, its shard of each value (:func:`~autoplan.sharding.boundary_spec`; no
-    mesh, or the value in ``whole``: the whole value). A value produced in
+    mesh, a value in ``whole`` or one smaller than ``below`` bytes: the whole value). A value produced in
     layer i and last read in layer j (or, the loss, by the graph's output) crosses the cuts
     i+1..j. (Sizes in the traced dtype: pipeline stages send their values so, under bf16
     autocast too.)"""
@@ -260,11 +260,33 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ..
         info = graph.nodes[name]
         if last > i and info.shape is not None:
             nbytes = math.prod(info.shape) * info.itemsize
-            if name not in whole:
+            if name not in whole and nbytes >= below:
                 nbytes /= boundary_shards(info.shape, mesh_shape)
             diff[i + 1] += nbytes
             diff[last + 1] -= nbytes
     return list(itertools.accumulate(diff))[:len(layers) + 1]
+
+
+def whole_below(options: PlannerOptions) -> float:
+    """Bytes below which a value crosses a stage boundary whole: what the link between stages
+    inside a node moves in one latency (its latency times its bandwidth). Sharding a smaller
+    value saves less than a latency of transfer, and where the next stage computes on it whole
+    it costs an all-gather, a latency at least, each microbatch (a small model's pipeline on
+    H100s ran 2.8 times slower with every value sharded)."""
+    rates = options.cluster.intra_node.rates("send_recv")
+    return rates.latency * rates.bandwidth
+
+
+def is_small(info: NodeInfo, below: float) -> bool:
+    """Whether a value is smaller than ``below`` bytes (in its traced dtype): it crosses whole."""
+    return info.shape is not None and math.prod(info.shape) * info.itemsize < below
+
+
+def small_whole(sub: TracedGraph, below: float) -> TracedGraph:
+    """``sub`` (a layer's or a stage's graph) with its values smaller than ``below`` bytes
+    crossing whole (:func:`whole_below`)."""
+    small = frozenset(name for name, info in sub.nodes.items() if is_small(info, below))
+    return replace(sub, whole_values=sub.whole_values | small) if small else sub
 
 
 def whole_crossings(graph: TracedGraph, layers: list[Layer], cuts: list[tuple[int, int]],
@@ -357,8 +379,8 @@ class RangeTable:
                  policy: RecomputePolicy | None = None, may_recompute: frozenset[int] | None = None) -> None:
         self.graph, self.layers, self.costs, self.boundaries = graph, layers, costs, boundaries
         self.policy = policy or costs.options.recompute  # which layers may be recomputed
-        self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision, costs.ctx.mesh_shape) \
-            if reads is None else reads
+        self.reads = layer_inputs(graph, layers, costs.ctx.optimizer.mixed_precision, costs.ctx.mesh_shape,
+                                  whole_below(costs.options)) if reads is None else reads
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute = may_recompute  # the layers that may be recomputed (:func:`recomputable`)
@@ -730,10 +752,11 @@ def _selective(applied: dict[int, tuple[RecomputeMode, float, float]]) -> frozen
 
 
 def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False,
-                 mesh_shape: tuple[int, ...] = ()) -> list[dict[str, tuple[int, float]]]:
+                 mesh_shape: tuple[int, ...] = (), below: float = 0.0) -> list[dict[str, tuple[int, float]]]:
     """For each layer, the values it reads that an earlier layer produced: name -> (producing
     layer, bytes of the value as it arrives on a device of ``mesh_shape``: its shard, as it
-    crosses a stage boundary). Parameters, buffers and user inputs are not listed."""
+    crosses a stage boundary, or, smaller than ``below`` bytes, the whole value). Parameters,
+    buffers and user inputs are not listed."""
     layer_of = layer_index(layers)
     fx_nodes = graph.fx_nodes
     out: list[dict[str, tuple[int, float]]] = []
@@ -745,7 +768,8 @@ def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool 
                 info = graph.nodes.get(source.name)
                 if producer != i and info is not None and info.kind == "op" and info.shape is not None:
                     nbytes = math.prod(info.shape) * value_itemsize(info, mixed_precision)
-                    reads[source.name] = (producer, nbytes / boundary_shards(info.shape, mesh_shape))
+                    shards = 1 if is_small(info, below) else boundary_shards(info.shape, mesh_shape)
+                    reads[source.name] = (producer, nbytes / shards)
         out.append(reads)
     return out
 

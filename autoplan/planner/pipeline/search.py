@@ -14,7 +14,7 @@ from autoplan.planner.api import PlannerOptions
 from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
-    link_between_stages, tied_layers)
+    link_between_stages, tied_layers, whole_below)
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
 from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, recomputable
 from autoplan.planner.workers import TaskPool
@@ -56,10 +56,11 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
         if mesh not in costs:
             costs[mesh] = layer_costs(options, mesh, microbatches, in_flight, stages)
     # what each layer receives and each cut sends, as values cross between stages of a mesh
-    reads = {mesh: layer_inputs(graph, layers, options.optimizer.mixed_precision, mesh) for mesh in meshes}
+    below = whole_below(options)  # smaller values cross whole
+    reads = {mesh: layer_inputs(graph, layers, options.optimizer.mixed_precision, mesh, below) for mesh in meshes}
     may_recompute = recomputable(graph, layers)
     link = link_between_stages(options, submesh)
-    boundary = {mesh: cut_bytes(graph, layers, mesh) for mesh in meshes}
+    boundary = {mesh: cut_bytes(graph, layers, mesh, below=below) for mesh in meshes}
     budget = options.memory_budget
     tied = tied_layers(graph, layers)
     nodes, per_node = cluster_shape(options)
