@@ -42,10 +42,11 @@ loss. Values cross as plain local tensors, each rank's piece of the value as
 ``[b, s, h]`` of a stage on ``4x2`` is sent as its ``[S(0), S(1)]`` shards, an eighth per rank,
 as torchtitan's tensor-parallel stages hand on theirs), or whole where the plan says so
 (:attr:`~autoplan.plan_schema.Plan.crossing_whole`: values too small to gain from sharding)
-or its way passes a stage on another logical mesh: a stage output is redistributed to those
-placements and ``to_local()``-ed, a received tensor is wrapped as a DTensor of them (its backward redistributes the gradient to
-them, so every rank sends back the gradient of the piece it received). The planner costs each
-stage's ILP with its received values and outputs fixed so.
+or where its way passes a stage on another logical mesh. A stage output is redistributed to
+those placements and ``to_local()``-ed; a received tensor is wrapped as a DTensor of them (its
+backward redistributes the gradient to them, so every rank sends back the gradient of the
+piece it received). The planner costs each stage's ILP with its received values and outputs
+fixed so.
 
 Loss and gradients: the schedule's ``loss_fn`` returns the stage's loss times ``1/M`` (for a
 mean loss; ``loss_reduction="sum"`` uses 1), and the schedule runs with ``scale_grads=False``:
