@@ -44,9 +44,11 @@ the seconds as the plan of the layer's pair with the one before runs it:
 :meth:`LayerCosts.recompute_seconds`), and layers are recomputed one
 by one, the one freeing the most bytes per second it adds first, until the range fits; this
 where trimming alone does not fit (see :meth:`RangeTable.plan` for why it comes second). Where
-recomputing every layer is not enough, the layers are trimmed as well, counting on only a
-share ``1/n`` of the bytes recomputing frees (``n`` the mesh's size: a trimmed plan keeps fewer
-activations). The stage's exact ILP then
+recomputing every layer is not enough, the layers are trimmed as well, two ways, the faster
+kept: their kept plans trimmed, counting on only a share ``1/n`` of the bytes recomputing frees
+(``n`` the mesh's size: a trimmed plan keeps fewer activations); and their problems with the
+recomputation in the costs trimmed (:meth:`LayerCosts.recomputed_problem`), from the fastest
+plan's strategies and from the fastest with gathered storage's. The stage's exact ILP then
 costs exactly those layers recomputed, and the program checkpoints them. A layer that writes
 into a tensor (BatchNorm's running statistics) is never recomputed.
 
@@ -63,6 +65,15 @@ microbatches run one after the other, one microbatch's activations alive) is sea
 where no one-stage plan of the whole batch fits without recomputing layers: it computes as much
 and communicates at least as much, so it never beats the plain whole batch (recomputation it
 may) (:func:`~autoplan.planner.pipeline.search.accumulation_tasks`).
+
+Microbatch counts and schedules. The search tries the ``MICROBATCH_CANDIDATES`` largest counts
+(the smallest bubbles) and 1, and for a pipeline of ``S`` stages also the fewest microbatches of
+at least ``4·S`` (:func:`~autoplan.planner.pipeline.search.filling_counts`: larger microbatches
+keep a stage's devices busy where small ones cannot be split among them). It searches 1F1B, or
+the pinned schedule; where none is pinned, the ``INTERLEAVED_RIVALS`` best 1F1B pipelines on
+one logical mesh are searched again under the interleaved 1F1B schedule
+(:func:`~autoplan.planner.pipeline.search.interleaved_tasks`), a rank's layers counted as two
+equal chunks (:func:`ranks_time`), and the exact plans settle between them.
 
 Exact plans. The best (``B``, sub-mesh, stages and their logical meshes), and each other of
 the ``REFINED`` best that the search puts within ``RERANK_MARGIN`` of it, is then planned
@@ -130,7 +141,7 @@ from autoplan.planner.pipeline.exact import (RERANK_MARGIN, SECOND_ROUND, SECOND
     WHOLE_BATCH_MARGIN, split_budget)
 from autoplan.planner.pipeline.range_costs import LEAN, LayerCosts, RangeTable, layer_costs, tied_layers
 from autoplan.planner.pipeline.schedules import (INTERLEAVED, SCHEDULES, Schedule, activations_in_flight,
-    normalize_schedule, pipeline_time)
+    normalize_schedule, pipeline_time, ranks_time)
 from autoplan.planner.pipeline.search import (REFINED, cluster_shape, on_traced_graph, search_pipelines,
     trace_microbatch, traced_twin)
 from autoplan.planner.workers import TaskPool
@@ -141,7 +152,7 @@ from autoplan.trace.rescale import BatchSizeGraphs
 __all__ = [
     "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
     "Schedule", "activations_in_flight", "cluster_shape", "layer_costs", "normalize_schedule", "pipeline_time",
-    "plan_pipeline", "split_budget", "tied_layers", "trace_microbatch",
+    "plan_pipeline", "ranks_time", "split_budget", "tied_layers", "trace_microbatch",
 ]
 
 
@@ -191,12 +202,12 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
     return planned[0]
 
 
-def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions, schedule: str
+def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions
                      ) -> Plan | AutoplanError:
-    """The exact plan of a pipeline the search found, or why it has none."""
+    """The exact plan of a pipeline the search found, under its schedule, or why it has none."""
     try:
-        chosen = interleave(candidate) if schedule in INTERLEAVED else candidate
-        return assemble_pipeline(spec, chosen, options, schedule, {})
+        chosen = interleave(candidate) if candidate.schedule in INTERLEAVED else candidate
+        return assemble_pipeline(spec, chosen, options, candidate.schedule, {})
     except AutoplanError as e:
         return e
 
@@ -238,26 +249,25 @@ def _whole_batch_rival(candidates: list[PipelineCandidate], close: list[Pipeline
 
 
 def _first_planned(spec: ModelSpec, candidates: list[PipelineCandidate], graphs: BatchSizeGraphs, batch: int,
-                   options: PlannerOptions, popts: PipelineOptions, schedule: str
-                   ) -> list[tuple[Plan, PipelineCandidate]]:
+                   options: PlannerOptions, popts: PipelineOptions) -> list[tuple[Plan, PipelineCandidate]]:
     """The first of ``candidates`` whose exact plan exists, with it (none: empty)."""
     for found in candidates:
         candidate = on_traced_graph(found, graphs, batch, options, popts)
-        outcome = _planned_exactly(spec, candidate, options, schedule) if candidate is not None else None
+        outcome = _planned_exactly(spec, candidate, options) if candidate is not None else None
         if isinstance(outcome, Plan):
             return [(outcome, candidate)]
     return []
 
 
 def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], options: PlannerOptions,
-                          schedule: str, meanwhile: Callable[[], object] | None = None
+                          meanwhile: Callable[[], object] | None = None
                           ) -> list[Plan | AutoplanError]:
     """The exact plans of ``candidates``, in processes side by side, while this process runs
     ``meanwhile`` (with one job: after them)."""
     pool: TaskPool[Plan | AutoplanError] = TaskPool(options.jobs if len(candidates) > 1 or meanwhile else 1)
     order = sorted(range(len(candidates)), key=lambda i: -_stage_work(candidates[i]))
     for i in order:
-        pool.submit(partial(_planned_exactly, spec, candidates[i], options, schedule))
+        pool.submit(partial(_planned_exactly, spec, candidates[i], options))
     if meanwhile is not None:
         meanwhile()
     outcomes = dict(zip(order, pool.results()))
@@ -289,8 +299,8 @@ def _likely_winner_traced(candidate: PipelineCandidate, graphs: BatchSizeGraphs,
 
 
 def _winner_traced(spec: ModelSpec, planned: list[tuple[Plan, PipelineCandidate]], as_asked: set[int],
-                   graphs: BatchSizeGraphs, batch: int, options: PlannerOptions, popts: PipelineOptions,
-                   schedule: str) -> list[tuple[Plan, PipelineCandidate]]:
+                   graphs: BatchSizeGraphs, batch: int, options: PlannerOptions, popts: PipelineOptions
+                   ) -> list[tuple[Plan, PipelineCandidate]]:
     """``planned`` with the fastest on a traced graph. Rivals are planned exactly on the graphs
     the search found them on, rescaled ones included, and only the fastest is traced (a trace
     of a real-size model takes seconds): where the trace is its graph, its plan stands; else
@@ -310,7 +320,7 @@ def _winner_traced(spec: ModelSpec, planned: list[tuple[Plan, PipelineCandidate]
             planned.append((plan, twin))
             continue
         again = on_traced_graph(best, graphs, batch, options, popts)
-        outcome = _planned_exactly(spec, again, replace(options, canonical=False), schedule) \
+        outcome = _planned_exactly(spec, again, replace(options, canonical=False)) \
             if again is not None else None
         if isinstance(outcome, Plan):
             planned.append((outcome, again))
@@ -332,7 +342,6 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     candidates, graphs = search_pipelines(spec, options, popts)
     if not candidates:
         raise no_plan_fits(spec, options)
-    schedule = popts.schedule or "1f1b"
     search_s = time.perf_counter() - start - graphs.trace_s
     close = [c for c in candidates[:REFINED] if c.step_time_s <= candidates[0].step_time_s * (1 + RERANK_MARGIN)]
     for rival in _trimmed_rival(candidates, close) + _whole_batch_rival(candidates, close):
@@ -341,7 +350,7 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     searched = [id(c) for c in close]
     batch = batch_size(spec.example_inputs)
     first = _rival_options(options, len(close))
-    outcomes = _planned_side_by_side(spec, close, first, schedule,
+    outcomes = _planned_side_by_side(spec, close, first,
                                      meanwhile=partial(_likely_winner_traced, close[0], graphs, batch))
     planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
     as_asked = {id(c) for c in close} if first is options else set()  # planned with the options' tie-break
@@ -351,21 +360,21 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
                  and c.step_time_s < fastest * (1 + SECOND_ROUND_MARGIN)][:SECOND_ROUND]
         searched += [id(c) for c in under]
         if under:
-            planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, replace(options, canonical=False),
-                                                                     schedule), under) if isinstance(p, Plan)]
+            planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, replace(options, canonical=False)),
+                                               under) if isinstance(p, Plan)]
     if not planned:  # the search's estimates fit, the exact plans do not: the next best that does
         planned = _first_planned(spec, [c for c in candidates if id(c) not in searched], graphs, batch, options,
-                                 popts, schedule)
+                                 popts)
         as_asked |= {id(c) for _, c in planned}
     if not planned:
         raise next(e for e in outcomes if isinstance(e, AutoplanError))
-    planned = _winner_traced(spec, planned, as_asked, graphs, batch, options, popts, schedule)
+    planned = _winner_traced(spec, planned, as_asked, graphs, batch, options, popts)
     if not planned:
         raise no_plan_fits(spec, options)
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
     if id(best) not in as_asked:  # a rival compared by its optimum: its ties broken now
-        chosen = interleave(best) if schedule in INTERLEAVED else best
-        plan = assemble_pipeline(spec, chosen, options, schedule, {})
+        chosen = interleave(best) if best.schedule in INTERLEAVED else best
+        plan = assemble_pipeline(spec, chosen, options, best.schedule, {})
     total_s = time.perf_counter() - start
     trace_s = graphs.trace_s
     plan.timings_s = {"trace": trace_s, "search": search_s, "exact": total_s - trace_s - search_s, "total": total_s}

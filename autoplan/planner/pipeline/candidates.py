@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from autoplan.errors import AutoplanError
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pipeline.range_costs import LayerCosts
-from autoplan.planner.pipeline.schedules import INTERLEAVE
+from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer
@@ -67,4 +67,5 @@ def interleave(candidate: PipelineCandidate) -> PipelineCandidate:
 def candidate_name(c: PipelineCandidate) -> str:
     meshes = ("mesh " + mesh_label(c.meshes[0]) if len(set(c.meshes)) == 1
               else "meshes " + "/".join(mesh_label(m) for m in c.meshes))
-    return f"{len(c.cuts)} stage(s) x {meshes}, {c.microbatches} microbatch(es)"
+    schedule = f", {c.schedule}" if c.schedule in INTERLEAVED else ""
+    return f"{len(c.cuts)} stage(s) x {meshes}, {c.microbatches} microbatch(es){schedule}"

@@ -57,13 +57,19 @@ class LayerCosts:
     # a layer's own graph and strategies, shared by its fastest and its storage ILP (with the
     # layer they were made from: layers of one signature differ in their nodes' names)
     prepared: dict[str, tuple[Layer, TracedGraph, PreparedPlan]] = field(default_factory=dict)
+    # each node's strategy (by name) in a layer's fastest plan, by signature (:meth:`cost`)
+    fast_names: dict[str, dict[str, str]] = field(default_factory=dict)
+    # a layer's storage ILP recomputed in a mode, by (signature, mode), and where its trimming
+    # starts, by (signature, mode, start) (:meth:`recomputed_problem`)
+    recomputed_problems: dict[tuple[str, RecomputeMode], IntraOpProblem] = field(default_factory=dict)
+    recomputed_starts: dict[tuple[str, RecomputeMode, str], list[int]] = field(default_factory=dict)
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
-        the edge-cost memo or the trimming walks (and what they found) or the layers' graphs
-        (:meth:`restore` puts the options back)."""
+        the edge-cost memo or the trimming walks (and what they found) or the layers' graphs or
+        their recomputed problems (:meth:`restore` puts the options back)."""
         return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={}, trim_walks={},
-                       trim_steps={}, prepared={})
+                       trim_steps={}, prepared={}, recomputed_problems={})
 
     def _prepared(self, graph: TracedGraph, layer: Layer) -> tuple[Layer, TracedGraph, PreparedPlan]:
         """The first layer of ``layer``'s signature costed, its own graph and its strategies on
@@ -98,6 +104,7 @@ class LayerCosts:
                 self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
                     sub, result, self.ctx, saved_outputs(sub, [layer]))
                 self.transients.update(layer_transients(sub, layer, result, self.ctx))
+                self.fast_names[layer.signature] = {name: chosen.name for name, chosen in result.chosen.items()}
                 if splits_dims_over_axes(self.ctx):  # its ILP had gathered storage among the choices
                     self.problems.setdefault(layer.signature, result.problem)  # (mesh_plan._solve):
                     self.fast_choices.setdefault(layer.signature, result.solution.choices)  # the storage ILP
@@ -130,39 +137,83 @@ class LayerCosts:
         added, freed = self.changes[layer.signature, mode]
         return seconds + added, memory - freed
 
+    def recomputed_problem(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode, start: str = FAST
+                           ) -> tuple[IntraOpProblem, list[int]]:
+        """One layer's ILP with gathered storage among the choices and the layer recomputed in
+        ``mode`` in its costs (each choice's seconds with the forward run again, its memory
+        without what recomputation frees), built, not solved, and where trimming it starts: the
+        strategies of the layer's fastest plan (``FAST``: :meth:`cost`) or of the fastest with
+        gathered storage among the choices (``LEAN``: :meth:`storage_problem`), each group as
+        that plan chose it by name (a group that recomputation splits off, its cheapest). The two
+        differ where storing weights sharded and gathered pays: Llama 3.1 405B's block on 8x8 is
+        tensor parallel in the first and data parallel, its weights held gathered through the
+        step, in the second, from which trimming reaches a small budget only by gathering the
+        weights every microbatch."""
+        if (layer.signature, mode) not in self.recomputed_problems:
+            first, sub, _ = self._prepared(graph, layer)
+            saved = saved_outputs(sub, [first]) if mode == RecomputeMode.SELECTIVE else frozenset()
+            ctx = replace(self.ctx, recompute_regions=regions([first]), recompute_saved=saved)
+            self.recomputed_problems[layer.signature, mode] = plan_intra_op(
+                sub, find_classes(sub), self.ctx.mesh_shape, ctx, None, allow_storage=self.options.allow_storage,
+                pins=self.options.pins, pick=lambda group, names: 0).problem
+        built = self.recomputed_problems[layer.signature, mode]
+        key = (layer.signature, mode, start)
+        if key not in self.recomputed_starts:
+            self.cost(graph, layer)
+            chosen = self.fast_names[layer.signature] if start == FAST else \
+                named_choices(self.storage_problem(graph, layer), self.fast_choices[layer.signature])
+            starts = []
+            for g in range(built.num_groups):
+                names = built.choice_names[g] if built.choice_names else []
+                wanted = chosen.get(built.group_name(g))
+                starts.append(names.index(wanted) if wanted in names else
+                              min(range(built.num_choices(g)), key=lambda i, g=g: built.costs[g][i]))
+            self.recomputed_starts[key] = starts
+        return built, self.recomputed_starts[key]
+
     def transient(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode | None = None) -> float:
         """Bytes per device the backward of one layer's fastest plan holds above its kept values
         at its peak, kept or recomputed in ``mode`` (:func:`layer_transients`)."""
         self.cost(graph, layer)
         return self.transients[layer.signature, mode]
 
-    def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float) -> tuple[float, float] | None:
+    def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float,
+                modes: list[RecomputeMode] | None = None, start: str = FAST) -> tuple[float, float] | None:
         """(seconds, bytes) of ``layers``' fastest plans trimmed together until they fit
         ``budget`` bytes (:func:`autoplan.solvers.trim_memory_together`, a greedy estimate, no
         ILP: each step frees memory where it costs the least time per byte, in any layer; equal
-        layers switch alike, as their classes do in the ILP). None if even their least-memory
-        plans do not fit."""
-        counts = collections.Counter(layer.signature for layer in layers)
+        layers switch alike, as their classes do in the ILP). With ``modes``, layer ``k``
+        recomputed in ``modes[k]``: its problem and where it starts are :meth:`recomputed_problem`'s
+        (from ``start``). None if even their least-memory plans do not fit."""
+        kinds = [(layer.signature, f"{modes[k].value} from {start}" if modes else "")
+                 for k, layer in enumerate(layers)]
+        counts = collections.Counter(kinds)
         key = (tuple(sorted(counts.items())), budget)
         if key not in self.trims:
-            for layer in layers:
-                self.storage_problem(graph, layer)
-            signatures = sorted(counts)
-            problems = [self.problems[sig] for sig in signatures]
+            order = sorted(counts)
+            first = {kind: layer for kind, layer in zip(kinds, layers)}
+            problems, starts = [], []
+            for kind in order:
+                if modes:
+                    mode = modes[kinds.index(kind)]
+                    problem, chosen = self.recomputed_problem(graph, first[kind], mode, start)
+                else:
+                    problem, chosen = self.storage_problem(graph, first[kind]), self.fast_choices[kind[0]]
+                problems.append(problem)
+                starts.append(chosen)
             path_key = key[0]
             if path_key not in self.trim_paths:
-                starts = [self.fast_choices[sig] for sig in signatures]
-                if tuple(signatures) not in self.trim_walks:
-                    self.trim_walks[tuple(signatures)] = TrimWalk(problems, starts)
-                self.trim_paths[path_key] = TrimPath(problems, [counts[sig] for sig in signatures], starts,
-                                                     self.trim_walks[tuple(signatures)])
+                if tuple(order) not in self.trim_walks:
+                    self.trim_walks[tuple(order)] = TrimWalk(problems, starts)
+                self.trim_paths[path_key] = TrimPath(problems, [counts[kind] for kind in order], starts,
+                                                     self.trim_walks[tuple(order)])
             path = self.trim_paths[path_key]
             steps = path.steps_to(budget)
             if steps is not None and (path_key, steps) not in self.trim_steps:
                 total = (0.0, 0.0)
-                for sig, problem, chosen in zip(signatures, problems, path.choices_after(steps)):
+                for kind, problem, chosen in zip(order, problems, path.choices_after(steps)):
                     seconds, memory = evaluate(problem, chosen)
-                    total = add_costs(total, (counts[sig] * seconds, counts[sig] * memory))
+                    total = add_costs(total, (counts[kind] * seconds, counts[kind] * memory))
                 self.trim_steps[path_key, steps] = total
             self.trims[key] = None if steps is None else self.trim_steps[path_key, steps]
         return self.trims[key]
@@ -216,6 +267,11 @@ class LayerCosts:
         if key in self.recompute_in_pair:
             return self.recompute_in_pair[key]
         return self.recomputed(graph, layer, mode)[0] - self.cost(graph, layer)[0]
+
+
+def named_choices(problem: IntraOpProblem, choices: list[int]) -> dict[str, str]:
+    """Each group's chosen choice, by the group's and the choice's names."""
+    return {problem.group_name(g): problem.choice_name(g, i) for g, i in enumerate(choices)}
 
 
 def layer_transients(sub: TracedGraph, layer: Layer, result: IntraOpResult, ctx: CostContext
@@ -735,10 +791,44 @@ class RangeTable:
                 break
             if len(applied) == end - start:
                 found.append(trimmed_now(room))
+                refit = self._recomputed_trimmed(start, end, room, applied)
+                if refit is not None:
+                    found.append(self._with_transient(start, end, refit))
         fitting = [plan for plan in found if budget is None or plan.memory <= budget]
         if fitting:  # selectively and trimmed may beat fully recomputed (FSDP with selective checkpointing)
             return min(fitting, key=lambda plan: plan.seconds)
         return min(found, key=lambda plan: plan.memory) if found else as_now()
+
+
+    def _recomputed_trimmed(self, start: int, end: int, room: float,
+                            applied: dict[int, tuple[RecomputeMode, float, float]]) -> RangePlan | None:
+        """Layers [start, end), every one recomputed as in ``applied``, trimmed together until
+        their kept bytes fit ``room``: each layer's problem with its recomputation in the costs
+        (:meth:`LayerCosts.recomputed_problem`), trimmed from its fastest plan's strategies.
+        Trimming the kept plans instead, beside what recomputing them frees (:meth:`_recomputed`'s
+        share), trims activations that recomputation frees anyway: Llama 3.1 405B's 16 blocks on
+        8x8 with every block recomputed, estimated so at 63.3 s per step, are planned at 23 s, and
+        trimmed recomputed at 21.6 s. The seconds recomputation adds are those of
+        :meth:`_recompute_steps` (a layer in the plan of its pair with the one before). Trimming
+        starts from each of two plans (:meth:`LayerCosts.recomputed_problem`), the faster answer
+        kept. None where even the least-memory plans do not fit."""
+        if self.state_floor(start, end) > room:
+            return None  # no plan of the range keeps less
+        modes = [applied[i][0] for i in range(start, end)]
+        layers = self.layers[start:end]
+        excess = self.counted_apart(start, end)
+        found = [t for t in (self.costs.trimmed(self.graph, layers, room + excess, modes, start)
+                             for start in (FAST, LEAN)) if t is not None]
+        if not found:
+            return None
+        trimmed = min(found)
+        # the recomputation's seconds as the pairs cost them, in place of each layer's own
+        own = math.fsum(self.costs.recomputed(self.graph, layer, how)[0] - self.costs.cost(self.graph, layer)[0]
+                        for layer, how in zip(layers, modes))
+        paired = math.fsum(added for _, added, _ in applied.values())
+        joins = self.joins[end - 1] - self.joins[start]
+        return RangePlan(trimmed[0] + joins + paired - own, trimmed[1] - excess, frozenset(applied),
+                         _selective(applied))
 
 
 def _by_rate(step: tuple[float, float], i: int) -> tuple[float, int]:

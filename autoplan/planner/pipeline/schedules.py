@@ -73,3 +73,15 @@ def pipeline_time(latencies: list[float], microbatches: int, schedule: str) -> f
         bubble = (ranks - 1) * max(latencies) * (ZERO_BUBBLE_LEFT if schedule == "interleavedzerobubble" else 1.0)
         return microbatches * max(per_rank) + bubble
     return sum(latencies) + (microbatches - 1) * max(latencies)
+
+
+def ranks_time(latencies: list[float], microbatches: int, schedule: str) -> float:
+    """Step time of a pipeline whose pipeline ranks take ``latencies`` per microbatch (the stage
+    search's stages: interleaved chunks are cut after it): under an interleaved schedule each
+    rank's work counted as ``INTERLEAVE`` equal chunks, chunk ``c`` on rank ``c % D``
+    (:func:`rank_stages`), so that its bubble is a chunk's, not a rank's."""
+    if schedule in INTERLEAVED:
+        ranks = len(latencies)
+        return pipeline_time([latencies[c % ranks] / INTERLEAVE for c in range(INTERLEAVE * ranks)], microbatches,
+                             schedule)
+    return pipeline_time(latencies, microbatches, schedule)

@@ -15,7 +15,8 @@ from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
     link_between_stages, tied_layers, whole_below)
-from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED, activations_in_flight, pipeline_time
+from autoplan.planner.pipeline.schedules import (INTERLEAVE, INTERLEAVED, Schedule, activations_in_flight,
+    ranks_time)
 from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, recomputable
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, StageCost, SubMesh,
@@ -30,6 +31,8 @@ from autoplan.trace.rescale import BatchSizeGraphs
 from autoplan.trace.tracer import describe, trace
 
 MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tries, besides 1
+PIPELINE_FILL = 4  # a pipeline of S stages is also searched with the fewest microbatches of at least 4·S
+INTERLEAVED_RIVALS = 3  # the best 1F1B pipelines searched again interleaved, where no schedule is pinned
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
 BoundaryCorrections = dict[tuple[str, str], float]  # LayerCosts.pairs
 PairRecomputation = dict[tuple[str, str, RecomputeMode], float]  # LayerCosts.recompute_in_pair
@@ -118,7 +121,7 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             if any(c.cuts == cuts and c.meshes == logical and c.recomputed == recomputed and c.selective == selective
                    for c in found):
                 continue  # the run without recomputation found it too
-            step = pipeline_time(latencies, microbatches, "1f1b" if schedule in INTERLEAVED else schedule)
+            step = ranks_time(latencies, microbatches, schedule)
             # the tied parameter's mesh: the pinned one, or one stage's only mesh
             one_stage_mesh = per_mesh or (len(meshes) == 1 and len(cuts) == 1)
             shared = None if not tied else logical[0] if one_stage_mesh else pinned[0] if pinned else None
@@ -247,11 +250,47 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         else:
             later += found
             accumulating += accumulation_tasks(graph, layers, microbatches, options, popts)
+    if refusal is None:
+        for microbatches, depths in filling_counts(batch, options, popts, len(layers), counts).items():
+            graph = graphs.get(batch // microbatches)
+            later += count_tasks(graph, pinned_layers(graph, popts, options), microbatches, options, popts, depths)
     plainly = [c for i in whole_batch for c in pool.answer(i) if options.recompute != "auto" or not c.recomputed]
     if refusal is None and not plainly:
         later += accumulating  # the whole batch does not fit one stage without recomputation
     submit(later)
-    return refine([c for cs in pool.results() for c in cs], options, popts), graphs
+    found = [c for cs in pool.results() for c in cs]
+    rivals = interleaved_tasks(found, popts)
+    again = search_pool(rivals, options)
+    for task in rivals:
+        again.submit(partial(task.run, options, popts))
+    found += [c for cs in again.results() for c in cs]
+    return refine(found, options, popts), graphs
+
+
+def interleaved_tasks(found: list[PipelineCandidate], popts: PipelineOptions) -> list[SearchTask]:
+    """Where no schedule is pinned, the ``INTERLEAVED_RIVALS`` best 1F1B pipelines of several
+    stages on one logical mesh (distinct in microbatches, sub-mesh and mesh) searched again
+    under the interleaved 1F1B schedule: its bubble is a chunk's, half a rank's, and each rank
+    keeps about half as many microbatches' activations again in flight
+    (:func:`~autoplan.planner.pipeline.schedules.activations_in_flight`), so it wins where the
+    bubble weighs more than memory (Llama 3.1 405B on 512 H100s, torchtitan's recipe). Its
+    chunks are cut after the search (:func:`~autoplan.planner.pipeline.candidates.interleave`),
+    on the mesh of the rank, so only pipelines whose stages share one mesh, with at least
+    ``INTERLEAVE`` layers per stage, are searched so."""
+    if popts.schedule is not None:
+        return []
+    tasks: list[SearchTask] = []
+    seen: set[tuple] = set()
+    for c in sorted(found, key=lambda c: c.step_time_s):
+        key = (c.microbatches, c.submesh, c.meshes[0])
+        if len(c.cuts) < 2 or len(set(c.meshes)) > 1 or len(c.layers) < INTERLEAVE * len(c.cuts) or key in seen:
+            continue
+        seen.add(key)
+        tasks.append(SearchTask(c.graph, c.layers, Schedule.INTERLEAVED_1F1B, c.microbatches, c.submesh,
+                                [c.meshes[0]]))
+        if len(tasks) == INTERLEAVED_RIVALS:
+            break
+    return tasks
 
 
 def accumulation_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
@@ -276,12 +315,36 @@ def searched_schedules(popts: PipelineOptions) -> list[str]:
     return [popts.schedule] if popts.schedule else ["1f1b"]
 
 
+def filling_counts(batch: int, options: PlannerOptions, popts: PipelineOptions, num_layers: int,
+                   searched: list[int]) -> dict[int, set[int]]:
+    """Microbatch counts beyond ``searched`` (:func:`microbatch_candidates`: the largest, whose
+    microbatches are smallest), each with the stage counts it is searched for: for a pipeline
+    of ``S`` stages, the fewest microbatches, at least ``PIPELINE_FILL·S``, that divide the
+    batch (its bubble at most about a quarter of the step's work). Larger microbatches keep
+    a stage's devices busy where small ones cannot be split among them: Llama 3.1 405B's block
+    on an 8x8 stage takes 1.01 s per step in 32 microbatches of 8 sequences, 2.24 s in 64 of 4."""
+    if popts.microbatches is not None:
+        return {}
+    out: dict[int, set[int]] = {}
+    for submesh in submeshes(options, popts, num_layers):
+        stages = options.devices // submesh.size
+        if stages < 2:
+            continue
+        count = next((c for c in range(PIPELINE_FILL * stages, min(batch, 512) + 1) if batch % c == 0), None)
+        if count is not None and count not in searched:
+            out.setdefault(count, set()).add(stages)
+    return out
+
+
 def count_tasks(graph: TracedGraph, layers: list[Layer], microbatches: int, options: PlannerOptions,
-                popts: PipelineOptions) -> list[SearchTask]:
-    """The sub-mesh searches of one microbatch count."""
+                popts: PipelineOptions, depths: set[int] | None = None) -> list[SearchTask]:
+    """The sub-mesh searches of one microbatch count (of the pipelines of ``depths`` stages
+    only, where given)."""
     found: list[SearchTask] = []
     for schedule in searched_schedules(popts):
         for submesh in submeshes(options, popts, len(layers)):
+            if depths is not None and options.devices // submesh.size not in depths:
+                continue
             if microbatches > 1 and submesh.size == options.devices:
                 continue  # several microbatches in one stage: gradient accumulation, searched after
             if microbatches == 1 and submesh.size < options.devices and popts.microbatches is None:
