@@ -28,6 +28,11 @@ from autoplan.trace.repeated import find_classes
 from autoplan.trace.subgraph import extract, loss_name, model_outputs
 
 FAST, LEAN = "fast", "lean"  # how a layer is costed in the stage search (LayerCosts.cost)
+# a range recomputing every layer is trimmed recomputed only where it holds at most this many
+# times the layers of a stage of a balanced pipeline (:meth:`RangeTable._recomputed_trimmed`)
+RECOMPUTED_TRIM_REACH = 2
+# ... and where the other estimate of it trimmed adds more than this share to its untrimmed seconds
+TRIMMED_CLOSE = 0.25
 
 
 @dataclass
@@ -57,6 +62,7 @@ class LayerCosts:
     # a layer's own graph and strategies, shared by its fastest and its storage ILP (with the
     # layer they were made from: layers of one signature differ in their nodes' names)
     prepared: dict[str, tuple[Layer, TracedGraph, PreparedPlan]] = field(default_factory=dict)
+    stages: int = 1  # the pipeline's stages (ranks) these costs are for
     # each node's strategy (by name) in a layer's fastest plan, by signature (:meth:`cost`)
     fast_names: dict[str, dict[str, str]] = field(default_factory=dict)
     # a layer's storage ILP recomputed in a mode, by (signature, mode), and where its trimming
@@ -392,7 +398,7 @@ def layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: in
     cluster = options.cluster
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
                       microbatches=microbatches, activations_in_flight=in_flight, across_nodes_hybrid=stages == 1)
-    return LayerCosts(options, ctx)
+    return LayerCosts(options, ctx, stages=stages)
 
 
 @dataclass(frozen=True)
@@ -791,7 +797,8 @@ class RangeTable:
                 break
             if len(applied) == end - start:
                 found.append(trimmed_now(room))
-                refit = self._recomputed_trimmed(start, end, room, applied)
+                close = found[-1].memory <= budget and found[-1].seconds <= (seconds + joins) * (1 + TRIMMED_CLOSE)
+                refit = None if close else self._recomputed_trimmed(start, end, room, applied)
                 if refit is not None:
                     found.append(self._with_transient(start, end, refit))
         fitting = [plan for plan in found if budget is None or plan.memory <= budget]
@@ -802,7 +809,7 @@ class RangeTable:
 
     def _recomputed_trimmed(self, start: int, end: int, room: float,
                             applied: dict[int, tuple[RecomputeMode, float, float]]) -> RangePlan | None:
-        """Layers [start, end), every one recomputed as in ``applied``, trimmed together until
+        """Layers [start, end), every one recomputed fully as in ``applied``, trimmed together until
         their kept bytes fit ``room``: each layer's problem with its recomputation in the costs
         (:meth:`LayerCosts.recomputed_problem`), trimmed from its fastest plan's strategies.
         Trimming the kept plans instead, beside what recomputing them frees (:meth:`_recomputed`'s
@@ -811,10 +818,22 @@ class RangeTable:
         trimmed recomputed at 21.6 s. The seconds recomputation adds are those of
         :meth:`_recompute_steps` (a layer in the plan of its pair with the one before). Trimming
         starts from each of two plans (:meth:`LayerCosts.recomputed_problem`), the faster answer
-        kept. None where even the least-memory plans do not fit."""
+        kept. (Tried only where the other estimate, :meth:`_recomputed`'s, does not fit or adds
+        more than ``TRIMMED_CLOSE`` to the untrimmed seconds.) None where even the least-memory
+        plans do not fit, where a layer is recomputed selectively (trimming a selectively
+        recomputed block trims the activations it keeps: the other estimate does that), or where
+        the range holds more
+        than ``RECOMPUTED_TRIM_REACH`` times the layers of a stage of a balanced pipeline: a
+        layer's recomputed problem is built once per logical mesh, microbatch count and mode,
+        about as long as its ILP takes (the Llama-70B shape on 64 H100s: 10 s more to plan
+        for every range, 1.5 s more for these)."""
+        if end - start > RECOMPUTED_TRIM_REACH * -(-len(self.layers) // self.costs.stages):
+            return None  # far longer than a stage of a balanced pipeline: not worth its problems' building
         if self.state_floor(start, end) > room:
             return None  # no plan of the range keeps less
         modes = [applied[i][0] for i in range(start, end)]
+        if any(how != RecomputeMode.FULL for how in modes):
+            return None
         layers = self.layers[start:end]
         excess = self.counted_apart(start, end)
         found = [t for t in (self.costs.trimmed(self.graph, layers, room + excess, modes, start)

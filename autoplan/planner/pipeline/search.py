@@ -282,14 +282,14 @@ def interleaved_tasks(found: list[PipelineCandidate], popts: PipelineOptions) ->
     tasks: list[SearchTask] = []
     seen: set[tuple] = set()
     for c in sorted(found, key=lambda c: c.step_time_s):
+        if len(tasks) >= INTERLEAVED_RIVALS:
+            break
         key = (c.microbatches, c.submesh, c.meshes[0])
         if len(c.cuts) < 2 or len(set(c.meshes)) > 1 or len(c.layers) < INTERLEAVE * len(c.cuts) or key in seen:
             continue
         seen.add(key)
         tasks.append(SearchTask(c.graph, c.layers, Schedule.INTERLEAVED_1F1B, c.microbatches, c.submesh,
                                 [c.meshes[0]]))
-        if len(tasks) == INTERLEAVED_RIVALS:
-            break
     return tasks
 
 
