@@ -410,7 +410,8 @@ def _restored(candidate: PipelineCandidate, searched: SearchTask | PipelineCandi
     return replace(candidate, graph=searched.graph, layers=searched.layers)
 
 
-def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: PipelineOptions) -> list[PipelineCandidate]:
+def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: PipelineOptions
+           ) -> list[PipelineCandidate]:
     """Search the ``REFINED`` best pipelines again with the boundaries inside their stages
     costed (two ILPs more per distinct pair of adjacent layers, so not for every sub-mesh),
     and the best of every other pipeline depth (stage count); best first. Uncorrected, every
