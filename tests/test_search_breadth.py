@@ -14,7 +14,8 @@ from autoplan.planner.mesh_plan import plan_intra_op
 from autoplan.planner.pipeline import (PipelineOptions, RangeTable, layer_costs, pipeline_time, ranks_time)
 from autoplan.planner.pipeline.range_costs import FAST, LEAN
 from autoplan.planner.pipeline.search import (INTERLEAVED_RIVALS, PIPELINE_FILL, filling_counts,
-    search_pipelines)
+    interleaved_tasks, search_pipelines)
+from autoplan.planner.pins import PinSet
 from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, regions
 from autoplan.solvers import evaluate
 from autoplan.trace.layers import make_layers
@@ -110,7 +111,8 @@ def test_a_pipeline_is_also_searched_with_microbatches_that_fill_it(batch: int, 
 
 def test_the_best_1f1b_pipelines_are_searched_interleaved_too() -> None:
     """Where no schedule is pinned, the best 1F1B pipelines of several stages on one logical
-    mesh are searched again interleaved; a pinned schedule is the only one searched."""
+    mesh are searched again interleaved; a pinned schedule is the only one searched, and stage
+    pins leave no interleaved rivals."""
     model, inputs = gpt.build(hidden=64, layers=8, heads=4, seq=32, vocab=256, batch=8, device="meta")
     spec = make_model_spec(model, inputs, gpt.loss_fn, name="gpt")
     options = make_options(4, "h100")
@@ -124,3 +126,7 @@ def test_the_best_1f1b_pipelines_are_searched_interleaved_too() -> None:
         assert rival  # searched again from a 1F1B pipeline of the same shape
     pinned, _ = search_pipelines(spec, options, PipelineOptions(schedule="1f1b"))
     assert {c.schedule for c in pinned} == {"1f1b"}
+    assert interleaved_tasks(pinned, options, PipelineOptions())  # the 1F1B pipelines have rivals
+    # stage pins place layers in stages; interleaved chunks are cut evenly, so none is searched
+    staged = replace(options, pins=PinSet.read(["h.0=stage:0"]))
+    assert interleaved_tasks(pinned, staged, PipelineOptions()) == []

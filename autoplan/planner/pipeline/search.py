@@ -12,6 +12,7 @@ from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.meshes import candidate_meshes
+from autoplan.planner.pins import PinKind
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
     link_between_stages, tied_layers, whole_below)
@@ -259,7 +260,7 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
         later += accumulating  # the whole batch does not fit one stage without recomputation
     submit(later)
     found = [c for cs in pool.results() for c in cs]
-    rivals = interleaved_tasks(found, popts)
+    rivals = interleaved_tasks(found, options, popts)
     again = search_pool(rivals, options)
     for task in rivals:
         again.submit(partial(task.run, options, popts))
@@ -267,7 +268,8 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
     return refine(found, options, popts), graphs
 
 
-def interleaved_tasks(found: list[PipelineCandidate], popts: PipelineOptions) -> list[SearchTask]:
+def interleaved_tasks(found: list[PipelineCandidate], options: PlannerOptions, popts: PipelineOptions
+                      ) -> list[SearchTask]:
     """Where no schedule is pinned, the ``INTERLEAVED_RIVALS`` best 1F1B pipelines of several
     stages on one logical mesh (distinct in microbatches, sub-mesh and mesh) searched again
     under the interleaved 1F1B schedule: its bubble is a chunk's, half a rank's, and each rank
@@ -276,8 +278,9 @@ def interleaved_tasks(found: list[PipelineCandidate], popts: PipelineOptions) ->
     bubble weighs more than memory (Llama 3.1 405B on 512 H100s, torchtitan's recipe). Its
     chunks are cut after the search (:func:`~autoplan.planner.pipeline.candidates.interleave`),
     on the mesh of the rank, so only pipelines whose stages share one mesh, with at least
-    ``INTERLEAVE`` layers per stage, are searched so."""
-    if popts.schedule is not None:
+    ``INTERLEAVE`` layers per stage, are searched so; and none where stage pins place layers
+    (the chunks are cut evenly, whatever the pins say)."""
+    if popts.schedule is not None or (options.pins and options.pins.of_kind(PinKind.STAGE)):
         return []
     tasks: list[SearchTask] = []
     seen: set[tuple] = set()
