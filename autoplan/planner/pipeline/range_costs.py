@@ -197,14 +197,14 @@ class LayerCosts:
         key = (tuple(sorted(counts.items())), budget)
         if key not in self.trims:
             order = sorted(counts)
-            first = {kind: layer for kind, layer in zip(kinds, layers)}
+            first = {kind: k for k, kind in reversed(list(enumerate(kinds)))}  # a layer of each kind
             problems, starts = [], []
             for kind in order:
+                layer = layers[first[kind]]
                 if modes:
-                    mode = modes[kinds.index(kind)]
-                    problem, chosen = self.recomputed_problem(graph, first[kind], mode, start)
+                    problem, chosen = self.recomputed_problem(graph, layer, modes[first[kind]], start)
                 else:
-                    problem, chosen = self.storage_problem(graph, first[kind]), self.fast_choices[kind[0]]
+                    problem, chosen = self.storage_problem(graph, layer), self.fast_choices[kind[0]]
                 problems.append(problem)
                 starts.append(chosen)
             path_key = key[0]
@@ -806,7 +806,6 @@ class RangeTable:
             return min(fitting, key=lambda plan: plan.seconds)
         return min(found, key=lambda plan: plan.memory) if found else as_now()
 
-
     def _recomputed_trimmed(self, start: int, end: int, room: float,
                             applied: dict[int, tuple[RecomputeMode, float, float]]) -> RangePlan | None:
         """Layers [start, end), every one recomputed fully as in ``applied``, trimmed together until
@@ -822,11 +821,10 @@ class RangeTable:
         more than ``TRIMMED_CLOSE`` to the untrimmed seconds.) None where even the least-memory
         plans do not fit, where a layer is recomputed selectively (trimming a selectively
         recomputed block trims the activations it keeps: the other estimate does that), or where
-        the range holds more
-        than ``RECOMPUTED_TRIM_REACH`` times the layers of a stage of a balanced pipeline: a
-        layer's recomputed problem is built once per logical mesh, microbatch count and mode,
-        about as long as its ILP takes (the Llama-70B shape on 64 H100s: 10 s more to plan
-        for every range, 1.5 s more for these)."""
+        the range holds more than ``RECOMPUTED_TRIM_REACH`` times the layers of a stage of a
+        balanced pipeline: a layer's recomputed problem is built once per logical mesh,
+        microbatch count and mode, about as long as its ILP takes (the Llama-70B shape on 64
+        H100s: 10 s more to plan for every range, 1.5 s more for these)."""
         if end - start > RECOMPUTED_TRIM_REACH * -(-len(self.layers) // self.costs.stages):
             return None  # far longer than a stage of a balanced pipeline: not worth its problems' building
         if self.state_floor(start, end) > room:
@@ -836,18 +834,16 @@ class RangeTable:
             return None
         layers = self.layers[start:end]
         excess = self.counted_apart(start, end)
-        found = [t for t in (self.costs.trimmed(self.graph, layers, room + excess, modes, start)
-                             for start in (FAST, LEAN)) if t is not None]
+        found = [t for t in (self.costs.trimmed(self.graph, layers, room + excess, modes, origin)
+                             for origin in (FAST, LEAN)) if t is not None]
         if not found:
             return None
         trimmed = min(found)
         # the recomputation's seconds as the pairs cost them, in place of each layer's own
-        own = math.fsum(self.costs.recomputed(self.graph, layer, how)[0] - self.costs.cost(self.graph, layer)[0]
-                        for layer, how in zip(layers, modes))
+        own = math.fsum(self.costs.recompute_seconds(self.graph, layer, how) for layer, how in zip(layers, modes))
         paired = math.fsum(added for _, added, _ in applied.values())
         joins = self.joins[end - 1] - self.joins[start]
-        return RangePlan(trimmed[0] + joins + paired - own, trimmed[1] - excess, frozenset(applied),
-                         _selective(applied))
+        return RangePlan(trimmed[0] + joins + paired - own, trimmed[1] - excess, frozenset(applied))
 
 
 def _by_rate(step: tuple[float, float], i: int) -> tuple[float, int]:
