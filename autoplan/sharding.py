@@ -13,19 +13,24 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from typing import NamedTuple
 
 
-@dataclass(frozen=True, order=True)
-class Placement:
+class Placement(NamedTuple):
+    """What one mesh axis does with a tensor. A named tuple, so that a spec's hash and
+    comparisons run in C: the planner keys its memos by specs, millions of times per plan."""
+
     kind: str  # "R", "S" or "P"
     dim: int = -1  # tensor dim, for "S" only
 
-    def __post_init__(self) -> None:
-        if self.kind not in ("R", "S", "P"):
-            raise ValueError(f"placement kind must be R, S or P, not {self.kind!r}")
-        if (self.kind == "S") != (self.dim >= 0):
-            raise ValueError(f"placement {self.kind} with dim {self.dim} is malformed")
+    @classmethod
+    def checked(cls, kind: str, dim: int = -1) -> Placement:
+        """A placement, refusing a malformed one (an unknown kind; a dim on R or P, none on S)."""
+        if kind not in ("R", "S", "P"):
+            raise ValueError(f"placement kind must be R, S or P, not {kind!r}")
+        if (kind == "S") != (dim >= 0):
+            raise ValueError(f"placement {kind} with dim {dim} is malformed")
+        return cls(kind, dim)
 
     @property
     def is_shard(self) -> bool:
@@ -51,7 +56,7 @@ P = Placement("P")
 
 
 def S(dim: int) -> Placement:
-    return Placement("S", dim)
+    return Placement.checked("S", dim)
 
 
 ShardingSpec = tuple[Placement, ...]
@@ -65,7 +70,7 @@ def parse_placement(text: str) -> Placement:
     if not m:
         raise ValueError(f"cannot read placement {text!r}: expected R, P or S(d)")
     if m.group(1) in ("R", "P"):
-        return Placement(m.group(1))
+        return Placement.checked(m.group(1))
     return S(int(m.group(2) or m.group(3)))
 
 

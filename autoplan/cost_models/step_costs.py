@@ -421,12 +421,21 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
            ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src, forward_itemsize, step_src)
     cached = ctx.cache.get(key)
     if cached is None:
-        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
-                                       grad_src, forward_itemsize, step_src)
+        # the collectives do not depend on how often they run: memoised apart (an op's edges
+        # are costed again recomputed, and a parameter's again kept for the backward)
+        steps_key = ("edge steps", src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes, grad_src,
+                     forward_itemsize, step_src)
+        steps = ctx.cache.get(steps_key)
+        if steps is None:
+            forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
+                                           grad_src, forward_itemsize, step_src)
+            steps = (backward, steps_seconds(forward, ctx), steps_seconds(backward, ctx))
+            ctx.cache[steps_key] = steps
+        backward, forward_s, backward_s = steps
         if from_parameter and src == dst:  # reduced once per step; a ZeRO-2 gradient every microbatch
             cached = steps_seconds(backward, ctx, bucketed=step_src is None) * gradient_reductions(grad_src, src, ctx)
         else:
             runs = 1.0 + regather_runs(from_parameter, recomputed, kept)
-            cached = (runs * steps_seconds(forward, ctx) + steps_seconds(backward, ctx)) * ctx.microbatches
+            cached = (runs * forward_s + backward_s) * ctx.microbatches
         ctx.cache[key] = cached
     return cached

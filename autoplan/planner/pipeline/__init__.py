@@ -263,8 +263,12 @@ def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], 
                           meanwhile: Callable[[], object] | None = None
                           ) -> list[Plan | AutoplanError]:
     """The exact plans of ``candidates``, in processes side by side, while this process runs
-    ``meanwhile`` (with one job: after them)."""
-    pool: TaskPool[Plan | AutoplanError] = TaskPool(options.jobs if len(candidates) > 1 or meanwhile else 1)
+    ``meanwhile`` (with one job: after them). With ``meanwhile``, every candidate starts at
+    once: this process cannot start one as another ends, so the system shares the cores."""
+    jobs = options.jobs if len(candidates) > 1 or meanwhile else 1
+    if meanwhile is not None and jobs > 1:
+        jobs = max(jobs, len(candidates))
+    pool: TaskPool[Plan | AutoplanError] = TaskPool(jobs)
     order = sorted(range(len(candidates)), key=lambda i: -_stage_work(candidates[i]))
     for i in order:
         pool.submit(partial(_planned_exactly, spec, candidates[i], options))

@@ -35,6 +35,7 @@ MICROBATCH_CANDIDATES = 3  # the largest counts (smallest bubbles) the search tr
 PIPELINE_FILL = 4  # a pipeline of S stages is also searched with the fewest microbatches of at least 4·S
 INTERLEAVED_RIVALS = 3  # the best 1F1B pipelines searched again interleaved, where no schedule is pinned
 REFINED = 3  # the best pipelines of the search are searched again with stage-internal boundaries costed
+REFINED_DEPTH_MARGIN = 1.0  # and the best of every other depth estimated within this share over the best
 BoundaryCorrections = dict[tuple[str, str], float]  # LayerCosts.pairs
 PairRecomputation = dict[tuple[str, str, RecomputeMode], float]  # LayerCosts.recompute_in_pair
 
@@ -417,7 +418,9 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
            ) -> list[PipelineCandidate]:
     """Search the ``REFINED`` best pipelines again with the boundaries inside their stages
     costed (two ILPs more per distinct pair of adjacent layers, so not for every sub-mesh),
-    and the best of every other pipeline depth (stage count); best first. Uncorrected, every
+    and the best of every other pipeline depth (stage count) estimated within
+    ``REFINED_DEPTH_MARGIN`` of the best (at most twice its seconds: the corrections are a
+    share of a stage's seconds, not a multiple); best first. Uncorrected, every
     boundary inside a stage costs as if the value handed on crossed a stage boundary there.
     When values crossed whole, that overestimated a deep stage of a data-parallel mesh most:
     the one-stage plans lost to pipelines on that error alone (GPT-2 124M on 8 H100s, bf16:
@@ -428,14 +431,14 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     picked = list(range(min(REFINED, len(candidates))))
     depths = {len(candidates[i].cuts) for i in picked}
     for i, c in enumerate(candidates):
-        if len(c.cuts) not in depths:
+        if len(c.cuts) not in depths and c.step_time_s <= candidates[0].step_time_s * (1 + REFINED_DEPTH_MARGIN):
             depths.add(len(c.cuts))
             picked.append(i)
     best = [candidates[i] for i in picked]
     tables: dict[int, tuple[LayerCosts, PipelineCandidate]] = {}
-    for c in best:
-        for mesh_costs in (c.costs or {}).values():
-            tables.setdefault(id(mesh_costs), (mesh_costs, c))
+    for c in best:  # the tables of the meshes each is searched on again
+        for mesh in searched_meshes(c) if c.costs else []:
+            tables.setdefault(id(c.costs[mesh]), (c.costs[mesh], c))
     pool: TaskPool[tuple[BoundaryCorrections, PairRecomputation]] = TaskPool(options.jobs)
     for mesh_costs, c in tables.values():
         pool.submit(partial(_boundary_costs, mesh_costs, c))

@@ -133,7 +133,15 @@ class IntraOpSolution:
         return self.memory + self.transient
 
 
+_PLAIN_NUMBERS = frozenset({float, int})
+
+
 def _check_finite(values: list[float], what: str, nonnegative: bool = False) -> None:
+    # plain numbers whose sum is finite are each finite: checked in C first, as validation
+    # runs over every cost of every ILP the stage search builds
+    if set(map(type, values)) <= _PLAIN_NUMBERS and math.isfinite(sum(values)) and \
+            (not nonnegative or not values or min(values) >= 0):
+        return
     for x in values:
         # float/int first: the ABC check of numbers.Real is slow, and validation runs over
         # every cost of every ILP the stage search builds
