@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -112,6 +114,26 @@ def test_task_pool_keeps_submission_order_and_names_errors() -> None:
     inline: TaskPool[int] = TaskPool(1)
     with pytest.raises(ValueError, match="boom"):  # one job: the task runs when submitted
         inline.submit(fails)
+
+
+def test_task_pool_cancel_stops_its_children(tmp_path: Path) -> None:
+    pool: TaskPool[int] = TaskPool(2)
+
+    def sleeper(k: int) -> int:
+        (tmp_path / f"{k}.pid").write_text(str(os.getpid()))
+        time.sleep(600)
+        return k
+
+    for k in range(3):  # two start, one waits
+        pool.submit(lambda k=k: sleeper(k))
+    while len(list(tmp_path.glob("*.pid"))) < 2:
+        time.sleep(0.05)
+    pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
+    pool.cancel()
+    for pid in pids:  # terminated and reaped
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    assert not (tmp_path / "2.pid").exists()  # the waiting task never started
 
 
 def test_default_jobs_share_the_node_with_other_ranks(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -293,7 +293,8 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
     else:
         differentiable = frozenset(i for i, g in zip(input_names, grad_inputs) if g)
         strategies = enumerate_strategies(imap, input_names, mesh_shape, differentiable,
-                                          allow_partial=is_floating(info.dtype), dims_over_axes=over_axes)
+                                          allow_partial=is_floating(info.dtype), dims_over_axes=over_axes,
+                                          memo=ctx.cache.setdefault("strategies", {}))
         kind = "op"
         if allow_storage is not None:  # a rule may also constrain what ops produce (manual plans)
             strategies = [s for s in strategies if allow_storage(info, s.output_specs[0])] or strategies

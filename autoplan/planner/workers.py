@@ -116,6 +116,15 @@ class TaskPool(Generic[T]):
             raise self.errors[min(self.errors)]
         return [self.answers[i] for i in range(self.submitted)]
 
+    def cancel(self) -> None:
+        """Drop the tasks not started and stop the running ones (their answers are not needed)."""
+        self.pending.clear()
+        for running in self.running:
+            running.process.terminate()
+            running.process.join()
+            running.connection.close()
+        self.running.clear()
+
     def _collect(self, block: bool) -> None:
         """Start pending tasks where places are free, receive what finished children sent
         (waiting for one if ``block``), and fill the places freed."""

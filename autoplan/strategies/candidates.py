@@ -62,6 +62,8 @@ class Strategy:
 
     def partial_axes(self, position: int) -> frozenset[int]:
         """Mesh axes on which input ``position``'s gradient leaves as partial sums."""
+        if not self.partial_grads:
+            return frozenset()
         return frozenset(axis for pos, axis in self.partial_grads if pos == position)
 
 
@@ -96,8 +98,12 @@ def strategy_name(inputs: tuple[ShardingSpec | None, ...], outputs: tuple[Shardi
 
 def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tuple[int, ...],
                          differentiable_inputs: frozenset[str] = frozenset(),
-                         allow_partial: bool = True, dims_over_axes: bool = False) -> list[Strategy]:
-    """Every valid strategy of an op with index map ``imap`` on a mesh of ``mesh_shape``.
+                         allow_partial: bool = True, dims_over_axes: bool = False,
+                         memo: dict | None = None) -> list[Strategy]:
+    """Every valid strategy of an op with index map ``imap`` on a mesh of ``mesh_shape``,
+    memoised in ``memo`` where given (by what the answer depends on: the letters and shapes
+    of each input position and output, not the inputs' names, so that the ops of every copy
+    of a block share one enumeration).
 
     ``input_names`` fixes the order of ``Strategy.input_specs``. Each mesh axis gets a
     shardable letter, no letter, or (linear ops on floating values, when ``allow_partial``)
@@ -106,6 +112,12 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
     axis cutting the dim into blocks and the next cutting each block, as DTensor lays out
     ``[Shard(0), Shard(0)]``.
     """
+    if memo is not None:
+        key = _enumeration_key(imap, input_names, mesh_shape, differentiable_inputs, allow_partial, dims_over_axes)
+        if key not in memo:
+            memo[key] = enumerate_strategies(imap, input_names, mesh_shape, differentiable_inputs, allow_partial,
+                                             dims_over_axes)
+        return list(memo[key])
     options = [NO_LETTER] + imap.shardable_letters() + ([PARTIAL] if imap.linear and allow_partial else [])
     per_axis = [options if n > 1 else [NO_LETTER] for n in mesh_shape]  # one device: nothing to split or sum
     strategies: list[Strategy] = []
@@ -152,6 +164,16 @@ def enumerate_strategies(imap: IndexMap, input_names: list[str], mesh_shape: tup
         strategies.append(Strategy(strategy_name(tuple(in_specs), out_specs), tuple(in_specs), out_specs,
                                    shards, partial_grads, counted, whole))
     return strategies
+
+
+def _enumeration_key(imap: IndexMap, input_names: list[str], mesh_shape: tuple[int, ...],
+                     differentiable_inputs: frozenset[str], allow_partial: bool, dims_over_axes: bool) -> tuple:
+    """What :func:`enumerate_strategies` reads, by input position (names left out)."""
+    positions = tuple((imap.inputs.get(name, False), imap.input_shapes.get(name), name in imap.addends,
+                       name in differentiable_inputs) for name in input_names)
+    return (positions, tuple(imap.inputs.values()), imap.outputs, imap.output_shapes, imap.reducible, imap.fixed,
+            imap.linear, tuple(imap.sizes.items()), imap.counted, imap.whole_grads, mesh_shape, allow_partial,
+            dims_over_axes)
 
 
 def replicated_strategy(num_inputs: int, num_outputs: int, mesh_ndim: int) -> Strategy:

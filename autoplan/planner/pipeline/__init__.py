@@ -98,6 +98,14 @@ whole batch's estimate runs further above its exact plan than that margin, so wh
 candidate accumulates microbatches on one stage, the best whole batch on one stage is planned
 exactly beside it, within ``WHOLE_BATCH_MARGIN`` (:func:`_whole_batch_rival`).
 
+Order of the exact work. The rivals' exact plans, and the likely second round (the
+candidates within ``SECOND_ROUND_MARGIN`` of the best estimate), start at once in processes
+side by side (:func:`_exact_pool`), while this process traces the likely winner's microbatch:
+the search's best where it is the only rival, else the fastest exact plan of the rivals, whose
+plan with its ties broken (:func:`_ties_broken`) then runs beside its trace. The answer is the
+one the rounds give one after the other; only the order of the work changes (the 39B GPT on
+64 H100s: the second of two traces and the winner's tie-break no longer wait for each other).
+
 Stage latency (per microbatch) is the stage's per-step ILP objective divided by ``B``: compute
 and activation traffic run once per microbatch, gradient reductions and the optimizer step
 once per step (amortised). A stage receives its inputs as they cross the boundary (sharded; whole
@@ -126,7 +134,7 @@ import contextlib
 import gc
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from functools import partial
 
@@ -259,23 +267,38 @@ def _first_planned(spec: ModelSpec, candidates: list[PipelineCandidate], graphs:
     return []
 
 
-def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], options: PlannerOptions,
-                          meanwhile: Callable[[], object] | None = None
+def _exact_pool(spec: ModelSpec, candidates: list[PipelineCandidate], options: list[PlannerOptions]
+                ) -> tuple[TaskPool[Plan | AutoplanError], list[int]]:
+    """The exact plans of ``candidates`` (each under its own ``options``) started in processes
+    side by side, every one at once, the largest first (this process traces meanwhile and
+    cannot start one as another ends, so the system shares the cores; with one job, each runs
+    here as it is started); the pool and each candidate's index in it."""
+    jobs = options[0].jobs if candidates else 1
+    pool: TaskPool[Plan | AutoplanError] = TaskPool(max(jobs, len(candidates)) if jobs > 1 else 1)
+    index = [0] * len(candidates)
+    for i in sorted(range(len(candidates)), key=lambda i: -_stage_work(candidates[i])):
+        index[i] = pool.submit(partial(_planned_exactly, spec, candidates[i], options[i]))
+    return pool, index
+
+
+def _planned_side_by_side(spec: ModelSpec, candidates: list[PipelineCandidate], options: PlannerOptions
                           ) -> list[Plan | AutoplanError]:
-    """The exact plans of ``candidates``, in processes side by side, while this process runs
-    ``meanwhile`` (with one job: after them). With ``meanwhile``, every candidate starts at
-    once: this process cannot start one as another ends, so the system shares the cores."""
-    jobs = options.jobs if len(candidates) > 1 or meanwhile else 1
-    if meanwhile is not None and jobs > 1:
-        jobs = max(jobs, len(candidates))
-    pool: TaskPool[Plan | AutoplanError] = TaskPool(jobs)
-    order = sorted(range(len(candidates)), key=lambda i: -_stage_work(candidates[i]))
-    for i in order:
-        pool.submit(partial(_planned_exactly, spec, candidates[i], options))
-    if meanwhile is not None:
-        meanwhile()
-    outcomes = dict(zip(order, pool.results()))
-    return [outcomes[i] for i in range(len(candidates))]
+    """The exact plans of ``candidates``, in processes side by side (:func:`_exact_pool`)."""
+    pool, index = _exact_pool(spec, candidates, [options] * len(candidates))
+    return [pool.answer(k) for k in index]
+
+
+def _ties_broken(spec: ModelSpec, candidate: PipelineCandidate, as_asked: set[int], options: PlannerOptions
+                 ) -> TaskPool[Plan | AutoplanError] | None:
+    """``candidate``'s plan with its ties broken (``options``' tie-break) started in a process,
+    where it was planned exactly without: compared by its optimum beside rivals, it is planned
+    again if it wins, and that can run beside its trace. None with one job, or where it needs
+    none."""
+    if id(candidate) in as_asked or options.jobs < 2:
+        return None
+    pool: TaskPool[Plan | AutoplanError] = TaskPool(options.jobs)
+    pool.submit(partial(_planned_exactly, spec, candidate, options))
+    return pool
 
 
 def _stage_work(candidate: PipelineCandidate) -> int:
@@ -303,13 +326,14 @@ def _likely_winner_traced(candidate: PipelineCandidate, graphs: BatchSizeGraphs,
 
 
 def _winner_traced(spec: ModelSpec, planned: list[tuple[Plan, PipelineCandidate]], as_asked: set[int],
-                   graphs: BatchSizeGraphs, batch: int, options: PlannerOptions, popts: PipelineOptions
-                   ) -> list[tuple[Plan, PipelineCandidate]]:
+                   graphs: BatchSizeGraphs, batch: int, options: PlannerOptions, popts: PipelineOptions,
+                   moved: dict[int, int] | None = None) -> list[tuple[Plan, PipelineCandidate]]:
     """``planned`` with the fastest on a traced graph. Rivals are planned exactly on the graphs
     the search found them on, rescaled ones included, and only the fastest is traced (a trace
     of a real-size model takes seconds): where the trace is its graph, its plan stands; else
     it is searched and planned again on the trace, and the fastest of all is checked in
-    turn. ``as_asked`` follows a candidate moved onto its trace."""
+    turn. ``as_asked`` follows a candidate moved onto its trace, and ``moved`` records the
+    moves (the moved candidate's id -> the id of the one it was found as)."""
     planned = list(planned)
     while planned:
         fastest = min(range(len(planned)), key=lambda i: planned[i][0].predicted.step_time_s)
@@ -321,6 +345,8 @@ def _winner_traced(spec: ModelSpec, planned: list[tuple[Plan, PipelineCandidate]
         if twin is not None:
             if id(best) in as_asked:
                 as_asked.add(id(twin))
+            if moved is not None:
+                moved[id(twin)] = moved.get(id(best), id(best))
             planned.append((plan, twin))
             continue
         again = on_traced_graph(best, graphs, batch, options, popts)
@@ -354,31 +380,62 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     searched = [id(c) for c in close]
     batch = batch_size(spec.example_inputs)
     first = _rival_options(options, len(close))
-    outcomes = _planned_side_by_side(spec, close, first,
-                                     meanwhile=partial(_likely_winner_traced, close[0], graphs, batch))
-    planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
     as_asked = {id(c) for c in close} if first is options else set()  # planned with the options' tie-break
+    compared = replace(options, canonical=False)
+    # the likely second round (candidates estimated within SECOND_ROUND_MARGIN of the best
+    # estimate) is planned beside the first, while the likely winner's microbatch is traced:
+    # the search's best where it is alone, else the fastest exact plan of the first round
+    likely = [c for c in candidates if id(c) not in searched
+              and c.step_time_s < close[0].step_time_s * (1 + SECOND_ROUND_MARGIN)][:SECOND_ROUND]
+    pool, index = _exact_pool(spec, close + likely, [first] * len(close) + [compared] * len(likely))
+    if len(close) == 1:
+        _likely_winner_traced(close[0], graphs, batch)
+    outcomes = [pool.answer(k) for k in index[:len(close)]]
+    planned = [(p, c) for p, c in zip(outcomes, close) if isinstance(p, Plan)]
+    leader, tie_break = None, None
+    if len(close) > 1 and planned:
+        _, leader = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
+        tie_break = _ties_broken(spec, leader, as_asked, options)
+        _likely_winner_traced(leader, graphs, batch)
+    ahead = {id(c): pool.answer(k) for c, k in zip(likely, index[len(close):])}
     if planned:  # estimated about as fast as the fastest exact plan, or faster: planned exactly too
         fastest = min(p.predicted.step_time_s for p, _ in planned)
         under = [c for c in candidates if id(c) not in searched
                  and c.step_time_s < fastest * (1 + SECOND_ROUND_MARGIN)][:SECOND_ROUND]
         searched += [id(c) for c in under]
-        if under:
-            planned += [(p, c) for p, c in zip(_planned_side_by_side(spec, under, replace(options, canonical=False)),
-                                               under) if isinstance(p, Plan)]
+        later = [c for c in under if id(c) not in ahead]
+        ahead.update(zip(map(id, later), _planned_side_by_side(spec, later, compared)))
+        planned += [(ahead[id(c)], c) for c in under if isinstance(ahead[id(c)], Plan)]
     if not planned:  # the search's estimates fit, the exact plans do not: the next best that does
         planned = _first_planned(spec, [c for c in candidates if id(c) not in searched], graphs, batch, options,
                                  popts)
         as_asked |= {id(c) for _, c in planned}
     if not planned:
         raise next(e for e in outcomes if isinstance(e, AutoplanError))
-    planned = _winner_traced(spec, planned, as_asked, graphs, batch, options, popts)
+    _, fastest = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
+    if fastest is not leader:  # its ties broken beside its trace instead
+        if tie_break is not None:
+            tie_break.cancel()
+        leader, tie_break = fastest, _ties_broken(spec, fastest, as_asked, options)
+    moved: dict[int, int] = {}
+    planned = _winner_traced(spec, planned, as_asked, graphs, batch, options, popts, moved)
     if not planned:
         raise no_plan_fits(spec, options)
     plan, best = min(planned, key=lambda pc: pc[0].predicted.step_time_s)
+    broken = None
+    if tie_break is not None:
+        if moved.get(id(best), id(best)) == id(leader):
+            try:
+                broken = tie_break.results()[0]
+            except (AutoplanError, RuntimeError):  # planned again below, where the error shows
+                pass
+        tie_break.cancel()
     if id(best) not in as_asked:  # a rival compared by its optimum: its ties broken now
-        chosen = interleave(best) if best.schedule in INTERLEAVED else best
-        plan = assemble_pipeline(spec, chosen, options, best.schedule, {})
+        if isinstance(broken, Plan):  # (on the graph it was found on, equal to its trace)
+            plan = broken
+        else:
+            chosen = interleave(best) if best.schedule in INTERLEAVED else best
+            plan = assemble_pipeline(spec, chosen, options, best.schedule, {})
     total_s = time.perf_counter() - start
     trace_s = graphs.trace_s
     plan.timings_s = {"trace": trace_s, "search": search_s, "exact": total_s - trace_s - search_s, "total": total_s}
