@@ -116,6 +116,14 @@ class TaskPool(Generic[T]):
             raise self.errors[min(self.errors)]
         return [self.answers[i] for i in range(self.submitted)]
 
+    def free_places(self) -> int:
+        """How many more tasks would start now (finished children collected first); none where
+        tasks run as they are submitted."""
+        if not self.forked:
+            return 0
+        self._collect(block=False)
+        return max(0, self.jobs - len(self.running) - len(self.pending))
+
     def cancel(self) -> None:
         """Drop the tasks not started and stop the running ones (their answers are not needed)."""
         self.pending.clear()

@@ -99,7 +99,7 @@ candidate accumulates microbatches on one stage, the best whole batch on one sta
 exactly beside it, within ``WHOLE_BATCH_MARGIN`` (:func:`_whole_batch_rival`).
 
 Order of the exact work. The rivals' exact plans, and the likely second round (the
-candidates within ``SECOND_ROUND_MARGIN`` of the best estimate), start at once in processes
+candidates within twice ``SECOND_ROUND_MARGIN`` of the best estimate), start at once in processes
 side by side (:func:`_exact_pool`), while this process traces the likely winner's microbatch:
 the search's best where it is the only rival, else the fastest exact plan of the rivals, whose
 plan with its ties broken (:func:`_ties_broken`) then runs beside its trace. The answer is the
@@ -382,11 +382,12 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
     first = _rival_options(options, len(close))
     as_asked = {id(c) for c in close} if first is options else set()  # planned with the options' tie-break
     compared = replace(options, canonical=False)
-    # the likely second round (candidates estimated within SECOND_ROUND_MARGIN of the best
-    # estimate) is planned beside the first, while the likely winner's microbatch is traced:
-    # the search's best where it is alone, else the fastest exact plan of the first round
+    # the likely second round (candidates estimated within twice SECOND_ROUND_MARGIN of the
+    # best estimate: an exact plan may come out above its estimate) is planned beside the
+    # first, while the likely winner's microbatch is traced: the search's best where it is
+    # alone, else the fastest exact plan of the first round
     likely = [c for c in candidates if id(c) not in searched
-              and c.step_time_s < close[0].step_time_s * (1 + SECOND_ROUND_MARGIN)][:SECOND_ROUND]
+              and c.step_time_s < close[0].step_time_s * (1 + 2 * SECOND_ROUND_MARGIN)][:SECOND_ROUND]
     pool, index = _exact_pool(spec, close + likely, [first] * len(close) + [compared] * len(likely))
     if len(close) == 1:
         _likely_winner_traced(close[0], graphs, batch)

@@ -211,8 +211,10 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
                      ) -> tuple[list[PipelineCandidate], BatchSizeGraphs]:
     """Every feasible pipeline candidate (best per microbatch count and sub-mesh), and the
     graphs searched (some rescaled rather than traced). The sub-mesh searches run in up to
-    ``options.jobs`` processes (:mod:`autoplan.planner.workers`), each started as soon as its
-    graph is traced; the answer does not depend on their number."""
+    ``options.jobs`` processes (:mod:`autoplan.planner.workers`): the whole batch's as soon as
+    its graph is traced, each other where a process is free once its graph is written (the
+    longest first), the rest together once every graph is; the answer does not depend on
+    their number, nor on which started first."""
     graphs = microbatch_graphs(spec)
     batch = batch_size(spec.example_inputs)
     tasks: list[SearchTask] = []
@@ -221,13 +223,25 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
     accumulating: list[SearchTask] = []  # searched if the whole batch does not fit one stage
     whole_batch: list[int] = []  # the pool's indices of the one-stage searches of the whole batch
 
+    started: dict[int, int] = {}  # id(task) -> its index in the pool
+
     def submit(found: list[SearchTask]) -> list[int]:
         """Submit ``found``, the longest first (so that the processes end together); their indices."""
         indices = []
         for task in sorted(found, key=lambda t: -t.weight):
             tasks.append(task)  # before submitting: a finished task's answer is matched to it
-            indices.append(pool.submit(partial(task.run, options, popts)))
+            started[id(task)] = pool.submit(partial(task.run, options, popts))
+            indices.append(started[id(task)])
         return indices
+
+    def fill(waiting: list[SearchTask]) -> None:
+        """Start the longest of ``waiting`` not started where a process is free (while the next
+        graph is written); the rest start together later, the longest first."""
+        for task in sorted(waiting, key=lambda t: -t.weight):
+            if pool.free_places() == 0:
+                return
+            if id(task) not in started:
+                submit([task])
 
     refusal: str | None = None
     counts = microbatch_candidates(spec, popts)
@@ -251,16 +265,21 @@ def search_pipelines(spec: ModelSpec, options: PlannerOptions, popts: PipelineOp
             whole_batch = submit(found)
         else:
             later += found
+            fill(later)
             accumulating += accumulation_tasks(graph, layers, microbatches, options, popts)
     if refusal is None:
         for microbatches, depths in filling_counts(batch, options, popts, len(layers), counts).items():
             graph = graphs.get(batch // microbatches)
             later += count_tasks(graph, pinned_layers(graph, popts, options), microbatches, options, popts, depths)
+            fill(later)
     plainly = [c for i in whole_batch for c in pool.answer(i) if options.recompute != "auto" or not c.recomputed]
     if refusal is None and not plainly:
         later += accumulating  # the whole batch does not fit one stage without recomputation
-    submit(later)
-    found = [c for cs in pool.results() for c in cs]
+    submit([t for t in later if id(t) not in started])
+    answers = pool.results()
+    # in the order of one process (the whole batch's, then the longest first), whatever started early
+    found = [c for i in whole_batch + [started[id(t)] for t in sorted(later, key=lambda t: -t.weight)]
+             for c in answers[i]]
     rivals = interleaved_tasks(found, options, popts)
     again = search_pool(rivals, options)
     for task in rivals:
