@@ -8,16 +8,19 @@ from dataclasses import replace
 import gpt
 import pytest
 
+from autoplan.cost_models import collective_time
 from autoplan.load import make_model_spec
 from autoplan.planner.api import make_options
 from autoplan.planner.mesh_plan import plan_intra_op
 from autoplan.planner.pipeline import (PipelineOptions, RangeTable, layer_costs, pipeline_time, ranks_time)
 from autoplan.planner.pipeline.range_costs import FAST, LEAN
+from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages, whole_crossings
 from autoplan.planner.pipeline.search import (INTERLEAVED_RIVALS, PIPELINE_FILL, filling_counts,
-    interleaved_tasks, search_pipelines)
+    interleaved_tasks, search_pipelines, whole_sends)
 from autoplan.planner.pins import PinSet
 from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, regions
 from autoplan.solvers import evaluate
+from autoplan.solvers.inter_op import SubMesh
 from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.subgraph import extract
@@ -130,3 +133,25 @@ def test_the_best_1f1b_pipelines_are_searched_interleaved_too() -> None:
     # stage pins place layers in stages; interleaved chunks are cut evenly, so none is searched
     staged = replace(options, pins=PinSet.read(["h.0=stage:0"]))
     assert interleaved_tasks(pinned, staged, PipelineOptions()) == []
+
+
+def test_sends_between_stages_on_different_meshes_are_costed_whole(gpt_layers) -> None:
+    """The stage DP costs a stage's send as shards of its own mesh; where the next stage sits on
+    another logical mesh the values cross whole (as the exact plan sends them), and the
+    candidate's latencies are corrected by the difference: more for the stage before the
+    switch, nothing for a pipeline on one mesh."""
+    graph, layers = gpt_layers
+    options = make_options(8, "h100")
+    link = link_between_stages(options, SubMesh(1, 4))
+    below = 0.0  # (the tiny model's values are all below whole_below(options): all would cross whole)
+    cuts = [(0, 2), (2, len(layers))]
+    boundary = {mesh: cut_bytes(graph, layers, mesh, below=below) for mesh in [(2, 2), (4,)]}
+    same = whole_sends(graph, layers, cuts, [(2, 2), (2, 2)], [1.0, 1.0], boundary, link, below)
+    assert same == [1.0, 1.0]
+    mixed = whole_sends(graph, layers, cuts, [(2, 2), (4,)], [1.0, 1.0], boundary, link, below)
+    whole = cut_bytes(graph, layers, (2, 2), whole_crossings(graph, layers, cuts, [(2, 2), (4,)]), below)[2]
+    assert whole > boundary[2, 2][2]  # the crossing value leaves whole, not as a quarter
+    assert mixed[1] == 1.0
+    assert mixed[0] == pytest.approx(1.0 + 2 * (collective_time("send_recv", whole, 2, link)
+                                                - collective_time("send_recv", boundary[2, 2][2], 2, link)))
+    assert mixed[0] > 1.0

@@ -14,7 +14,10 @@ boundary activations (and receiving their gradients) over the link to the next s
 rank its shard of them (:func:`~autoplan.sharding.boundary_spec`: every mesh axis shards a
 dim of the value; the next stage on the same logical mesh, as the stage DP assumes), or the
 whole value where it is smaller than the link moves in one latency
-(:func:`~autoplan.planner.pipeline.range_costs.whole_below`):
+(:func:`~autoplan.planner.pipeline.range_costs.whole_below`). A pipeline the DP finds with
+stages on different logical meshes has each send costed again as the exact plan costs it, the
+values crossing between the meshes whole (:func:`~autoplan.planner.pipeline.search.whole_sends`),
+before candidates are compared:
 
 - apart, every layer receives its inputs and hands its values on as they cross a stage
   boundary, as if one preceded and followed it; the

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import partial
 
-from autoplan.cost_models import collective_time
+from autoplan.cost_models import LinkSpec, collective_time
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
 from autoplan.planner.api import PlannerOptions
@@ -15,7 +15,7 @@ from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.pins import PinKind
 from autoplan.planner.pipeline.candidates import PipelineCandidate, PipelineOptions
 from autoplan.planner.pipeline.range_costs import (LayerCosts, RangeTable, cut_bytes, layer_costs, layer_inputs,
-    link_between_stages, tied_layers, whole_below)
+    link_between_stages, tied_layers, whole_below, whole_crossings)
 from autoplan.planner.pipeline.schedules import (INTERLEAVE, INTERLEAVED, Schedule, activations_in_flight,
     ranks_time)
 from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, recomputable
@@ -114,12 +114,13 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
                 solution = solve_inter_op(problem, cost_fn)
             except InterOpInfeasibleError:
                 continue
-            latencies = [s.cost.latency_s for s in solution.stages]
             ranges = [tables[s.cost.logical_mesh].plan(s.start, s.end, budget) for s in solution.stages]
             recomputed = frozenset().union(*(r.recomputed for r in ranges))
             selective = frozenset().union(*(r.selective for r in ranges))
             cuts = [(s.start, s.end) for s in solution.stages]
             logical = [s.cost.logical_mesh for s in solution.stages]
+            latencies = whole_sends(graph, layers, cuts, logical, [s.cost.latency_s for s in solution.stages],
+                                    boundary, link, below)
             if any(c.cuts == cuts and c.meshes == logical and c.recomputed == recomputed and c.selective == selective
                    for c in found):
                 continue  # the run without recomputation found it too
@@ -130,6 +131,29 @@ def search_submesh(graph: TracedGraph, layers: list[Layer], options: PlannerOpti
             found.append(PipelineCandidate(microbatches, submesh, logical, cuts, step, graph, layers, schedule, costs,
                                            boundaries, recomputed, selective, tied_mesh=shared))
     return found
+
+
+def whole_sends(graph: TracedGraph, layers: list[Layer], cuts: list[tuple[int, int]],
+                meshes: list[tuple[int, ...]], latencies: list[float], boundary: dict[tuple[int, ...], list[float]],
+                link: LinkSpec, below: float) -> list[float]:
+    """``latencies`` (per microbatch) with each stage's send costed as the exact plan costs it
+    where values cross whole, on their way between stages on different logical meshes
+    (:func:`whole_crossings`; :func:`~autoplan.planner.pipeline.assemble.assemble_pipeline`):
+    the DP knows a stage's mesh, not its neighbours', and costed every value as leaving in
+    shards of the sender's mesh (``boundary``). (What the receiving stage's layers read is left
+    as they were costed: received as shards.)"""
+    whole = whole_crossings(graph, layers, cuts, meshes)
+    if not whole:
+        return latencies
+    crossing: dict[tuple[int, ...], list[float]] = {}
+    out = list(latencies)
+    for k, ((_, end), mesh) in enumerate(zip(cuts, meshes)):
+        if end < len(layers):
+            if mesh not in crossing:
+                crossing[mesh] = cut_bytes(graph, layers, mesh, whole, below)
+            out[k] += 2 * (collective_time("send_recv", crossing[mesh][end], 2, link)
+                           - collective_time("send_recv", boundary[mesh][end], 2, link))
+    return out
 
 
 def stage_pins_fit(num_layers: int, stages: int, layer_stages: tuple[tuple[int, int], ...]) -> bool:
