@@ -317,10 +317,10 @@ def _stage_work(candidate: PipelineCandidate) -> int:
 
 
 def _likely_winner_traced(candidate: PipelineCandidate, graphs: BatchSizeGraphs, batch: int) -> None:
-    """Trace the microbatch of ``candidate``, the search's best, where the search found it on a
-    graph it wrote or rescaled: the winner is planned on a trace (:func:`_winner_traced`), and
-    the best of the search usually wins, so its trace runs while the exact plans do (the
-    39B GPT: 9.3–9.5 s instead of 9.6–11.0 s to plan)."""
+    """Trace the microbatch of ``candidate``, the likely winner (the search's best, or the
+    fastest exact plan of the rivals), where the search found it on a graph it wrote or
+    rescaled: the winner is planned on a trace (:func:`_winner_traced`), so its trace runs
+    while other exact work does (the 39B GPT: 9.3–9.5 s instead of 9.6–11.0 s to plan)."""
     if not graphs.is_traced(candidate.graph):
         try:
             graphs.trace(batch // candidate.microbatches)

@@ -462,8 +462,9 @@ def refine(candidates: list[PipelineCandidate], options: PlannerOptions, popts: 
     """Search the ``REFINED`` best pipelines again with the boundaries inside their stages
     costed (two ILPs more per distinct pair of adjacent layers, so not for every sub-mesh),
     and the best of every other pipeline depth (stage count) estimated within
-    ``REFINED_DEPTH_MARGIN`` of the best (at most twice its seconds: the corrections are a
-    share of a stage's seconds, not a multiple); best first. Uncorrected, every
+    ``REFINED_DEPTH_MARGIN`` of the best (at most twice its seconds: the corrections seen are
+    a share of a stage's seconds, a quarter for the GPT-2 case below, not a multiple); best
+    first. Uncorrected, every
     boundary inside a stage costs as if the value handed on crossed a stage boundary there.
     When values crossed whole, that overestimated a deep stage of a data-parallel mesh most:
     the one-stage plans lost to pipelines on that error alone (GPT-2 124M on 8 H100s, bf16:
