@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autoplan.trace.deepen import NotDeepenable
 from autoplan.trace.graph import TracedGraph
@@ -108,8 +109,9 @@ def _fake_value(x: Any, y: Any, line: _Line) -> Any:
         mode = getattr(x, "fake_mode", None)
         if mode is None:
             raise NotAffine("a value is not a fake tensor")
-        with mode:
-            out = torch.empty_strided(shape, stride, dtype=x.dtype, device=x.device)
+        # made as the mode makes its own outputs (a meta tensor wrapped), not dispatched: a
+        # rescaled graph has thousands of values, and dispatch costs five times as much
+        out = FakeTensor(mode, torch.empty_strided(shape, stride, dtype=x.dtype, device="meta"), x.device)
         if x.requires_grad:
             out.requires_grad_(True)
         return out
