@@ -141,6 +141,9 @@ def main() -> None:
             manual = next(a for a in unbounded.alternatives if a.name.startswith("manual"))
             print(_row("  the same without a memory budget", recipe, manual.predicted, manual.reason))
         print(_row(_found_label(plan), recipe, plan.predicted))
+        for rival in plan.alternatives:  # the other pipelines planned exactly
+            if rival.predicted is not None and not rival.name.startswith("manual"):
+                print(_row(f"  rival: {rival.name}", recipe, rival.predicted))
         if manual.predicted is not None:
             predicted = _tokens_per_gpu(recipe, manual.predicted)
             print(f"  torchtitan measured {recipe.measured_tps:,.0f} tok/s/GPU ({recipe.measured_with}); "
