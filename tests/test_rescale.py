@@ -126,8 +126,11 @@ def test_task_pool_cancel_stops_its_children(tmp_path: Path) -> None:
 
     for k in range(3):  # two start, one waits
         pool.submit(lambda k=k: sleeper(k))
-    while len(list(tmp_path.glob("*.pid"))) < 2:
+    for _ in range(1200):  # (a minute at most: the children write their pids as they start)
+        if len(list(tmp_path.glob("*.pid"))) == 2:
+            break
         time.sleep(0.05)
+    assert len(list(tmp_path.glob("*.pid"))) == 2
     pids = [int(f.read_text()) for f in tmp_path.glob("*.pid")]
     pool.cancel()
     for pid in pids:  # terminated and reaped

@@ -13,8 +13,7 @@ from autoplan.load import make_model_spec
 from autoplan.planner.api import make_options
 from autoplan.planner.mesh_plan import plan_intra_op
 from autoplan.planner.pipeline import (PipelineOptions, RangeTable, layer_costs, pipeline_time, ranks_time)
-from autoplan.planner.pipeline.range_costs import FAST, LEAN
-from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages, whole_crossings
+from autoplan.planner.pipeline.range_costs import FAST, LEAN, cut_bytes, link_between_stages, whole_crossings
 from autoplan.planner.pipeline.search import (INTERLEAVED_RIVALS, PIPELINE_FILL, filling_counts,
     interleaved_tasks, search_pipelines, whole_sends)
 from autoplan.planner.pins import PinSet
