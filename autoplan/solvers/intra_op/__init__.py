@@ -23,8 +23,8 @@ from autoplan.solvers.intra_op.brute_force import BRUTE_FORCE_LIMIT, brute_force
 from autoplan.solvers.intra_op.explain import explain
 from autoplan.solvers.intra_op.ilp import IlpModel, build_model
 from autoplan.solvers.intra_op.preprocess import SEPARABLE_RTOL, ReducedProblem, reduce_problem
-from autoplan.solvers.intra_op.problem import (Edge, IntraOpProblem, IntraOpSolution, PeakRow, check_memory_feasible,
-    evaluate, least_memory, transient)
+from autoplan.solvers.intra_op.problem import (Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow,
+    check_memory_feasible, evaluate, least_memory, transient)
 from autoplan.solvers.intra_op.run import parse_cbc_bound
 from autoplan.solvers.intra_op.solve import SolverTimeoutError, relative_gap, solution_status, solve_intra_op
 from autoplan.solvers.intra_op.trimming import trim_memory, trim_memory_together
@@ -39,6 +39,7 @@ __all__ = [
     "IlpModel",
     "IntraOpProblem",
     "IntraOpSolution",
+    "OverlapRow",
     "PeakRow",
     "ReducedProblem",
     "SolverFallbackWarning",

@@ -13,7 +13,8 @@ import time
 import numpy as np
 
 from autoplan.errors import MemoryInfeasibleError
-from autoplan.solvers.intra_op.problem import IntraOpProblem, IntraOpSolution, check_memory_feasible, least_memory
+from autoplan.solvers.intra_op.problem import (ChoiceSum, IntraOpProblem, IntraOpSolution, check_memory_feasible,
+    least_memory)
 from autoplan.solvers.intra_op.solve import solution_of
 from autoplan.solvers.intra_op.tie_break import objective_tolerance, tie_break_weights
 from autoplan.solvers.units import format_bytes
@@ -41,6 +42,9 @@ def _cost_and_memory_tensors(problem: IntraOpProblem) -> tuple[np.ndarray, np.nd
             cost += _along(shape, edge.src, np.diag(matrix).copy())
             continue
         cost += _pair_tensor(shape, edge.src, edge.dst, matrix)
+    for row in problem.overlaps:
+        hidden = np.minimum(_sum_tensor(row.comm, shape), _sum_tensor(row.compute, shape))
+        cost -= row.weight * np.maximum(hidden, 0.0)
     return cost, memory
 
 
@@ -55,13 +59,18 @@ def _transient_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.nda
     """``trans(x)`` of every assignment: the largest peak row, 0 without rows."""
     out = np.zeros(shape)
     for row in problem.peaks:
-        value = np.full(shape, row.constant)
-        for g, terms in row.terms.items():
-            value = value + _along(shape, g, np.asarray(terms, dtype=float))
-        for (u, v), matrix in row.pairs.items():
-            value = value + _pair_tensor(shape, u, v, np.asarray(matrix, dtype=float))
-        out = np.maximum(out, value)
+        out = np.maximum(out, _sum_tensor(row, shape))
     return out
+
+
+def _sum_tensor(row: ChoiceSum, shape: tuple[int, ...]) -> np.ndarray:
+    """A sum over choices (a peak row, one side of an overlap row) of every assignment."""
+    value = np.full(shape, row.constant)
+    for g, terms in row.terms.items():
+        value = value + _along(shape, g, np.asarray(terms, dtype=float))
+    for (u, v), matrix in row.pairs.items():
+        value = value + _pair_tensor(shape, u, v, np.asarray(matrix, dtype=float))
+    return value
 
 
 def _weight_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:

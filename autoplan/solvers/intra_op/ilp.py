@@ -5,18 +5,24 @@ Variables
 ``s[g,i] in {0, 1}``   group ``g`` picks choice ``i``                      (binary)
 ``e[uv,i,j] >= 0``     edge ``(u, v)`` sees the pair ``(i, j)``             (continuous)
 ``t >= 0``             the transient above the kept memory (with peak rows)  (continuous)
+``h[o] >= 0``          seconds overlap row ``o`` hides                       (continuous)
 
 Model
 -----
 ::
 
-    minimise    sum_g sum_i c[g,i] s[g,i] + sum_(u,v) sum_(i,j) R[uv][i,j] e[uv,i,j]      (0)
+    minimise    sum_g sum_i c[g,i] s[g,i] + sum_(u,v) sum_(i,j) R[uv][i,j] e[uv,i,j]
+                  - sum_o w[o] h[o]                                                    (0)
     subject to  sum_i s[g,i] = 1                  for every group g                      (1)
                 sum_j e[uv,i,j] = s[u,i]          for every edge (u,v), every i          (2)
                 sum_i e[uv,i,j] = s[v,j]          for every edge (u,v), every j          (3)
                 sum_g sum_i m[g,i] s[g,i] + t <= M    when a budget is given             (4)
                 p0[r] + sum_g sum_i p[r,g,i] s[g,i]
                       + sum_(u,v) sum_(i,j) q[r,uv][i,j] e[uv,i,j] <= t    for every peak row r  (6)
+                h[o] <= a0[o] + sum_g sum_i a[o,g,i] s[g,i]
+                      + sum_(u,v) sum_(i,j) a[o,uv][i,j] e[uv,i,j]     for every overlap row o   (7)
+                h[o] <= b0[o] + sum_g sum_i b[o,g,i] s[g,i]
+                      + sum_(u,v) sum_(i,j) b[o,uv][i,j] e[uv,i,j]     for every overlap row o   (8)
 
 (4) and (6) bound the step's peak, ``mem(x) + max(0, max_r p_r(x))``
 (:mod:`~autoplan.solvers.intra_op.problem`): ``t`` is at least every row, so at least their
@@ -31,10 +37,15 @@ all of them. All rows at once (one per op of the graph) make the LP relaxation w
 test zoo's models HiGHS ran for minutes on models it solves in seconds with the one or two
 rows that bind.
 
-Each family is built by one function: (0) :func:`_set_objective`, (1)
+(7) and (8) make ``h[o]`` at most the smaller of the row's collectives ``a_o(x)`` and the
+compute they run beside ``b_o(x)``; the objective gains ``w[o]`` per second of ``h[o]``, so at
+an optimum ``h[o] = min(a_o(x), b_o(x))`` (:class:`~autoplan.solvers.intra_op.problem.OverlapRow`).
+Both are linear in ``s`` and ``e``; the min is exact because it is maximised.
+
+Each family is built by one function: (0) :func:`_objective`, (1)
 :func:`_add_onehot_constraints`, (2)-(3) :func:`_add_edge_marginal_constraints`, (4)
-:func:`_add_memory_constraint`, (6) :func:`add_peak_row`; :func:`build_model` puts (0)-(4)
-together over the groups
+:func:`_add_memory_constraint`, (6) :func:`add_peak_row`, (7)-(8) :func:`_add_overlap_rows`;
+:func:`build_model` puts (0)-(4), (7) and (8) together over the groups
 preprocessing (:mod:`~autoplan.solvers.intra_op.preprocess`) left undecided. The canonical
 tie-break (:mod:`~autoplan.solvers.intra_op.canonical`) re-solves the same model with row
 (5) (:func:`bound_objective`) and the objective of :func:`minimise_weights`::
@@ -52,11 +63,11 @@ first and keeps such an optimum, which is the ILP's
 (:class:`~autoplan.solvers.intra_op.backends.RelaxationFirstHiGHS`).
 
 Numerics (P5): the objective is divided by its largest coefficient (costs in seconds are tiny
-next to solver tolerances) and rows (4) and (6) by ``M`` (their tolerance becomes relative;
-``t`` is in units of ``M``).
+next to solver tolerances), and rows (7)-(8) by the same scale (``h`` is in its units); rows (4)
+and (6) by ``M`` (their tolerance becomes relative; ``t`` is in units of ``M``).
 
 Columns and rows are kept as arrays (:class:`IlpModel`): columns ``s`` group by group, then
-each edge's ``e`` row by row, then ``t``; rows in the order the families are added. HiGHS
+each edge's ``e`` row by row, then ``t``, then ``h``; rows in the order the families are added. HiGHS
 reads them as they are (:class:`~autoplan.solvers.intra_op.backends.HighsBackend`); pulp's
 model of the same columns and rows (:meth:`IlpModel.to_pulp`) is built only for CBC. A layer's
 model has tens of thousands of ``e`` columns, and building them as pulp variables took longer
@@ -73,7 +84,7 @@ import numpy as np
 import pulp
 
 from autoplan.solvers.intra_op.preprocess import ReducedProblem
-from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow, fits_budget
+from autoplan.solvers.intra_op.problem import ChoiceSum, IntraOpProblem, PeakRow, fits_budget
 
 INFINITY = math.inf
 
@@ -104,6 +115,7 @@ class IlpModel:
     binaries: np.ndarray  # the binary columns (int32)
     scale: float  # objective (0) coefficients were divided by this (P5)
     transient: int | None = None  # t's column, where the budget binds and there are peak rows
+    hidden: list[int] = field(default_factory=list)  # h's columns, one per overlap row
     peaks: list[PeakRow] = field(default_factory=list)  # the rows (6) added so far
     values: np.ndarray | None = None  # the last solve's column values
     status: int = pulp.LpStatusNotSolved  # the last solve's pulp status
@@ -165,6 +177,8 @@ class IlpModel:
                     names[first + i * cols + j] = f"e_{u}_{v}_{i}_{j}"
         if self.transient is not None:
             names[self.transient] = "transient"
+        for o, column in enumerate(self.hidden):
+            names[column] = f"hidden_{o}"
         return names
 
     def to_pulp(self) -> tuple[pulp.LpProblem, list[pulp.LpVariable]]:
@@ -269,12 +283,7 @@ def add_peak_row(model: IlpModel, row: PeakRow, budget: float) -> None:
     """Equation (6) for one peak row of the reduced problem (P6), divided by M:
     sum over its groups of (p/M) s + sum over its pairs of (q/M) e - t/M <= -p0/M."""
     assert model.transient is not None, "a model without t has no peak rows"
-    held = [(int(x), values[i] / budget) for g, values in row.terms.items() for i, x in enumerate(model.s[g])
-            if values[i]]
-    blocks = {(block.u, block.v): block for block in model.edge_columns}
-    for (u, v), matrix in row.pairs.items():  # oriented u < v by (P6), on a kept edge
-        first, cols = blocks[u, v].first, blocks[u, v].cols
-        held += [(first + i * cols + j, x / budget) for i, r in enumerate(matrix) for j, x in enumerate(r) if x]
+    held = _sum_terms(model, row, budget)
     model.add_row(held + [(model.transient, -1.0)], -INFINITY, -row.constant / budget)
     model.peaks.append(row)
 
@@ -291,7 +300,8 @@ def violated_peak_row(problem: IntraOpProblem, reduced: ReducedProblem, model: I
 
 
 def _objective(model: IlpModel, reduced: ReducedProblem) -> tuple[np.ndarray, float]:
-    """Equation (0) over the active groups, divided by its largest coefficient."""
+    """Equation (0) over the active groups, divided by the largest coefficient of its ``s`` and
+    ``e`` columns (``h`` is in units of that scale: its coefficients are the rows' weights)."""
     costs = np.zeros(model.num_columns)
     for g, columns in model.s.items():
         costs[columns] = reduced.node_costs[g]
@@ -299,7 +309,30 @@ def _objective(model: IlpModel, reduced: ReducedProblem) -> tuple[np.ndarray, fl
         costs[first:first + rows * cols] = np.asarray(reduced.edges[u, v], dtype=np.float64).ravel()
     nonzero = np.abs(costs[costs != 0])
     scale = float(nonzero.max()) if nonzero.size else 1.0
-    return costs / scale, scale
+    costs /= scale
+    for column, row in zip(model.hidden, reduced.overlaps):
+        costs[column] = -row.weight
+    return costs, scale
+
+
+def _sum_terms(model: IlpModel, row: ChoiceSum, divisor: float) -> list[tuple[int, float]]:
+    """(column, coefficient / divisor) of a sum's terms and pairs (pairs on kept edges)."""
+    terms = [(int(x), values[i] / divisor) for g, values in row.terms.items() for i, x in enumerate(model.s[g])
+             if values[i]]
+    blocks = {(block.u, block.v): block for block in model.edge_columns}
+    for (u, v), matrix in row.pairs.items():  # oriented u < v by (P6), on a kept edge
+        first, cols = blocks[u, v].first, blocks[u, v].cols
+        terms += [(first + i * cols + j, x / divisor) for i, r in enumerate(matrix) for j, x in enumerate(r) if x]
+    return terms
+
+
+def _add_overlap_rows(model: IlpModel, reduced: ReducedProblem) -> None:
+    """Equations (7) and (8), divided by the objective's scale: ``h - a(x) <= a0`` and
+    ``h - b(x) <= b0`` for every overlap row."""
+    for column, row in zip(model.hidden, reduced.overlaps):
+        for part in (row.comm, row.compute):
+            negated = [(c, -x) for c, x in _sum_terms(model, part, model.scale)]
+            model.add_row(negated + [(column, 1.0)], -INFINITY, part.constant / model.scale)
 
 
 def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
@@ -309,16 +342,19 @@ def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
     transient = None
     if reduced.budget_binding and reduced.peaks:
         transient, columns = columns, columns + 1
+    hidden = list(range(columns, columns + len(reduced.overlaps)))
+    columns += len(hidden)
     upper = np.full(columns, INFINITY)
     binaries = np.concatenate(list(s.values())) if s else np.zeros(0, dtype=np.int32)
     upper[binaries] = 1.0
     model = IlpModel(s, edges, np.zeros(columns), np.zeros(columns), upper, binaries.astype(np.int32), 1.0,
-                     transient)
+                     transient, hidden)
     model.costs, model.scale = _objective(model, reduced)
     model.objective = model.costs.copy()
     _add_onehot_constraints(model)
     _add_edge_marginal_constraints(model)
     _add_memory_constraint(model, reduced, problem)
+    _add_overlap_rows(model, reduced)
     return model
 
 

@@ -18,16 +18,22 @@
      such an edge is kept, with zero costs where (P3) folded it); a row whose most is no more
      than the largest least of any row can never be the largest and is dropped (the row of
      that least is kept), and so are rows equal to one kept.
+(P7) Overlap rows: both sums reduced over the active groups as in (P6) (their pairs' edges
+     kept); a row with both sums fixed hides a constant, taken out with the others (P5); a row
+     whose collectives are never more than zero is dropped; equal rows add their weights. A
+     group in an overlap row is never decided alone (P4): its choice changes what is hidden.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TypeVar
 
-from autoplan.solvers.intra_op.problem import IntraOpProblem, PeakRow
+from autoplan.solvers.intra_op.problem import ChoiceSum, IntraOpProblem, OverlapRow, PeakRow
 from autoplan.solvers.intra_op.tie_break import preferred_choice
 
+SumT = TypeVar("SumT", bound=ChoiceSum)
 SEPARABLE_RTOL = 1e-12  # (P3) residual allowed, relative to the matrix's largest entry
 
 
@@ -42,6 +48,7 @@ class ReducedProblem:
     active: list[int]  # groups that get binary variables, ascending
     budget_binding: bool  # the memory row is needed
     peaks: list[PeakRow] = field(default_factory=list)  # (P6): over active groups, when the budget binds
+    overlaps: list[OverlapRow] = field(default_factory=list)  # (P7): over active groups
 
 
 def _merge_edges(problem: IntraOpProblem, node_costs: list[list[float]]) -> dict:
@@ -109,8 +116,8 @@ def _budget_binding(problem: IntraOpProblem) -> bool:
     return most > problem.memory_budget
 
 
-def _reduced_row(row: PeakRow, fixed: dict[int, int]) -> PeakRow:
-    """(P6) one peak row over the active groups: a fixed group's term (and a pair's entries at
+def _reduced_row(row: SumT, fixed: dict[int, int]) -> SumT:
+    """(P6) one sum over the active groups: a fixed group's term (and a pair's entries at
     both ends' fixed choices) joins the constant, a pair with one end fixed becomes the other
     end's term, and the remaining pairs are oriented ``u < v`` and summed."""
     constant = row.constant + math.fsum(t[fixed[g]] for g, t in row.terms.items() if g in fixed)
@@ -127,7 +134,7 @@ def _reduced_row(row: PeakRow, fixed: dict[int, int]) -> PeakRow:
             key, oriented = ((u, v), matrix) if u < v else ((v, u), [list(c) for c in zip(*matrix)])
             held = pairs.get(key)
             pairs[key] = oriented if held is None else [[a + b for a, b in zip(r, o)] for r, o in zip(held, oriented)]
-    return PeakRow(dict(sorted(terms.items())), constant, dict(sorted(pairs.items())))
+    return type(row)(dict(sorted(terms.items())), constant, dict(sorted(pairs.items())))
 
 
 def _reduced_peaks(problem: IntraOpProblem, fixed: dict[int, int]) -> list[PeakRow]:
@@ -135,19 +142,45 @@ def _reduced_peaks(problem: IntraOpProblem, fixed: dict[int, int]) -> list[PeakR
     rows: dict[tuple, PeakRow] = {}
     for row in problem.peaks:
         reduced = _reduced_row(row, fixed)
-        key = (reduced.constant, tuple((g, tuple(t)) for g, t in reduced.terms.items()),
-               tuple((uv, id(m)) for uv, m in reduced.pairs.items()))  # rows share their pairs' matrices
-        rows.setdefault(key, reduced)
+        rows.setdefault(_sum_key(reduced), reduced)
     if not rows:
         return []
     highest = max(rows.values(), key=PeakRow.least)  # the transient is never below its least
     return [row for row in rows.values() if row is highest or row.most() > highest.least()]
 
 
+def _sum_key(row: ChoiceSum) -> tuple:
+    return (row.constant, tuple((g, tuple(t)) for g, t in row.terms.items()),
+            tuple((uv, id(m)) for uv, m in row.pairs.items()))  # rows share their pairs' matrices
+
+
+def _reduced_overlaps(problem: IntraOpProblem, fixed: dict[int, int]) -> tuple[list[OverlapRow], float]:
+    """(P7) the overlap rows over the active groups, and the seconds hidden by rows whose two
+    sums are fixed."""
+    rows: dict[tuple, OverlapRow] = {}
+    hidden = 0.0
+    for overlap in problem.overlaps:
+        comm, compute = _reduced_row(overlap.comm, fixed), _reduced_row(overlap.compute, fixed)
+        if comm.most() <= 0 or compute.most() <= 0:
+            continue
+        if not (comm.terms or comm.pairs) and not (compute.terms or compute.pairs):
+            hidden += overlap.weight * min(comm.constant, compute.constant)
+            continue
+        key = (_sum_key(comm), _sum_key(compute))
+        held = rows.get(key)
+        rows[key] = OverlapRow(comm, compute, overlap.weight + (held.weight if held is not None else 0.0))
+    return list(rows.values()), hidden
+
+
 def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges: dict,
                   budget_binding: bool) -> dict[int, int]:
-    """(P4) groups decided without the ILP: single choice, or isolated with no binding budget."""
+    """(P4) groups decided without the ILP: single choice, or isolated (no edge, no overlap
+    row) with no binding budget."""
     on_edge = {g for pair in edges for g in pair}
+    for overlap in problem.overlaps:
+        for part in (overlap.comm, overlap.compute):
+            on_edge.update(part.terms)
+            on_edge.update(g for pair in part.pairs for g in pair)
     fixed = {}
     for g, costs in enumerate(node_costs):
         if len(costs) == 1:
@@ -158,7 +191,7 @@ def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges:
 
 
 def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
-    """Apply (P1)-(P5); the optimum of the reduced model plus the constant is the optimum."""
+    """Apply (P1)-(P7); the optimum of the reduced model plus the constant is the optimum."""
     node_costs = [list(map(float, c)) for c in problem.costs]
     edges = _merge_edges(problem, node_costs)
     edges = _fold_separable_edges(edges, node_costs)
@@ -167,7 +200,9 @@ def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
     constant = _shift_node_costs(node_costs)
     active = [g for g in range(problem.num_groups) if g not in fixed]
     peaks = _reduced_peaks(problem, fixed) if binding else []
-    for row in peaks:  # a pair's entries are edge columns of the model: a pair needs its edge
+    overlaps, hidden = _reduced_overlaps(problem, fixed)
+    sums = [*peaks, *(part for row in overlaps for part in (row.comm, row.compute))]
+    for row in sums:  # a pair's entries are edge columns of the model: a pair needs its edge
         for (u, v), matrix in row.pairs.items():
             edges.setdefault((u, v), [[0.0] * len(matrix[0]) for _ in matrix])
-    return ReducedProblem(node_costs, constant, edges, fixed, active, binding, peaks)
+    return ReducedProblem(node_costs, constant - hidden, edges, fixed, active, binding, peaks, overlaps)

@@ -19,6 +19,13 @@ The budget bounds the peak::
 Without peak rows memory is separable, so the least memory any assignment needs is
 ``sum_g min_i m[g,i]``; with them ``sum_g min_i m[g,i] + max(0, max_r min_x p_r(x))`` is a
 lower bound (each row's least need not come from the same assignment).
+
+Overlap rows ``o`` hide communication behind compute (collectives on their own stream while
+ops run: a block's parameter gathers prefetched during the block before it), each two such
+sums, ``a_o(x)`` seconds of collectives and ``b_o(x)`` seconds of compute they run beside, and
+a weight ``w_o`` (equal rows given once)::
+
+    f(x) = sum_g c[g, x_g] + sum_(u,v) R[uv][x_u, x_v] - sum_o w_o min(a_o(x), b_o(x))
 """
 
 from __future__ import annotations
@@ -41,12 +48,10 @@ class Edge:
 
 
 @dataclass
-class PeakRow:
-    """One moment's memory above the kept values: ``constant + sum_g terms[g][x_g] +
-    sum_(u,v) pairs[u,v][x_u][x_v]`` bytes per device (``terms`` maps a group to its bytes per
-    choice, ``pairs`` two different groups to their bytes per pair of choices: a value that
-    exists only where they differ, such as a parameter gathered for its consumer; groups not
-    named add nothing)."""
+class ChoiceSum:
+    """A sum over choices: ``constant + sum_g terms[g][x_g] + sum_(u,v) pairs[u,v][x_u][x_v]``
+    (``terms`` maps a group to a number per choice, ``pairs`` two different groups to a number
+    per pair of choices; groups not named add nothing)."""
 
     terms: dict[int, list[float]]
     constant: float = 0.0
@@ -66,6 +71,28 @@ class PeakRow:
 
 
 @dataclass
+class PeakRow(ChoiceSum):
+    """One moment's memory above the kept values, in bytes per device (a pair: a value that
+    exists only where two groups' choices differ, such as a parameter gathered for its
+    consumer)."""
+
+
+@dataclass
+class OverlapRow:
+    """Communication that runs beside compute: ``weight * min(comm(x), compute(x))`` seconds of
+    the step are hidden (the collectives of ``comm`` run on their own stream while the ops of
+    ``compute`` run; whichever is shorter is hidden behind the other). ``comm`` and ``compute``
+    are seconds per step; ``weight`` counts equal rows given once."""
+
+    comm: ChoiceSum
+    compute: ChoiceSum
+    weight: float = 1.0
+
+    def hidden(self, choices: list[int]) -> float:
+        return self.weight * max(0.0, min(self.comm.value(choices), self.compute.value(choices)))
+
+
+@dataclass
 class IntraOpProblem:
     """Node costs (seconds), memory (bytes per device) per choice, and edge cost matrices.
 
@@ -80,6 +107,7 @@ class IntraOpProblem:
     names: list[str] | None = None
     choice_names: list[list[str]] | None = None
     peaks: list[PeakRow] = field(default_factory=list)
+    overlaps: list[OverlapRow] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,7 +136,12 @@ class IntraOpProblem:
         _validate_names(self.names, self.choice_names, self.costs)
         checked: set[tuple[int, int, int]] = set()  # rows share their pairs' matrices: each is checked once
         for r, row in enumerate(self.peaks):
-            _validate_peak(r, row, self.costs, checked)
+            _validate_sum(f"peak row {r}", row, self.costs, checked)
+        for r, overlap in enumerate(self.overlaps):
+            if not (math.isfinite(overlap.weight) and overlap.weight > 0):
+                raise ValueError(f"overlap row {r}'s weight is {overlap.weight!r}: give a positive number")
+            _validate_sum(f"overlap row {r}'s comm", overlap.comm, self.costs, checked)
+            _validate_sum(f"overlap row {r}'s compute", overlap.compute, self.costs, checked)
 
 
 @dataclass
@@ -208,28 +241,29 @@ def _validate_names(
             raise ValueError(f"choice_names[{g}] has {len(cn)} names for {len(c)} choices")
 
 
-def _validate_peak(r: int, row: PeakRow, costs: list[list[float]], checked: set[tuple[int, int, int]]) -> None:
+def _validate_sum(what: str, row: ChoiceSum, costs: list[list[float]], checked: set[tuple[int, int, int]]) -> None:
     for g, terms in row.terms.items():
         if not isinstance(g, int) or not 0 <= g < len(costs):
-            raise ValueError(f"peak row {r} names group {g!r}, outside 0..{len(costs) - 1}")
+            raise ValueError(f"{what} names group {g!r}, outside 0..{len(costs) - 1}")
         if len(terms) != len(costs[g]):
-            raise ValueError(f"peak row {r} has {len(terms)} entries for group {g}'s {len(costs[g])} choices")
-        _check_finite(terms, f"peak row {r}, group {g}", nonnegative=True)
+            raise ValueError(f"{what} has {len(terms)} entries for group {g}'s {len(costs[g])} choices")
+        _check_finite(terms, f"{what}, group {g}", nonnegative=True)
     for (u, v), matrix in row.pairs.items():
         if (id(matrix), u, v) in checked:
             continue
         checked.add((id(matrix), u, v))
         if u == v or not all(isinstance(g, int) and 0 <= g < len(costs) for g in (u, v)):
-            raise ValueError(f"peak row {r} pairs groups {(u, v)!r}: two different groups of 0..{len(costs) - 1}")
+            raise ValueError(f"{what} pairs groups {(u, v)!r}: two different groups of 0..{len(costs) - 1}")
         if len(matrix) != len(costs[u]) or any(len(row_) != len(costs[v]) for row_ in matrix):
-            raise ValueError(f"peak row {r}'s pair {(u, v)} is not {len(costs[u])} x {len(costs[v])}")
+            raise ValueError(f"{what}'s pair {(u, v)} is not {len(costs[u])} x {len(costs[v])}")
         for i, row_ in enumerate(matrix):
-            _check_finite(row_, f"peak row {r}, pair {(u, v)} row {i}", nonnegative=True)
-    _check_finite([row.constant], f"peak row {r}'s constant", nonnegative=True)
+            _check_finite(row_, f"{what}, pair {(u, v)} row {i}", nonnegative=True)
+    _check_finite([row.constant], f"{what}'s constant", nonnegative=True)
 
 
 def evaluate(problem: IntraOpProblem, choices: list[int]) -> tuple[float, float]:
-    """(f(x), mem(x)): seconds (node costs plus every edge term) and bytes per device."""
+    """(f(x), mem(x)): seconds (node costs plus every edge term, less what the overlap rows
+    hide) and bytes per device."""
     if len(choices) != problem.num_groups:
         raise ValueError(f"{len(choices)} choices for {problem.num_groups} groups")
     for g, i in enumerate(choices):
@@ -237,6 +271,8 @@ def evaluate(problem: IntraOpProblem, choices: list[int]) -> tuple[float, float]
             raise ValueError(f"choice {i} of group {g} is outside 0..{problem.num_choices(g) - 1}")
     cost = math.fsum(problem.costs[g][i] for g, i in enumerate(choices))
     cost += math.fsum(e.cost[choices[e.src]][choices[e.dst]] for e in problem.edges)
+    if problem.overlaps:
+        cost -= math.fsum(row.hidden(choices) for row in problem.overlaps)
     memory = math.fsum(problem.memory[g][i] for g, i in enumerate(choices))
     return cost, memory
 
