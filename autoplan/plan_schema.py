@@ -220,6 +220,7 @@ class Prediction:
     memory_bytes: MemoryEstimate
     comm_by_kind_s: dict[str, float] = field(default_factory=dict)
     bubble_s: float = 0.0  # pipeline time no stage spends working
+    hidden_s: float = 0.0  # of comm_s, run beside compute (prefetched gathers): step = compute + comm - hidden
     mfu: float = 0.0  # model FLOPs utilisation (:func:`~autoplan.cost_models.step_costs.model_flops_utilization`)
 
 
@@ -236,6 +237,17 @@ class StagePlan:
     params: list[str] = field(default_factory=list)
     latency_s: float = 0.0  # predicted forward + backward of one microbatch (pipelines)
     memory_bytes: float = 0.0  # predicted peak memory per device of this stage (its rank holds the sum of its stages')
+
+
+@dataclass
+class PrefetchedGather:
+    """Parameter gathers the program issues early: at op node ``at`` (the first op of the block
+    before theirs), the forward resharding of input ``position`` of each ``(consumer,
+    position)`` in ``reads``, which the consumer then takes as arrived
+    (:mod:`autoplan.cost_models.gather_overlap`: what it hides)."""
+
+    at: str
+    reads: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -319,6 +331,8 @@ class Plan:
     # passes a stage on another logical mesh); the others cross as shards
     # (:func:`autoplan.sharding.boundary_spec`)
     crossing_whole: list[str] = field(default_factory=list)
+    # gathers issued a block ahead of their consumers (on a GPU, beside the block before)
+    prefetch: list[PrefetchedGather] = field(default_factory=list)
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -372,6 +386,8 @@ class Plan:
                 pins=[PinRecord(p["pin"], list(p.get("holds", []))) for p in data.get("pins", [])],
                 pin_cost=PinCost(**data["pin_cost"]) if data.get("pin_cost") else None,
                 crossing_whole=list(data.get("crossing_whole", [])),
+                prefetch=[PrefetchedGather(str(p["at"]), [(str(c), int(i)) for c, i in p["reads"]])
+                          for p in data.get("prefetch", [])],
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None
@@ -419,5 +435,6 @@ def _prediction(data: dict[str, Any]) -> Prediction:
         memory_bytes=MemoryEstimate(**data["memory_bytes"]),
         comm_by_kind_s=dict(data.get("comm_by_kind_s", {})),
         bubble_s=float(data.get("bubble_s", 0.0)),
+        hidden_s=float(data.get("hidden_s", 0.0)),
         mfu=float(data.get("mfu", 0.0)),
     )

@@ -40,6 +40,7 @@ from autoplan.plan_schema import Plan  # noqa: E402
 from autoplan.planner.front_door import plan_model  # noqa: E402
 from autoplan.planner.meshes import mesh_label  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
+from autoplan.reports.summary import hidden_text  # noqa: E402
 from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
 
 TARGET_S = 10.0
@@ -98,9 +99,8 @@ def main() -> None:
         total = plan.timings_s["total"]
         verdict = "" if total <= TARGET_S else f"  (target {TARGET_S:.0f} s missed)"
         print(f"{name:22s} {devices:7d} {built:6.2f}s {total:7.2f}s  {phases:40s} {plan_shape(plan)}: "
-              f"{format_seconds(plan.predicted.step_time_s)} / {format_bytes(plan.predicted.memory_bytes.peak)}, "
-              f"{plan.precision.name}"
-              f"{verdict}", flush=True)
+              f"{format_seconds(plan.predicted.step_time_s)}{hidden_text(plan.predicted)} / "
+              f"{format_bytes(plan.predicted.memory_bytes.peak)}, {plan.precision.name}{verdict}", flush=True)
 
 
 if __name__ == "__main__":

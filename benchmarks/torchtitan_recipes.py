@@ -50,6 +50,7 @@ from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan, Prediction  # noqa: E402
 from autoplan.planner.front_door import plan_model  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
+from autoplan.reports.summary import hidden_text  # noqa: E402
 from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
 
 SEQ = 8192
@@ -101,7 +102,8 @@ def _row(label: str, recipe: Recipe, p: Prediction | None, reason: str = "") -> 
     if p is None:
         return f"  {label:46s} {reason}"
     return (f"  {label:46s} {format_seconds(p.step_time_s):>9s} {_tokens_per_gpu(recipe, p):7.0f} tok/s/GPU "
-            f"MFU {p.mfu:5.1%}  (compute {format_seconds(p.compute_s)}, communication {format_seconds(p.comm_s)}, "
+            f"MFU {p.mfu:5.1%}  (compute {format_seconds(p.compute_s)}, communication {format_seconds(p.comm_s)}"
+            f"{hidden_text(p)}, "
             f"bubble {format_seconds(p.bubble_s)}; {format_bytes(p.memory_bytes.peak)} per device, "
             f"{format_bytes(p.memory_bytes.peak_with_transient)} with the backward's transients)")
 

@@ -48,6 +48,7 @@ from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters
+from autoplan.codegen.prefetched_gathers import PrefetchedGathers
 from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
     to_dtensor_placements, unmask_partial)
@@ -84,6 +85,11 @@ def dispatch_settings(device_type: str) -> Iterator[None]:
         yield
 
 
+def tensor_inputs_of(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """The inputs of ``n`` that are tensors, in the order a node plan lists them."""
+    return [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+
+
 class _PlanInterpreter(torch.fx.Interpreter):
     """Runs the traced graph on DTensors, redistributing each op's inputs as the plan says."""
 
@@ -93,6 +99,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
         self._placeholder_values: dict[str, Any] = {}
         self.checkpointed = CheckpointedRegions(program.plan.recompute, program.graph_module.graph.nodes,
                                                 partial(dispatch_settings, program.mesh.device_type))
+        self._nodes = {n.name: n for n in program.graph_module.graph.nodes}
 
     def run_with(self, placeholder_values: dict[str, Any]) -> Any:
         self._placeholder_values = placeholder_values
@@ -102,6 +109,7 @@ class _PlanInterpreter(torch.fx.Interpreter):
             self._placeholder_values = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:
+        self.program.prefetched.issue(n.name, self._gather)
         if n in self.checkpointed:
             return self.checkpointed.value(n, self.env, self._run_in)
         return self._run_one(n)
@@ -126,8 +134,14 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 return self._call_planned(n, node_plan)
         return super().run_node(n)
 
+    def _gather(self, consumer: str, pos: int) -> Any:
+        """Input ``pos`` of op ``consumer`` resharded as its plan reads it (a prefetched gather)."""
+        a = tensor_inputs_of(self._nodes[consumer])[pos]
+        return redistribute(self.env[a], self.program.node_plans[consumer].inputs[pos], self.program.mesh,
+                            self.program.gradient_targets.get(a.name), self.program.param_dtype)
+
     def _call_planned(self, n: torch.fx.Node, node_plan: NodePlan) -> Any:
-        tensor_inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        tensor_inputs = tensor_inputs_of(n)
         if len(node_plan.inputs) != len(tensor_inputs):
             raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph "
                                 f"has {len(tensor_inputs)}: the plan is not for this graph")
@@ -135,8 +149,10 @@ class _PlanInterpreter(torch.fx.Interpreter):
         arrived = {}
         for pos, (a, specs) in enumerate(zip(tensor_inputs, node_plan.inputs)):
             before = self.env[a]
-            after = redistribute(before, specs, mesh, self.program.gradient_targets.get(a.name),
-                                 self.program.param_dtype)
+            after = self.program.prefetched.take(n.name, pos)
+            if after is None:
+                after = redistribute(before, specs, mesh, self.program.gradient_targets.get(a.name),
+                                     self.program.param_dtype)
             if after is not before and isinstance(before, DTensor):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", spec_text(before.placements), spec_text(after.placements)))
@@ -217,6 +233,8 @@ class ShardedProgram(torch.nn.Module):
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
         self.param_dtype = gathered_dtype(plan.precision)  # what a parameter's gathers move
         self.gathered = GatheredParameters(self.param_dtype)
+        # gathers issued a block ahead of their consumers (plan.prefetch)
+        self.prefetched = PrefetchedGathers(plan.prefetch, mesh.device_type)
         # parameters (placeholder names) whose edges reduce the gradient into the placements
         # the plan stores it in rather than the parameter's (ZeRO-2)
         # (``gradient_placements``: the same by ``id(parameter)``, for the gradient hooks)
@@ -294,8 +312,11 @@ class ShardedProgram(torch.nn.Module):
                 values[node.name] = self._constants[node.name]
             else:
                 raise AutoplanError(f"graph input {node.name} is neither a parameter, a buffer nor a user input")
-        with dispatch_settings(self.mesh.device_type), self.gathered.hooks():
-            out = self._interpreter.run_with(values)
+        try:
+            with dispatch_settings(self.mesh.device_type), self.gathered.hooks():
+                out = self._interpreter.run_with(values)
+        finally:
+            self.prefetched.clear()
         out = tuple(out) if isinstance(out, (tuple, list)) else (out,)
         # The plan materialises the loss replicated (its "-> output" collective); the model's
         # other outputs stay as computed (call .full_tensor() to gather them).

@@ -90,7 +90,8 @@ from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
-from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings
+from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings, tensor_inputs_of
+from autoplan.codegen.prefetched_gathers import PrefetchedGathers
 from autoplan.codegen.gradient_buckets import parameter_reads
 from autoplan.codegen.held_parameters import HeldParameter, held_parameters
 from autoplan.codegen.materialize import planned_tensor
@@ -103,7 +104,7 @@ from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, 
 from autoplan.codegen.sharded_state import gradient_placements, reduced_before_step
 from autoplan.errors import AutoplanError
 from autoplan.sharding import boundary_spec, deferred_axes, spec_to_json
-from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, RecomputedLayer
+from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, PrefetchedGather, RecomputedLayer
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import NodeKind, TracedGraph
 from autoplan.trace.saved_inputs import regathers_for
@@ -174,7 +175,7 @@ class _StageModule(torch.nn.Module):
                  precision: Callable[[], AbstractContextManager] = nullcontext,
                  gradient_targets: dict[int, tuple[Placement, ...]] | None = None,
                  param_dtype: torch.dtype | None = None, held: dict[str, HeldParameter] | None = None,
-                 crossing: StageCrossing | None = None) -> None:
+                 crossing: StageCrossing | None = None, prefetch: Sequence[PrefetchedGather] = ()) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
@@ -212,6 +213,10 @@ class _StageModule(torch.nn.Module):
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
         self.param_dtype = param_dtype  # what a parameter's gathers move
         self.gathered = GatheredParameters(param_dtype)
+        # gathers issued a block ahead of their consumers (the plan's, for this stage's ops)
+        names = {n.name for n in self.nodes}
+        self.prefetched = PrefetchedGathers([p for p in prefetch if p.at in names], mesh.device_type)
+        self._by_name = {n.name: n for n in self.nodes}
 
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_nodes):
@@ -225,9 +230,13 @@ class _StageModule(torch.nn.Module):
         for node, attr in self._locals.items():
             env[node] = self._held.get(node) or getattr(self, attr)  # a held one is read at each use
         env.update(self._constants)
-        with self.precision(), dispatch_settings(self.mesh.device_type), self.gathered.hooks():
-            for n in self.nodes:
-                env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
+        try:
+            with self.precision(), dispatch_settings(self.mesh.device_type), self.gathered.hooks():
+                for n in self.nodes:
+                    self.prefetched.issue(n.name, partial(self._gather, env))
+                    env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
+        finally:
+            self.prefetched.clear()
         outs = []
         for i, node in enumerate(self.output_nodes):
             value = env[node]
@@ -248,6 +257,12 @@ class _StageModule(torch.nn.Module):
             return outs[0]
         return tuple(outs)
 
+    def _gather(self, env: dict[torch.fx.Node, Any], consumer: str, pos: int) -> Any:
+        """Input ``pos`` of op ``consumer`` resharded as its plan reads it (a prefetched gather)."""
+        a = tensor_inputs_of(self._by_name[consumer])[pos]
+        return redistribute(env[a], self.node_plans[consumer].inputs[pos], self.mesh,
+                            self.gradient_targets.get(id(env[a])), self.param_dtype)
+
     def _run(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
         if n.op == "get_attr":
             target = self.graph_module
@@ -263,7 +278,7 @@ class _StageModule(torch.nn.Module):
                 arrived[a] = env[a].read()
                 self.gathered.remember_held(arrived[a], env[a].copy)
         if node_plan is not None and n.target is not operator.getitem:
-            tensor_inputs = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+            tensor_inputs = tensor_inputs_of(n)
             if len(node_plan.inputs) != len(tensor_inputs):
                 raise AutoplanError(f"plan for {n.name} lists {len(node_plan.inputs)} tensor inputs, the graph has "
                                     f"{len(tensor_inputs)}: the plan is not for this graph")
@@ -272,7 +287,9 @@ class _StageModule(torch.nn.Module):
                     arrived[a] = redistribute(arrived[a], specs, self.mesh)
                     continue
                 target = self.gradient_targets.get(id(env[a])) if a in self._locals else None
-                arrived[a] = redistribute(env[a], specs, self.mesh, target, self.param_dtype)
+                prefetched = self.prefetched.take(n.name, pos)
+                arrived[a] = prefetched if prefetched is not None else \
+                    redistribute(env[a], specs, self.mesh, target, self.param_dtype)
                 if a in self._locals:  # a parameter's partial gradient is reduced after the schedule,
                     if regathers_for(n):  # a ZeRO-2 one into its shard on the edge, every microbatch
                         self.gathered.remember(arrived[a], env[a], specs)
@@ -406,7 +423,7 @@ class PipelineProgram(torch.nn.Module):
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
                          self.gradient_targets, gathered_dtype(plan.precision), self.held,
                          StageCrossing.of(layout, [tuple(st.mesh) for st in plan.stages], s,
-                                          frozenset(plan.crossing_whole)))
+                                          frozenset(plan.crossing_whole)), plan.prefetch)
             for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):

@@ -21,9 +21,11 @@ program keeps the stored shard instead and gathers it again in the backward (FSD
 kept memory counts the stored shard (parameter, gradient, optimizer state); the gathered
 copies are alive for a moment, and the backward's moments count them
 (:mod:`~autoplan.cost_models.transient_memory`: a block's parameters gathered with their
-gradients, and the next block's prefetched, as FSDP2 holds them). The cost of a gather counts
-in full, when the consumer needs it: nothing overlaps with compute, as in every other
-collective here. Under mixed
+gradients, and the next block's prefetched, as FSDP2 holds them). A gather's edge costs it in
+full; on a GPU the forward gathers of a repeated block are issued while the block before it
+computes, and the seconds they hide there are taken off by the ILP's overlap rows
+(:mod:`~autoplan.cost_models.gather_overlap`, which says what overlaps with what; every other
+collective here runs in full, the compute waiting for it). Under mixed
 precision a gather moves bf16 (:func:`resharded_itemsize`, FSDP2's ``MixedPrecisionPolicy``),
 the gradient's reduce-scatter fp32.
 
@@ -128,6 +130,7 @@ class NodeCost:
     comm_s: float = 0.0
     optimizer_s: float = 0.0
     memory: MemoryParts = field(default_factory=MemoryParts)
+    forward_s: float = 0.0  # of compute_s, the forward's first run (what prefetched gathers run beside)
 
     @property
     def total_s(self) -> float:
@@ -153,9 +156,10 @@ class CostContext:
     # parameter → consumer edges of the graph being planned (that carry a gradient): each bucketed
     # gradient reduction pays this share of one collective's latency (see steps_seconds)
     parameter_edges: int = 0
-    # a mesh across nodes may split a dim over its axes (HSDP's batch: planner.mesh_plan.splits_dims_over_axes);
-    # off for the stages of a pipeline, which the search keeps small
-    across_nodes_hybrid: bool = True
+    # the plan has one stage: its ILP may hold more choices (a dim split over the axes of a mesh
+    # across nodes, HSDP's batch: planner.mesh_plan.splits_dims_over_axes; sharded storage where
+    # gathers hide: planner.mesh_plan._solve); off for the stages of a pipeline, which the search keeps small
+    one_stage: bool = True
     cache: dict = field(default_factory=dict)
 
 
@@ -291,7 +295,8 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     moved = moved_bytes(info) * (itemsize / info.itemsize if info.itemsize else 1.0)
     forward = roofline_time(info.flops / shards, moved / shards, ctx.device, compute_dtype(info, mixed))
     backward = (ctx.backward_factor if needs_grad else 0.0) + (1.0 if recomputed else 0.0)
-    compute = op_seconds(forward, ctx.device) * (1.0 + backward) * ctx.microbatches
+    forward_s = op_seconds(forward, ctx.device) * ctx.microbatches
+    compute = forward_s * (1.0 + backward)
     comm = steps_seconds(count_reduction_steps(info, strategy), ctx) * (1.0 + recomputed) * ctx.microbatches \
         if needs_grad else 0.0
     activations = 0.0
@@ -300,7 +305,7 @@ def op_cost(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], grad_inp
     if needs_grad and not recomputed:  # a recomputed op keeps nothing until its forward runs again
         activations += kept_inside(info, strategy, inputs, itemsize, ctx)
     activations *= ctx.activations_in_flight
-    return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations))
+    return NodeCost(compute_s=compute, comm_s=comm, memory=MemoryParts(activations=activations), forward_s=forward_s)
 
 
 def kept_inside(info: NodeInfo, strategy: Strategy, inputs: list[NodeInfo], itemsize: int,

@@ -17,7 +17,8 @@ from autoplan.cost_models.step_costs import CostContext
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import Alternative, Plan
-from autoplan.planner.assemble import node_plans, placements, predict, sharded_storage, single_stage, solver_stats
+from autoplan.planner.assemble import (node_plans, placements, predict, prefetched_gathers, sharded_storage, single_stage,
+    solver_stats)
 from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_op
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
@@ -133,6 +134,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         explanation=explain(result.problem, result.solution, top=8),
         batch_coupling=coupling_plans(graph, 1),
         recompute=recomputed_layers(recomputed, selective),
+        prefetch=prefetched_gathers(graph, result, best.ctx),
     )
 
 

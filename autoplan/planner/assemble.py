@@ -10,9 +10,10 @@ from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_red
                                              edge_steps, gradient_reductions, model_flops_utilization, regather_runs,
                                              resharded_itemsize, sharded_state_steps, state_gather_itemsize,
                                              step_reduction_spec, steps_seconds, value_itemsize)
+from autoplan.cost_models.gather_overlap import HiddenGathers, hidden_gathers
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (HELD_SUFFIX, MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction,
-    SolverStats, StagePlan)
+    PrefetchedGather, SolverStats, StagePlan)
 from autoplan.planner.memory_savings import recompute_saved, sharding_saved
 from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
 from autoplan.sharding import deferred_axes, spec_to_json
@@ -147,6 +148,7 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
         comm += t
     compute = sum(cost.compute_s + cost.optimizer_s for cost in result.node_costs.values())
+    hidden = _hidden(graph, result, ctx).seconds
     memory = MemoryParts()
     for cost in result.node_costs.values():
         memory = memory + cost.memory
@@ -154,9 +156,20 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
                                    model_outputs(graph), ctx)
     estimate = MemoryEstimate(memory.params, memory.grads, memory.optimizer, memory.activations, memory.total,
                               transient, sharding_saved(graph, result, ctx), recompute_saved(graph, result, ctx))
-    mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, compute + comm, math.prod(ctx.mesh_shape),
+    step = compute + comm - hidden
+    mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, step, math.prod(ctx.mesh_shape),
                                   ctx.device, ctx.optimizer.mixed_precision)
-    return Prediction(compute + comm, compute, comm, estimate, by_kind, mfu=mfu), collectives
+    return Prediction(step, compute, comm, estimate, by_kind, hidden_s=hidden, mfu=mfu), collectives
+
+
+def _hidden(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) -> HiddenGathers:
+    return hidden_gathers(graph, result.input_names, result.chosen,
+                          {name: cost.forward_s for name, cost in result.node_costs.items()}, ctx)
+
+
+def prefetched_gathers(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) -> list[PrefetchedGather]:
+    """The gathers the program issues a block ahead, as the prediction hides them."""
+    return [PrefetchedGather(at, [(op, pos) for op, pos in reads]) for at, reads in _hidden(graph, result, ctx).issued]
 
 
 def node_plans(graph: TracedGraph, result: IntraOpResult) -> list[NodePlan]:

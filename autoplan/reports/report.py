@@ -32,6 +32,7 @@ from autoplan.reports.runlog import RunLog
 from autoplan.reports.summary import (
     alternative_text,
     alternatives_in_order,
+    hidden_text,
     layers_label,
     pin_cost_text,
     pinned_names,
@@ -127,7 +128,8 @@ def summary_section(plan: Plan) -> Section:
         ["microbatches", str(plan.microbatches)],
         ["schedule", plan.schedule],
         ["predicted step time", (f"{format_seconds(p.step_time_s)} (compute {format_seconds(p.compute_s)}, "
-                                 f"communication {format_seconds(p.comm_s)}, bubble {format_seconds(p.bubble_s)})")],
+                                 f"communication {format_seconds(p.comm_s)}{hidden_text(p)}, "
+                                 f"bubble {format_seconds(p.bubble_s)})")],
         ["predicted MFU", f"{p.mfu:.1%} (the model's forward and backward FLOPs over the devices' peak)"],
         ["training", training_text(plan)],
         ["activation checkpointing", f"{len(plan.recompute)} layers recomputed in the backward"
@@ -258,12 +260,14 @@ def step_section(plan: Plan, progress: Progress) -> Section:
     ordered = sorted(kinds.items(), key=lambda kv: (list(COLLECTIVE_KINDS) + ["communication"]).index(kv[0])
                      if kv[0] in COLLECTIVE_KINDS or kv[0] == "communication" else 99)
     segments = [("compute", p.compute_s), *ordered, ("bubble", p.bubble_s)]
+    if p.hidden_s > 0:  # prefetched gathers beside compute: the parts add up to the step
+        segments.append(("beside compute", -p.hidden_s))
     blocks: list = [Figure("report_step_time", figures.step_breakdown(segments, p.step_time_s,
                                                                       "predicted step time by part"),
                            f"predicted step time {format_seconds(p.step_time_s)}: compute, each collective kind, "
                            "bubble")]
     rows = [[name.replace("_", "-"), format_seconds(v), f"{100 * v / p.step_time_s:.1f}%" if p.step_time_s else "-"]
-            for name, v in segments if v > 0 or name == "compute"]
+            for name, v in segments if v != 0 or name == "compute"]
     rows.append(["step (predicted)", format_seconds(p.step_time_s), "100.0%"])
     blocks.append(Table(["part", "time", "share of the step"], rows))
     parts = sum(v for _, v in segments)

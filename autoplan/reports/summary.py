@@ -103,8 +103,13 @@ def savings_text(m: MemoryEstimate) -> str:
 
 def _prediction_line(p: Prediction) -> str:
     return (f"{format_seconds(p.step_time_s)} per step (compute {format_seconds(p.compute_s)}, "
-            f"communication {format_seconds(p.comm_s)}), {format_bytes(p.memory_bytes.peak)} per device, "
-            f"MFU {p.mfu:.1%}")
+            f"communication {format_seconds(p.comm_s)}{hidden_text(p)}), {format_bytes(p.memory_bytes.peak)} per "
+            f"device, MFU {p.mfu:.1%}")
+
+
+def hidden_text(p: Prediction) -> str:
+    """``", 1.2 ms of it beside compute"`` where prefetched gathers hide communication."""
+    return f", {format_seconds(p.hidden_s)} of it beside compute" if p.hidden_s > 0 else ""
 
 
 def planning_time_text(timings_s: dict[str, float]) -> str:

@@ -46,7 +46,7 @@ def block_of(path: str) -> tuple[str, int] | None:
     return None
 
 
-def _node_block(graph: TracedGraph, name: str) -> tuple[str, int] | None:
+def node_block(graph: TracedGraph, name: str) -> tuple[str, int] | None:
     info = graph.nodes[name]
     if info.kind in ("parameter", "buffer") and info.fqn:
         return block_of(info.fqn.rsplit(".", 1)[0])
@@ -80,7 +80,7 @@ def find_classes(graph: TracedGraph) -> NodeClasses:
     fx_nodes = {n.name: n for n in graph.graph_module.graph.nodes}
     blocks: dict[tuple[str, int], list[str]] = {}
     for name in graph.nodes:
-        key = _node_block(graph, name)
+        key = node_block(graph, name)
         if key is not None:
             blocks.setdefault(key, []).append(name)
 

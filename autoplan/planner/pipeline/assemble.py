@@ -12,7 +12,7 @@ from autoplan.errors import MemoryInfeasibleError
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import MemoryEstimate, ParamStorage, Plan, PlannedCollective, Prediction, StagePlan
 from autoplan.planner.api import PlannerOptions
-from autoplan.planner.assemble import node_plans, placements, predict, sharded_storage, solver_stats
+from autoplan.planner.assemble import node_plans, placements, predict, prefetched_gathers, sharded_storage, solver_stats
 from autoplan.planner.mesh_plan import emit_warnings
 from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.exact import stage_results
@@ -38,7 +38,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     crossing: dict[tuple[int, ...], list[float]] = {}  # by the sender's mesh
     stage_plans, nodes, collectives, params, inputs = [], [], [], {}, {}
     storage: dict[str, ParamStorage] = {}
-    latencies, memories, computes, comms, kinds = [], [], [], [], []
+    latencies, memories, computes, comms, hiddens, kinds = [], [], [], [], [], []
+    prefetch = []
     for index, ((start, end), (sub, result, ctx)) in enumerate(zip(candidate.cuts, results)):
         prediction, stage_collectives = predict(sub, find_classes(sub), result, ctx)
         for c in stage_collectives:
@@ -58,6 +59,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         latencies.append(prediction.step_time_s / candidate.microbatches + send)
         memories.append(prediction.memory_bytes)
         computes.append(prediction.compute_s)
+        hiddens.append(prediction.hidden_s)
+        prefetch += prefetched_gathers(sub, result, ctx)
         comms.append(prediction.comm_s + send * candidate.microbatches)
         by_kind = dict(prediction.comm_by_kind_s)
         if send:
@@ -87,6 +90,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
     busy = candidate.microbatches * sum(latencies[s] for s in busiest)
     predicted = Prediction(step, sum(computes[s] for s in busiest), sum(comms[s] for s in busiest) + after,
                            MemoryEstimate(**vars(worst)), by_kind, bubble_s=max(0.0, scheduled - busy),
+                           hidden_s=sum(hiddens[s] for s in busiest),
                            mfu=model_flops_utilization(graph.nodes.values(), candidate.microbatches, step,
                                                        options.devices, options.cluster.device,
                                                        options.optimizer.mixed_precision))
@@ -103,7 +107,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name, batch_coupling=coupling,
         recompute=recomputed_layers((layers[i] for i in sorted(candidate.recomputed)),
-                                    (layers[i] for i in candidate.selective)))
+                                    (layers[i] for i in candidate.selective)),
+        prefetch=prefetch)
 
 
 def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:

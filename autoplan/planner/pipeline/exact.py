@@ -99,7 +99,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
     recomputed = tuple(i - start for i in range(start, end) if i in candidate.recomputed)
     selective = tuple(i for i in recomputed if start + i in candidate.selective)
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device,
-                      options.optimizer, microbatches=candidate.microbatches, across_nodes_hybrid=stages == 1,
+                      options.optimizer, microbatches=candidate.microbatches, one_stage=stages == 1,
                       activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                       recompute_regions=regions(candidate.layers[start + i] for i in recomputed),
                       recompute_saved=saved_outputs(sub, (candidate.layers[start + i] for i in selective)))

@@ -397,7 +397,7 @@ def layer_costs(options: PlannerOptions, mesh: tuple[int, ...], microbatches: in
                 stages: int = 1) -> LayerCosts:
     cluster = options.cluster
     ctx = CostContext(mesh, cluster.mesh_links(mesh), cluster.device, options.optimizer,
-                      microbatches=microbatches, activations_in_flight=in_flight, across_nodes_hybrid=stages == 1)
+                      microbatches=microbatches, activations_in_flight=in_flight, one_stage=stages == 1)
     return LayerCosts(options, ctx, stages=stages)
 
 

@@ -23,13 +23,14 @@ from autoplan.solvers.intra_op.brute_force import BRUTE_FORCE_LIMIT, brute_force
 from autoplan.solvers.intra_op.explain import explain
 from autoplan.solvers.intra_op.ilp import IlpModel, build_model
 from autoplan.solvers.intra_op.preprocess import SEPARABLE_RTOL, ReducedProblem, reduce_problem
-from autoplan.solvers.intra_op.problem import (Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow,
+from autoplan.solvers.intra_op.problem import (ChoiceSum, Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow,
     check_memory_feasible, evaluate, least_memory, transient)
 from autoplan.solvers.intra_op.run import parse_cbc_bound
 from autoplan.solvers.intra_op.solve import SolverTimeoutError, relative_gap, solution_status, solve_intra_op
 from autoplan.solvers.intra_op.trimming import trim_memory, trim_memory_together
 
 __all__ = [
+    "ChoiceSum",
     "BRUTE_FORCE_LIMIT",
     "DEFAULT_MIP_GAP",
     "HIGHS_ABS_GAP",
