@@ -75,3 +75,24 @@ def test_overlap_rows_are_validated() -> None:
         IntraOpProblem([[1.0]], [[1.0]], [], overlaps=[OverlapRow(ChoiceSum({3: [1.0]}), ChoiceSum({}))])
     with pytest.raises(ValueError, match="weight"):
         IntraOpProblem([[1.0]], [[1.0]], [], overlaps=[OverlapRow(ChoiceSum({}), ChoiceSum({}), 0.0)])
+
+
+def test_prefetched_gathers_are_issued_at_their_op_and_taken_once() -> None:
+    from autoplan.codegen.prefetched_gathers import PrefetchedGathers
+    from autoplan.plan_schema import PrefetchedGather
+
+    issued = []
+
+    def gather(consumer: str, position: int) -> str:
+        issued.append((consumer, position))
+        return f"{consumer}.{position}"
+
+    prefetched = PrefetchedGathers([PrefetchedGather("first_of_block_0", [("linear_2", 1), ("mul_3", 0)])], "cpu")
+    prefetched.issue("linear_0", gather)  # no gathers issued there
+    assert issued == [] and prefetched.take("linear_2", 1) is None
+    prefetched.issue("first_of_block_0", gather)
+    assert issued == [("linear_2", 1), ("mul_3", 0)]
+    assert prefetched.take("linear_2", 1) == "linear_2.1"
+    assert prefetched.take("linear_2", 1) is None  # a recomputed forward gathers again
+    prefetched.clear()
+    assert prefetched.take("mul_3", 0) is None
