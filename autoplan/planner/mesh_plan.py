@@ -27,11 +27,13 @@ import operator
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 from torch import fx
 
-from autoplan.cost_models.gather_overlap import block_prefetches, forward_gather_seconds, overlaps_gathers, read_spec
+from autoplan.cost_models.gather_overlap import (BlockPrefetch, block_prefetches, forward_gather_seconds,
+    overlaps_gathers, read_spec)
 from autoplan.cost_models.transient_memory import GatheredRead, gathered_bytes, peak_moments, value_bytes
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, resharded_itemsize, step_reduction_spec, steps_seconds, storage_cost, value_itemsize)
@@ -107,6 +109,12 @@ class GraphView:
     users: dict[str, list[str]]
     needs_grad: dict[str, bool]
     loss_name: str
+
+    @cached_property
+    def prefetches(self) -> list[BlockPrefetch]:
+        """The blocks whose forward gathers may be issued a block ahead (every solve of the
+        graph asks: found once)."""
+        return block_prefetches(self.graph, self.inputs)
 
     @classmethod
     def of(cls, graph: TracedGraph) -> GraphView:
@@ -474,7 +482,7 @@ def overlap_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrateg
     each, with their count as its weight. None where the device overlaps nothing."""
     if not overlaps_gathers(ctx):
         return []
-    prefetches = block_prefetches(view.graph, view.inputs)
+    prefetches = view.prefetches
     rows: dict[tuple, OverlapRow] = {}
     for prefetch in prefetches:
         reads = tuple(sorted((classes.class_of[param], classes.class_of[op], pos, param)
@@ -691,7 +699,7 @@ def _hides_gathers(view: GraphView, ctx: CostContext) -> bool:
     repeated block whose block before it is in the graph), in a plan of one stage (a
     pipeline's stage ILPs are kept small: on the Llama 3.1 70B shape on 256 H100s, sharded
     storage in every stage's ILP planned in 63.3 s instead of 41.4 s, and found the same plan)."""
-    return ctx.one_stage and overlaps_gathers(ctx) and bool(block_prefetches(view.graph, view.inputs))
+    return ctx.one_stage and overlaps_gathers(ctx) and bool(view.prefetches)
 
 
 @dataclass
