@@ -220,7 +220,7 @@ class Prediction:
     memory_bytes: MemoryEstimate
     comm_by_kind_s: dict[str, float] = field(default_factory=dict)
     bubble_s: float = 0.0  # pipeline time no stage spends working
-    hidden_s: float = 0.0  # of comm_s, run beside compute (prefetched gathers): step = compute + comm - hidden
+    hidden_s: float = 0.0  # of comm_s, beside compute (gathers, gradient reductions): step = compute + comm - hidden
     mfu: float = 0.0  # model FLOPs utilisation (:func:`~autoplan.cost_models.step_costs.model_flops_utilization`)
 
 

@@ -48,16 +48,19 @@ def _planned_spec(placements: Sequence[DPlacement]) -> ShardingSpec:
     return tuple(S(p.dim) if isinstance(p, Shard) else P if isinstance(p, Partial) else R for p in placements)
 
 
-def reduce_to(value: DTensor, mesh: DeviceMesh, target: Sequence[DPlacement]) -> DTensor:
+def reduce_to(value: DTensor, mesh: DeviceMesh, target: Sequence[DPlacement], async_op: bool = False) -> DTensor:
     """``value.redistribute(mesh, target)``, with partial sums reduce-scattered before other
     axes are all-reduced where the cost model orders them so
     (:func:`~autoplan.sharding.reduce_scatter_first`: HSDP's gradient is reduce-scattered over
-    the sharding axis, then its shard all-reduced over the replicating one)."""
+    the sharding axis, then its shard all-reduced over the replicating one). ``async_op``: the
+    last collective is launched and awaited where its result is first read (a parameter's
+    gradient reduction, which the backward of the ops before runs beside:
+    :mod:`~autoplan.cost_models.reduction_overlap`)."""
     first = reduce_scatter_first(_planned_spec(value.placements), _planned_spec(target))
     if first:
         value = value.redistribute(mesh, [t if i in first else c
                                           for i, (c, t) in enumerate(zip(value.placements, target))])
-    return value.redistribute(mesh, tuple(target))
+    return value.redistribute(mesh, tuple(target), async_op=async_op)
 
 
 def _target(placements: Sequence[str]) -> tuple[DPlacement, ...]:
@@ -106,13 +109,18 @@ class _PlannedRedistribute(torch.autograd.Function):
 
     (DTensor's own chain of redistributions and local conversions would each convert the
     gradient back in turn, and let a partial gradient flow on unreduced into the producer's
-    backward, reducing it wherever a later step first needs it, often in another collective.)"""
+    backward, reducing it wherever a later step first needs it, often in another collective.)
+
+    A parameter's gradient reduction is launched and not awaited: the backward of the ops
+    before runs while it is in flight, as the plan costs it
+    (:mod:`~autoplan.cost_models.reduction_overlap`)."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh,  # type: ignore[override]
                 grad_target: tuple[DPlacement, ...] | None, param_dtype: torch.dtype | None) -> DTensor:
         ctx.target = grad_target or tuple(Replicate() if p.is_partial() else p for p in value.placements)
         ctx.mesh = mesh
+        ctx.launched = isinstance(value, torch.nn.Parameter)  # its gradient's reduction is not awaited at once
         return _moved_as(value, specs, mesh, param_dtype)
 
     @staticmethod
@@ -121,7 +129,7 @@ class _PlannedRedistribute(torch.autograd.Function):
             # Redistribute gives the gradient's GLOBAL stride to the contiguous LOCAL result of
             # its collective: gradients of transposed values must be made contiguous first
             grad = _contiguous(grad) if not grad.is_contiguous() else grad
-            grad = reduce_to(grad, ctx.mesh, ctx.target)
+            grad = reduce_to(grad, ctx.mesh, ctx.target, async_op=ctx.launched)
         return grad, None, None, None, None
 
 
@@ -142,11 +150,12 @@ def reduce_gradient_on_edge(before: Any, after: Any, target: tuple[DPlacement, .
     if target is None:
         target = tuple(Replicate() if p.is_partial() else p for p in before.placements)
     mesh = after.device_mesh
+    launched = isinstance(before, torch.nn.Parameter)  # a parameter's gradient: not awaited at once
     after = after.view_as(after)
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:
         if isinstance(grad, DTensor) and tuple(grad.placements) != target:
-            return reduce_to(grad, mesh, target)
+            return reduce_to(grad, mesh, target, async_op=launched)
         return grad
 
     after.register_hook(reduce)

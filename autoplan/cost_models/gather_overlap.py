@@ -14,8 +14,9 @@ on a GPU on a stream of their own, beside the compute stream). So, per microbatc
   stack or of a pipeline stage (no block before it in the graph) and of parameters outside
   repeated blocks (embeddings, the head); the backward's gathers again
   (``reshard_after_forward``), a recomputed block's gathers again in its recomputation (inside
-  the checkpointed region), and the gradients' reduce-scatters, which the backward runs when
-  it needs them; every tensor-parallel collective (the compute waits for its result);
+  the checkpointed region); every tensor-parallel collective (the compute waits for its
+  result). The gradients' reductions run beside the backward of the block before
+  (:mod:`~autoplan.cost_models.reduction_overlap`);
 - only on a device whose host runs ahead of it with collectives on their own stream (a GPU:
   :attr:`~autoplan.cost_models.DeviceSpec.overlapped_dispatch`). On a CPU (gloo) nothing
   overlaps; the program still issues the gathers early, which changes nothing there.

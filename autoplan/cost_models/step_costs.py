@@ -24,8 +24,10 @@ copies are alive for a moment, and the backward's moments count them
 gradients, and the next block's prefetched, as FSDP2 holds them). A gather's edge costs it in
 full; on a GPU the forward gathers of a repeated block are issued while the block before it
 computes, and the seconds they hide there are taken off by the ILP's overlap rows
-(:mod:`~autoplan.cost_models.gather_overlap`, which says what overlaps with what; every other
-collective here runs in full, the compute waiting for it). Under mixed
+(:mod:`~autoplan.cost_models.gather_overlap`, which says what overlaps with what), as are the
+seconds a block's gradient reductions hide behind the backward of the block before
+(:mod:`~autoplan.cost_models.reduction_overlap`); every other collective here runs in full,
+the compute waiting for it. Under mixed
 precision a gather moves bf16 (:func:`resharded_itemsize`, FSDP2's ``MixedPrecisionPolicy``),
 the gradient's reduce-scatter fp32.
 
@@ -426,17 +428,8 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
            ctx.parameter_edges if from_parameter else -1, recomputed, kept, grad_src, forward_itemsize, step_src)
     cached = ctx.cache.get(key)
     if cached is None:
-        # the collectives do not depend on how often they run: memoised apart (an op's edges
-        # are costed again recomputed, and a parameter's again kept for the backward)
-        steps_key = ("edge steps", src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes, grad_src,
-                     forward_itemsize, step_src)
-        steps = ctx.cache.get(steps_key)
-        if steps is None:
-            forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
-                                           grad_src, forward_itemsize, step_src)
-            steps = (backward, steps_seconds(forward, ctx), steps_seconds(backward, ctx))
-            ctx.cache[steps_key] = steps
-        backward, forward_s, backward_s = steps
+        backward, forward_s, backward_s = _memoised_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes,
+                                                          whole_axes, grad_src, forward_itemsize, step_src)
         if from_parameter and src == dst:  # reduced once per step; a ZeRO-2 gradient every microbatch
             cached = steps_seconds(backward, ctx, bucketed=step_src is None) * gradient_reductions(grad_src, src, ctx)
         else:
@@ -444,3 +437,40 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
             cached = (runs * forward_s + backward_s) * ctx.microbatches
         ctx.cache[key] = cached
     return cached
+
+
+def _memoised_steps(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int, carries_grad: bool,
+                    ctx: CostContext, partial_axes: frozenset[int], whole_axes: frozenset[int],
+                    grad_src: ShardingSpec | None, forward_itemsize: int | None, step_src: ShardingSpec | None
+                    ) -> tuple[list[CollectiveStep], float, float]:
+    """An edge's backward collectives and the seconds of one run of its forward and of its
+    backward (:func:`edge_steps`), memoised in ``ctx.cache``: the collectives do not depend on
+    how often they run (an op's edges are costed again recomputed, and a parameter's again
+    kept for the backward)."""
+    key = ("edge steps", src, dst, shape, itemsize, carries_grad, partial_axes, whole_axes, grad_src,
+           forward_itemsize, step_src)
+    steps = ctx.cache.get(key)
+    if steps is None:
+        forward, backward = edge_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes, whole_axes,
+                                       grad_src, forward_itemsize, step_src)
+        steps = (backward, steps_seconds(forward, ctx), steps_seconds(backward, ctx))
+        ctx.cache[key] = steps
+    return steps
+
+
+def gradient_reduction_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], itemsize: int,
+                            ctx: CostContext, partial_axes: frozenset[int] = frozenset(),
+                            whole_axes: frozenset[int] = frozenset(), grad_src: ShardingSpec | None = None,
+                            forward_itemsize: int | None = None, step_src: ShardingSpec | None = None) -> float:
+    """Of a trained parameter's edge (:func:`edge_cost` with ``from_parameter``), the seconds
+    per step its gradient's reduction takes in the backward, as the program launches it when
+    the gradient is ready: the bucketed reduction of a parameter read as stored, a ZeRO-2
+    gradient's reduce-scatter, or the reduce-scatter back through a gather. None of a ZeRO-1
+    gradient's (``step_src``), which is reduced before the optimizer step, after the backward."""
+    if src == dst and (step_src is not None or not partial_axes):
+        return 0.0
+    backward, _, backward_s = _memoised_steps(src, dst, shape, itemsize, True, ctx, partial_axes, whole_axes,
+                                              grad_src, forward_itemsize, step_src)
+    if src == dst:
+        return steps_seconds(backward, ctx, bucketed=True) * gradient_reductions(grad_src, src, ctx)
+    return backward_s * ctx.microbatches

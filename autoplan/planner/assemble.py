@@ -11,6 +11,7 @@ from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_red
                                              resharded_itemsize, sharded_state_steps, state_gather_itemsize,
                                              step_reduction_spec, steps_seconds, value_itemsize)
 from autoplan.cost_models.gather_overlap import HiddenGathers, hidden_gathers
+from autoplan.cost_models.reduction_overlap import hidden_reductions
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (HELD_SUFFIX, MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction,
     PrefetchedGather, SolverStats, StagePlan)
@@ -148,7 +149,8 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
         comm += t
     compute = sum(cost.compute_s + cost.optimizer_s for cost in result.node_costs.values())
-    hidden = _hidden(graph, result, ctx).seconds
+    hidden = _hidden(graph, result, ctx).seconds + hidden_reductions(
+        graph, result.input_names, result.chosen, result.node_costs, result.needs_grad, ctx)
     memory = MemoryParts()
     for cost in result.node_costs.values():
         memory = memory + cost.memory

@@ -34,6 +34,7 @@ from torch import fx
 
 from autoplan.cost_models.gather_overlap import (BlockPrefetch, block_prefetches, forward_gather_seconds,
     overlaps_gathers, read_spec)
+from autoplan.cost_models.reduction_overlap import backward_window, overlaps_reductions, reduction_seconds
 from autoplan.cost_models.transient_memory import GatheredRead, gathered_bytes, peak_moments, value_bytes
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, resharded_itemsize, step_reduction_spec, steps_seconds, storage_cost, value_itemsize)
@@ -475,35 +476,41 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
 
 def overlap_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
                  ctx: CostContext) -> list[OverlapRow]:
-    """The ILP's overlap rows (:mod:`~autoplan.cost_models.gather_overlap`): per block whose
-    block before it is in the graph, its parameters' forward gathers (per choice of the
-    parameter's group and the consumer's) beside that block's forward compute (per choice of
-    each op's group). Copies of a repeated block give equal rows (the same classes): one row
+    """The ILP's overlap rows, per block whose block before it is in the graph: its
+    parameters' forward gathers beside that block's forward compute
+    (:mod:`~autoplan.cost_models.gather_overlap`), and its parameters' gradient reductions
+    beside that block's backward (:mod:`~autoplan.cost_models.reduction_overlap`); the
+    collectives per choice of the parameter's group and the consumer's, the compute per choice
+    of each op's group. Copies of a repeated block give equal rows (the same classes): one row
     each, with their count as its weight. None where the device overlaps nothing."""
-    if not overlaps_gathers(ctx):
-        return []
-    prefetches = view.prefetches
     rows: dict[tuple, OverlapRow] = {}
-    for prefetch in prefetches:
-        reads = tuple(sorted((classes.class_of[param], classes.class_of[op], pos, param)
-                             for param, op, pos in prefetch.reads))
-        beside = tuple(sorted(classes.class_of[op] for op in prefetch.beside if op in classes.class_of))
-        key = (tuple(r[:3] for r in reads), beside)
-        if key in rows:
-            rows[key].weight += 1.0
-            continue
-        comm = ChoiceSum({})
-        for u, v, pos, param in reads:
-            stored = [strat[u].strategies[j].output_spec for j in grouping.choice_map[u]]
-            read = [read_spec(strat[v].strategies[j], pos) for j in grouping.choice_map[v]]
-            matrix = [[forward_gather_seconds(view.graph, param, a, b, ctx) for b in read] for a in stored]
-            _add_pair(comm, grouping.group_of[u], grouping.group_of[v], matrix)
-        compute = ChoiceSum({})
-        for cls in beside:
-            seconds = [strat[cls].costs[j].forward_s for j in grouping.choice_map[cls]]
-            _add_term(compute, grouping.group_of[cls], seconds)
-        if comm.most() > 0 and compute.most() > 0:
-            rows[key] = OverlapRow(comm, compute)
+    directions = [(False, overlaps_gathers(ctx)), (True, overlaps_reductions(ctx))]
+    for backward in [b for b, overlaps in directions if overlaps]:
+        for prefetch in view.prefetches:
+            reads = tuple(sorted((classes.class_of[param], classes.class_of[op], pos, param)
+                                 for param, op, pos in prefetch.reads if not backward or view.needs_grad.get(param)))
+            beside = tuple(sorted(classes.class_of[op] for op in prefetch.beside if op in classes.class_of))
+            key = (backward, tuple(r[:3] for r in reads), beside)
+            if key in rows:
+                rows[key].weight += 1.0
+                continue
+            comm = ChoiceSum({})
+            for u, v, pos, param in reads:
+                stored = [strat[u].strategies[j] for j in grouping.choice_map[u]]
+                read = [strat[v].strategies[j] for j in grouping.choice_map[v]]
+                if backward:
+                    matrix = [[reduction_seconds(view.graph, param, a, b, pos, ctx) for b in read] for a in stored]
+                else:
+                    matrix = [[forward_gather_seconds(view.graph, param, a.output_spec, read_spec(b, pos), ctx)
+                               for b in read] for a in stored]
+                _add_pair(comm, grouping.group_of[u], grouping.group_of[v], matrix)
+            compute = ChoiceSum({})
+            for cls in beside:
+                costs = (strat[cls].costs[j] for j in grouping.choice_map[cls])
+                _add_term(compute, grouping.group_of[cls],
+                          [backward_window(c) if backward else c.forward_s for c in costs])
+            if comm.most() > 0 and compute.most() > 0:
+                rows[key] = OverlapRow(comm, compute)
     return list(rows.values())
 
 

@@ -260,7 +260,7 @@ def step_section(plan: Plan, progress: Progress) -> Section:
     ordered = sorted(kinds.items(), key=lambda kv: (list(COLLECTIVE_KINDS) + ["communication"]).index(kv[0])
                      if kv[0] in COLLECTIVE_KINDS or kv[0] == "communication" else 99)
     segments = [("compute", p.compute_s), *ordered, ("bubble", p.bubble_s)]
-    if p.hidden_s > 0:  # prefetched gathers beside compute: the parts add up to the step
+    if p.hidden_s > 0:  # collectives beside compute: the parts add up to the step
         segments.append(("beside compute", -p.hidden_s))
     blocks: list = [Figure("report_step_time", figures.step_breakdown(segments, p.step_time_s,
                                                                       "predicted step time by part"),

@@ -40,7 +40,9 @@ rows that bind.
 (7) and (8) make ``h[o]`` at most the smaller of the row's collectives ``a_o(x)`` and the
 compute they run beside ``b_o(x)``; the objective gains ``w[o]`` per second of ``h[o]``, so at
 an optimum ``h[o] = min(a_o(x), b_o(x))`` (:class:`~autoplan.solvers.intra_op.problem.OverlapRow`).
-Both are linear in ``s`` and ``e``; the min is exact because it is maximised.
+Both are linear in ``s`` and ``e``; the min is exact because it is maximised. The planner's rows
+are a block's forward gathers beside the forward of the block before and its gradient
+reductions beside that block's backward (:func:`autoplan.planner.mesh_plan.overlap_rows`).
 
 Each family is built by one function: (0) :func:`_objective`, (1)
 :func:`_add_onehot_constraints`, (2)-(3) :func:`_add_edge_marginal_constraints`, (4)
