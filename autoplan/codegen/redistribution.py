@@ -99,6 +99,15 @@ def _changes(value: DTensor, specs: list[str]) -> bool:
         not (isinstance(t, Partial) and isinstance(c, Partial)) and t != c for c, t in zip(value.placements, target))
 
 
+def launches_reduction(value: Any) -> bool:
+    """Whether the gradient of ``value`` is reduced without being awaited at once: a
+    parameter's, on a GPU (NCCL runs the collective on its own stream beside the backward).
+    Gloo's collectives are awaited where they are launched: its asynchronous ones run on a pool
+    of threads, where reduce-scatters launched back to back have been seen to deadlock two
+    processes, and on a CPU the plan hides nothing behind them."""
+    return isinstance(value, torch.nn.Parameter) and value.device.type == "cuda"
+
+
 class _PlannedRedistribute(torch.autograd.Function):
     """One edge of the plan as one autograd node: the forward is the planned resharding
     (:func:`_redistribute_value`, run without recording its steps); the backward brings the
@@ -111,16 +120,16 @@ class _PlannedRedistribute(torch.autograd.Function):
     gradient back in turn, and let a partial gradient flow on unreduced into the producer's
     backward, reducing it wherever a later step first needs it, often in another collective.)
 
-    A parameter's gradient reduction is launched and not awaited: the backward of the ops
-    before runs while it is in flight, as the plan costs it
-    (:mod:`~autoplan.cost_models.reduction_overlap`)."""
+    A parameter's gradient reduction on a GPU is launched and not awaited: the backward of the
+    ops before runs while it is in flight, as the plan costs it
+    (:mod:`~autoplan.cost_models.reduction_overlap`; :func:`launches_reduction`)."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh,  # type: ignore[override]
                 grad_target: tuple[DPlacement, ...] | None, param_dtype: torch.dtype | None) -> DTensor:
         ctx.target = grad_target or tuple(Replicate() if p.is_partial() else p for p in value.placements)
         ctx.mesh = mesh
-        ctx.launched = isinstance(value, torch.nn.Parameter)  # its gradient's reduction is not awaited at once
+        ctx.launched = launches_reduction(value)
         return _moved_as(value, specs, mesh, param_dtype)
 
     @staticmethod
@@ -150,7 +159,7 @@ def reduce_gradient_on_edge(before: Any, after: Any, target: tuple[DPlacement, .
     if target is None:
         target = tuple(Replicate() if p.is_partial() else p for p in before.placements)
     mesh = after.device_mesh
-    launched = isinstance(before, torch.nn.Parameter)  # a parameter's gradient: not awaited at once
+    launched = launches_reduction(before)
     after = after.view_as(after)
 
     def reduce(grad: torch.Tensor) -> torch.Tensor:

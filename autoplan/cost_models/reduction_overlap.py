@@ -1,12 +1,12 @@
 """Gradient reductions run beside the backward of the block before: what overlaps with what.
 
 The backward runs a stack's blocks in reverse. When block ``b``'s backward has produced its
-parameters' gradients, the program launches their reductions without waiting for them: the
-bucketed all-reduces of data parallelism (:mod:`autoplan.codegen.gradient_buckets`, as DDP
-does), the reduce-scatters of parameters gathered at use (ZeRO-3 / FSDP) and of ZeRO-2
-gradients (:func:`autoplan.codegen.redistribution.redistribute`: asynchronous collectives,
-awaited where the gradient is next read); FSDP2 launches its reduce-scatters the same way. So,
-with one microbatch per step:
+parameters' gradients, the program on a GPU launches their reductions without waiting for
+them: the bucketed all-reduces of data parallelism (:mod:`autoplan.codegen.gradient_buckets`,
+as DDP does), the reduce-scatters of parameters gathered at use (ZeRO-3 / FSDP) and of ZeRO-2
+gradients (:func:`autoplan.codegen.redistribution.launches_reduction`: asynchronous
+collectives, awaited where the gradient is next read); FSDP2 launches its reduce-scatters the
+same way. So, with one microbatch per step:
 
 - **overlapped:** block ``b``'s gradient reductions (every edge from a parameter of ``b`` to
   an op of ``b``, its backward's collectives) run beside block ``b-1``'s backward: its
@@ -22,9 +22,8 @@ with one microbatch per step:
   again (``reshard_after_forward``; the compute waits for them) and every tensor-parallel
   collective;
 - only on a device whose host runs ahead of it with collectives on their own stream (a GPU:
-  :attr:`~autoplan.cost_models.DeviceSpec.overlapped_dispatch`). On a CPU nothing overlaps
-  in the model; gloo's asynchronous collectives run on its own threads, which the two cores
-  of a small host share with the compute.
+  :attr:`~autoplan.cost_models.DeviceSpec.overlapped_dispatch`). On a CPU nothing overlaps:
+  the program awaits a gloo reduce-scatter where it launches it.
 
 Not modelled: reductions sharing a link with the backward's gathers and with each other's
 buckets beyond their sum (costed as if the link were theirs alone).

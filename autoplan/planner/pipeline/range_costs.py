@@ -446,7 +446,8 @@ class RangeTable:
         self.excess: dict[int, list[float]] = {}  # start -> counted_apart(start, end) for every end
         self.prefix: dict[str, list[tuple[float, float]]] = {}
         self.may_recompute = may_recompute  # the layers that may be recomputed (:func:`recomputable`)
-        self.parameter_bytes: dict[str, float] | None = None  # FQN -> training-state bytes, whole
+        self.state_prefix: list[float] | None = None  # :meth:`_state_parts`
+        self.shared_state: list[tuple[float, tuple[int, ...]]] = []
         pins = costs.options.pins  # the layers the user's checkpoint pins recompute, whatever the policy
         self.pinned_recompute = pins.checkpointed_layers(graph, layers) if pins else frozenset()
         self.plans: dict[tuple[int, int, float | None], RangePlan] = {}
@@ -510,14 +511,32 @@ class RangeTable:
         """Bytes per device that no plan of layers [start, end) goes below: the parameters they
         read, each with its gradient and optimizer state, sharded over every device of the mesh
         (ZeRO-3 over the whole mesh; a tied parameter once)."""
-        if self.parameter_bytes is None:
-            per_element = self.costs.ctx.optimizer.bytes_per_param
-            self.parameter_bytes = {info.fqn: math.prod(info.shape or ()) * per_element(info.itemsize)
-                                    for info in self.graph.nodes.values() if info.kind == "parameter" and info.fqn}
-        read = {fqn for layer in self.layers[start:end] for name in layer.nodes
-                for fqn in self.graph.nodes[name].params}
-        total = math.fsum(self.parameter_bytes.get(fqn, 0.0) for fqn in read)
+        if self.state_prefix is None:
+            self.state_prefix, self.shared_state = self._state_parts()
+        total = self.state_prefix[end] - self.state_prefix[start]
+        total += math.fsum(nbytes for nbytes, readers in self.shared_state
+                           if any(start <= i < end for i in readers))
         return total / math.prod(self.costs.ctx.mesh_shape)
+
+    def _state_parts(self) -> tuple[list[float], list[tuple[float, tuple[int, ...]]]]:
+        """The training-state bytes of the parameters the layers read: as prefix sums over the
+        layers for those only one layer reads, and apart with the layers reading them for those
+        several read (a tied parameter counts once in a range)."""
+        per_element = self.costs.ctx.optimizer.bytes_per_param
+        state = {info.fqn: math.prod(info.shape or ()) * per_element(info.itemsize)
+                 for info in self.graph.nodes.values() if info.kind == "parameter" and info.fqn}
+        readers: dict[str, list[int]] = {}
+        for i, layer in enumerate(self.layers):
+            for fqn in {fqn for name in layer.nodes for fqn in self.graph.nodes[name].params}:
+                readers.setdefault(fqn, []).append(i)
+        own = [0.0] * len(self.layers)
+        shared = []
+        for fqn, layers in readers.items():
+            if len(layers) == 1:
+                own[layers[0]] += state.get(fqn, 0.0)
+            else:
+                shared.append((state.get(fqn, 0.0), tuple(layers)))
+        return [0.0, *itertools.accumulate(own)], shared
 
     def transient(self, start: int, end: int, modes: Mapping[int, RecomputeMode] | None = None) -> float:
         """The backward's transient of layers [start, end): the largest of their fastest plans'
