@@ -157,6 +157,8 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
             "nanogpt hsdp": ("nanogpt", "dp=2,fsdp=2"), "llama hsdp checkpointed": ("llama", "dp=2,fsdp=2,ac=full")},
     }[world]
     plans = {label: (model, _manual(model, text, world)) for label, (model, text) in cases.items()}
+    if world == 4:  # planned for GPUs: FSDP inside pipeline stages, gathered per microbatch
+        plans["nanogpt4 pipeline fsdp prefetched"] = ("nanogpt4", _stage_prefetching(_pipelined_fsdp()))
     if world == 2:  # planned for GPUs: each block's gathers issued when the block before starts
         plans["llama fsdp prefetched"] = ("llama", _prefetching(_manual("llama", "fsdp=2", world, "h100")))
         plans["gpt2 fsdp checkpointed prefetched"] = ("gpt2", _prefetching(_manual("gpt2", "fsdp=2,ac=full", world,
@@ -166,8 +168,28 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
         if "hsdp" in label:
             _assert_hsdp(plan, frozenset(name for name, _ in _spec(model_name).module.named_buffers()))
     assert "gathered at use" in summary_text(next(iter(plans.values()))[1])
-    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py"})
+    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py", "nanogpt4": "fsdp_cases.py"})
     assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600), plans)
+
+
+def _pipelined_fsdp() -> Plan:
+    """Two 1F1B stages of two blocks on two H100s each, FSDP over each stage's two (the blocks'
+    weights pinned gathered at use, each microbatch: not held)."""
+    spec = make_model_spec(*fsdp_cases.nanogpt4(), name="nanogpt4")
+    return plan_model(spec, PlanOptions(4, "h100", precision="fp32", recompute="none", schedule="1f1b",
+                                        pins=("fsdp=2", "h.*.weight=fsdp", "stages=2", "microbatches=2")))
+
+
+def _stage_prefetching(plan: Plan) -> Plan:
+    """A pipeline whose stages issue each block's forward gathers when the block before it in
+    the stage starts: one prefetch per stage, its consumers in the stage, hidden in part."""
+    assert len(plan.stages) == 2 and plan.microbatches == 2
+    stage_of = {op: i for i, stage in enumerate(plan.stages) for op in stage.nodes}
+    assert sorted(stage_of[p.at] for p in plan.prefetch) == [0, 1], plan.prefetch
+    for prefetch in plan.prefetch:
+        assert prefetch.reads and all(stage_of[op] == stage_of[prefetch.at] for op, _ in prefetch.reads)
+    assert plan.predicted.hidden_s > 0
+    return plan
 
 
 def _prefetching(plan: Plan) -> Plan:
