@@ -333,6 +333,9 @@ class Plan:
     crossing_whole: list[str] = field(default_factory=list)
     # gathers issued a block ahead of their consumers (on a GPU, beside the block before)
     prefetch: list[PrefetchedGather] = field(default_factory=list)
+    # the backward gathers a block's parameters again while the block after it runs its
+    # backward (on a GPU: :mod:`autoplan.cost_models.backward_overlap`)
+    prefetch_regathers: bool = False
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -388,6 +391,7 @@ class Plan:
                 crossing_whole=list(data.get("crossing_whole", [])),
                 prefetch=[PrefetchedGather(str(p["at"]), [(str(c), int(i)) for c, i in p["reads"]])
                           for p in data.get("prefetch", [])],
+                prefetch_regathers=bool(data.get("prefetch_regathers", False)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None

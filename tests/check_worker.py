@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from autoplan.codegen.check import check_against_single_device  # noqa: E402
+from autoplan.codegen.parameter_regather import GatheredParameters  # noqa: E402
 from autoplan.codegen.runtime import build_parallel_module, init_distributed  # noqa: E402
 from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan  # noqa: E402
@@ -44,7 +45,9 @@ def run_case(case: dict) -> dict:
     spec = make_model_spec(model, inputs, loss_fn, name=case["name"])
     pm = build_parallel_module(spec, Plan.load(case["plan"]))
     report = check_against_single_device(spec, pm, steps=2)
-    return {"ok": report.ok, "text": report.text(), "moved": report.moved}
+    regathered = [m.gathered for m in pm.modules() if isinstance(getattr(m, "gathered", None), GatheredParameters)]
+    return {"ok": report.ok, "text": report.text(), "moved": report.moved,
+            "prefetched_regathers": sum(g.prefetched for g in regathered)}
 
 
 def main(out_dir: Path) -> None:

@@ -169,7 +169,12 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
             _assert_hsdp(plan, frozenset(name for name, _ in _spec(model_name).module.named_buffers()))
     assert "gathered at use" in summary_text(next(iter(plans.values()))[1])
     write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py", "nanogpt4": "fsdp_cases.py"})
-    assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600), plans)
+    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600)
+    assert_checks_passed(results, plans)
+    for label, (_, plan) in plans.items():  # planned for GPUs: a block re-gathered beside the next one's backward
+        early = [found[label]["prefetched_regathers"] for found in results.values()]
+        regathered = any(c.where.endswith("(re-gathered)") for c in plan.collectives)  # not recomputed
+        assert (min(early) > 0) == (plan.prefetch_regathers and regathered), (label, early)
 
 
 def _pipelined_fsdp() -> Plan:

@@ -47,7 +47,7 @@ from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
-from autoplan.codegen.parameter_regather import GatheredParameters
+from autoplan.codegen.parameter_regather import GatheredParameters, backward_starts, parameter_block
 from autoplan.codegen.prefetched_gathers import PrefetchedGathers
 from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
@@ -110,9 +110,11 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.program.prefetched.issue(n.name, self._gather)
-        if n in self.checkpointed:
-            return self.checkpointed.value(n, self.env, self._run_in)
-        return self._run_one(n)
+        out = self.checkpointed.value(n, self.env, self._run_in) if n in self.checkpointed else self._run_one(n)
+        block = self.program.backward_starts.get(n.name)
+        if block is not None:
+            self.program.gathered.watch(out, block)
+        return out
 
     def _run_in(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
         """Run ``n`` on ``env`` (a recomputed layer's own values) instead of the walk's."""
@@ -157,7 +159,8 @@ class _PlanInterpreter(torch.fx.Interpreter):
                 self.program.redistributions.append(
                     (f"{a.name} -> {n.name}", spec_text(before.placements), spec_text(after.placements)))
                 if a.name in self.program.placeholder_fqn and regathers_for(n):
-                    self.program.gathered.remember(after, before, specs)
+                    fqn = self.program.placeholder_fqn[a.name]
+                    self.program.gathered.remember(after, before, specs, parameter_block(fqn))
             if pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos] \
                     and a.name not in self.program.deferred_gradients:
                 after = reduce_gradient_on_edge(before, after, self.program.gradient_targets.get(a.name))
@@ -232,7 +235,10 @@ class ShardedProgram(torch.nn.Module):
         self.gradient_buckets: BucketedReduction | None = None
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
         self.param_dtype = gathered_dtype(plan.precision)  # what a parameter's gathers move
-        self.gathered = GatheredParameters(self.param_dtype)
+        self.gathered = GatheredParameters(self.param_dtype, plan.prefetch_regathers, mesh.device_type)
+        # the ops whose output's gradient starts a block's backward, where the block before it
+        # is re-gathered (plan.prefetch_regathers)
+        self.backward_starts = backward_starts(graph.graph_module.graph.nodes) if plan.prefetch_regathers else {}
         # gathers issued a block ahead of their consumers (plan.prefetch)
         self.prefetched = PrefetchedGathers(plan.prefetch, mesh.device_type)
         # parameters (placeholder names) whose edges reduce the gradient into the placements

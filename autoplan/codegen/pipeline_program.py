@@ -96,7 +96,7 @@ from autoplan.codegen.gradient_buckets import parameter_reads
 from autoplan.codegen.held_parameters import HeldParameter, held_parameters
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
-from autoplan.codegen.parameter_regather import GatheredParameters
+from autoplan.codegen.parameter_regather import GatheredParameters, backward_starts, parameter_block
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
 from autoplan.codegen.precision import compute_precision, gathered_dtype
@@ -175,7 +175,8 @@ class _StageModule(torch.nn.Module):
                  precision: Callable[[], AbstractContextManager] = nullcontext,
                  gradient_targets: dict[int, tuple[Placement, ...]] | None = None,
                  param_dtype: torch.dtype | None = None, held: dict[str, HeldParameter] | None = None,
-                 crossing: StageCrossing | None = None, prefetch: Sequence[PrefetchedGather] = ()) -> None:
+                 crossing: StageCrossing | None = None, prefetch: Sequence[PrefetchedGather] = (),
+                 prefetch_regathers: bool = False) -> None:
         super().__init__()
         self.index = index
         self.mesh = mesh
@@ -212,7 +213,10 @@ class _StageModule(torch.nn.Module):
         self.redistributions: list[tuple[str, str, str]] = []
         # parameters redistributed for a consumer: re-gathered in the backward, not kept
         self.param_dtype = param_dtype  # what a parameter's gathers move
-        self.gathered = GatheredParameters(param_dtype)
+        self.gathered = GatheredParameters(param_dtype, prefetch_regathers, mesh.device_type)
+        # the ops whose output's gradient starts a block's backward (the block before it re-gathered)
+        self.backward_starts = backward_starts(self.nodes) if prefetch_regathers else {}
+        self._blocks = {node: parameter_block(placeholder_fqn[node.name]) for node in self._locals}  # repeated ones
         # gathers issued a block ahead of their consumers (the plan's, for this stage's ops)
         names = {n.name for n in self.nodes}
         self.prefetched = PrefetchedGathers([p for p in prefetch if p.at in names], mesh.device_type)
@@ -235,6 +239,8 @@ class _StageModule(torch.nn.Module):
                 for n in self.nodes:
                     self.prefetched.issue(n.name, partial(self._gather, env))
                     env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
+                    if n.name in self.backward_starts:
+                        self.gathered.watch(env[n], self.backward_starts[n.name])
         finally:
             self.prefetched.clear()
         outs = []
@@ -292,7 +298,7 @@ class _StageModule(torch.nn.Module):
                     redistribute(env[a], specs, self.mesh, target, self.param_dtype)
                 if a in self._locals:  # a parameter's partial gradient is reduced after the schedule,
                     if regathers_for(n):  # a ZeRO-2 one into its shard on the edge, every microbatch
-                        self.gathered.remember(arrived[a], env[a], specs)
+                        self.gathered.remember(arrived[a], env[a], specs, self._blocks.get(a))
                     if target is not None:
                         arrived[a] = reduce_gradient_on_edge(env[a], arrived[a], target)
                 elif pos < len(node_plan.grad_partial) and node_plan.grad_partial[pos]:
@@ -423,7 +429,7 @@ class PipelineProgram(torch.nn.Module):
                          graph.graph_module, plan.recompute, partial(compute_precision, plan.precision, device_type),
                          self.gradient_targets, gathered_dtype(plan.precision), self.held,
                          StageCrossing.of(layout, [tuple(st.mesh) for st in plan.stages], s,
-                                          frozenset(plan.crossing_whole)), plan.prefetch)
+                                          frozenset(plan.crossing_whole)), plan.prefetch, plan.prefetch_regathers)
             for s in local_stages)
 
         # groups summing the gradients of parameters held on several pp ranks (tied weights):

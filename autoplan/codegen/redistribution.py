@@ -55,7 +55,7 @@ def reduce_to(value: DTensor, mesh: DeviceMesh, target: Sequence[DPlacement], as
     the sharding axis, then its shard all-reduced over the replicating one). ``async_op``: the
     last collective is launched and awaited where its result is first read (a parameter's
     gradient reduction, which the backward of the ops before runs beside:
-    :mod:`~autoplan.cost_models.reduction_overlap`)."""
+    :mod:`~autoplan.cost_models.backward_overlap`)."""
     first = reduce_scatter_first(_planned_spec(value.placements), _planned_spec(target))
     if first:
         value = value.redistribute(mesh, [t if i in first else c
@@ -122,7 +122,7 @@ class _PlannedRedistribute(torch.autograd.Function):
 
     A parameter's gradient reduction on a GPU is launched and not awaited: the backward of the
     ops before runs while it is in flight, as the plan costs it
-    (:mod:`~autoplan.cost_models.reduction_overlap`; :func:`launches_reduction`)."""
+    (:mod:`~autoplan.cost_models.backward_overlap`; :func:`launches_reduction`)."""
 
     @staticmethod
     def forward(ctx: Any, value: DTensor, specs: list[str], mesh: DeviceMesh,  # type: ignore[override]

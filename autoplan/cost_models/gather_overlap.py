@@ -10,13 +10,13 @@ on a GPU on a stream of their own, beside the compute stream). So, per microbatc
   reads in another placement than stored, its forward resharding) run beside block ``b-1``'s
   forward compute. Hidden: ``min(G_b, C_(b-1))`` seconds, ``G_b`` the gathers' seconds and
   ``C_(b-1)`` the forward seconds of ``b-1``'s ops (their roofline, no collectives);
-- **not overlapped,** costed in full where they run: the gathers of the first block of a
+- **not overlapped** here, costed in full where they run: the gathers of the first block of a
   stack or of a pipeline stage (no block before it in the graph) and of parameters outside
-  repeated blocks (embeddings, the head); the backward's gathers again
-  (``reshard_after_forward``), a recomputed block's gathers again in its recomputation (inside
-  the checkpointed region); every tensor-parallel collective (the compute waits for its
-  result). The gradients' reductions run beside the backward of the block before
-  (:mod:`~autoplan.cost_models.reduction_overlap`);
+  repeated blocks (embeddings, the head); a recomputed block's gathers again in its
+  recomputation (inside the checkpointed region); every tensor-parallel collective (the
+  compute waits for its result). The backward's gathers again (``reshard_after_forward``) and
+  the gradients' reductions run beside the backward of a neighbouring block
+  (:mod:`~autoplan.cost_models.backward_overlap`);
 - only on a device whose host runs ahead of it with collectives on their own stream (a GPU:
   :attr:`~autoplan.cost_models.DeviceSpec.overlapped_dispatch`). On a CPU (gloo) nothing
   overlaps; the program still issues the gathers early, which changes nothing there.
@@ -62,24 +62,36 @@ def overlaps_gathers(ctx: CostContext) -> bool:
     return ctx.device.overlapped_dispatch
 
 
-def block_prefetches(graph: TracedGraph, inputs: Mapping[str, list[str]]) -> list[BlockPrefetch]:
-    """Every block of a repeated stack whose block before it is in ``graph``, with the
-    parameter reads whose gathers can be prefetched: those of its own parameters by its ops
-    (``inputs``: op -> its tensor inputs)."""
+def block_ops(graph: TracedGraph) -> dict[tuple[str, int], list[str]]:
+    """The ops of every repeated block in ``graph``, in graph order."""
     ops: dict[tuple[str, int], list[str]] = {}
     for name, info in graph.nodes.items():
         if info.kind == "op":
             block = node_block(graph, name)
             if block is not None:
                 ops.setdefault(block, []).append(name)
+    return ops
+
+
+def own_reads(graph: TracedGraph, inputs: Mapping[str, list[str]], block: tuple[str, int],
+              ops: list[str]) -> tuple[tuple[str, str, int], ...]:
+    """(parameter, consumer op, the consumer's tensor input position) of every read of a
+    parameter of ``block`` by one of its ``ops`` (``inputs``: op -> its tensor inputs)."""
+    return tuple((source, op, pos) for op in ops for pos, source in enumerate(inputs.get(op, ()))
+                 if graph.nodes[source].kind == "parameter" and node_block(graph, source) == block)
+
+
+def block_prefetches(graph: TracedGraph, inputs: Mapping[str, list[str]]) -> list[BlockPrefetch]:
+    """Every block of a repeated stack whose block before it is in ``graph``, with the
+    parameter reads whose gathers can be prefetched: those of its own parameters by its ops
+    (``inputs``: op -> its tensor inputs)."""
+    ops = block_ops(graph)
     out = []
     for (stack, index), names in ops.items():
         before = ops.get((stack, index - 1))
         if before is None:
             continue
-        reads = tuple((source, op, pos) for op in names
-                      for pos, source in enumerate(inputs.get(op, ()))
-                      if graph.nodes[source].kind == "parameter" and node_block(graph, source) == (stack, index))
+        reads = own_reads(graph, inputs, (stack, index), names)
         if reads:
             out.append(BlockPrefetch((stack, index), before[0], tuple(before), reads))
     return out

@@ -25,9 +25,9 @@ gradients, and the next block's prefetched, as FSDP2 holds them). A gather's edg
 full; on a GPU the forward gathers of a repeated block are issued while the block before it
 computes, and the seconds they hide there are taken off by the ILP's overlap rows
 (:mod:`~autoplan.cost_models.gather_overlap`, which says what overlaps with what), as are the
-seconds a block's gradient reductions hide behind the backward of the block before
-(:mod:`~autoplan.cost_models.reduction_overlap`); every other collective here runs in full,
-the compute waiting for it. Under mixed
+seconds the gradient reductions of the block after and the re-gathers of the block before hide
+behind a block's backward (:mod:`~autoplan.cost_models.backward_overlap`); every other
+collective here runs in full, the compute waiting for it. Under mixed
 precision a gather moves bf16 (:func:`resharded_itemsize`, FSDP2's ``MixedPrecisionPolicy``),
 the gradient's reduce-scatter fp32.
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from autoplan.cost_models import ClusterSpec, OptimizerSpec
+from autoplan.cost_models.backward_overlap import overlaps_regathers
 from autoplan.cost_models.step_costs import CostContext
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.load import ModelSpec
@@ -135,6 +136,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         batch_coupling=coupling_plans(graph, 1),
         recompute=recomputed_layers(recomputed, selective),
         prefetch=prefetched_gathers(graph, result, best.ctx),
+        prefetch_regathers=overlaps_regathers(best.ctx),
     )
 
 

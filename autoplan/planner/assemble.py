@@ -11,12 +11,12 @@ from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_red
                                              resharded_itemsize, sharded_state_steps, state_gather_itemsize,
                                              step_reduction_spec, steps_seconds, value_itemsize)
 from autoplan.cost_models.gather_overlap import HiddenGathers, hidden_gathers
-from autoplan.cost_models.reduction_overlap import hidden_reductions
+from autoplan.cost_models.backward_overlap import backward_windows, hidden_in_backward
 from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.plan_schema import (HELD_SUFFIX, MemoryEstimate, NodePlan, ParamStorage, PlannedCollective, Prediction,
     PrefetchedGather, SolverStats, StagePlan)
 from autoplan.planner.memory_savings import recompute_saved, sharding_saved
-from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, with_parameter_edges
+from autoplan.planner.mesh_plan import IntraOpResult, parameter_kept, regathered, with_parameter_edges
 from autoplan.sharding import deferred_axes, spec_to_json
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.repeated import NodeClasses
@@ -149,8 +149,7 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
         by_kind[c.kind] = by_kind.get(c.kind, 0.0) + t
         comm += t
     compute = sum(cost.compute_s + cost.optimizer_s for cost in result.node_costs.values())
-    hidden = _hidden(graph, result, ctx).seconds + hidden_reductions(
-        graph, result.input_names, result.chosen, result.node_costs, result.needs_grad, ctx)
+    hidden = _hidden(graph, result, ctx).seconds + _hidden_in_backward(graph, result, ctx)
     memory = MemoryParts()
     for cost in result.node_costs.values():
         memory = memory + cost.memory
@@ -162,6 +161,13 @@ def predict(graph: TracedGraph, classes: NodeClasses, result: IntraOpResult, ctx
     mfu = model_flops_utilization(graph.nodes.values(), ctx.microbatches, step, math.prod(ctx.mesh_shape),
                                   ctx.device, ctx.optimizer.mixed_precision)
     return Prediction(step, compute, comm, estimate, by_kind, hidden_s=hidden, mfu=mfu), collectives
+
+
+def _hidden_in_backward(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) -> float:
+    """The seconds the plan's collectives hide beside the backward, as its ILP's rows cost them."""
+    fx_nodes, needs_grad = graph.fx_nodes, result.needs_grad
+    return hidden_in_backward(graph, backward_windows(graph, result.input_names), result.chosen, result.node_costs,
+                              needs_grad, lambda op, param: regathered(fx_nodes, needs_grad, op, param, ctx), ctx)
 
 
 def _hidden(graph: TracedGraph, result: IntraOpResult, ctx: CostContext) -> HiddenGathers:

@@ -34,7 +34,8 @@ from torch import fx
 
 from autoplan.cost_models.gather_overlap import (BlockPrefetch, block_prefetches, forward_gather_seconds,
     overlaps_gathers, read_spec)
-from autoplan.cost_models.reduction_overlap import backward_window, overlaps_reductions, reduction_seconds
+from autoplan.cost_models.backward_overlap import (BackwardWindow, Read, backward_window, backward_windows,
+    overlaps_reductions, overlaps_regathers, reduction_seconds)
 from autoplan.cost_models.transient_memory import GatheredRead, gathered_bytes, peak_moments, value_bytes
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, resharded_itemsize, step_reduction_spec, steps_seconds, storage_cost, value_itemsize)
@@ -116,6 +117,11 @@ class GraphView:
         """The blocks whose forward gathers may be issued a block ahead (every solve of the
         graph asks: found once)."""
         return block_prefetches(self.graph, self.inputs)
+
+    @cached_property
+    def backward_windows(self) -> list[BackwardWindow]:
+        """The blocks whose backward runs collectives of their neighbours beside it (found once)."""
+        return backward_windows(self.graph, self.inputs)
 
     @classmethod
     def of(cls, graph: TracedGraph) -> GraphView:
@@ -476,42 +482,63 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
 
 def overlap_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
                  ctx: CostContext) -> list[OverlapRow]:
-    """The ILP's overlap rows, per block whose block before it is in the graph: its
+    """The ILP's overlap rows: per block whose block before it is in the graph, its
     parameters' forward gathers beside that block's forward compute
-    (:mod:`~autoplan.cost_models.gather_overlap`), and its parameters' gradient reductions
-    beside that block's backward (:mod:`~autoplan.cost_models.reduction_overlap`); the
-    collectives per choice of the parameter's group and the consumer's, the compute per choice
-    of each op's group. Copies of a repeated block give equal rows (the same classes): one row
-    each, with their count as its weight. None where the device overlaps nothing."""
+    (:mod:`~autoplan.cost_models.gather_overlap`); per block with a block after or before it,
+    the gradient reductions of the one after and the re-gathers of the one before beside its
+    backward (:mod:`~autoplan.cost_models.backward_overlap`); the collectives per choice of the
+    parameter's group and the consumer's, the compute per choice of each op's group. Copies of
+    a repeated block give equal rows (the same classes): one row each, with their count as its
+    weight. None where the device overlaps nothing."""
     rows: dict[tuple, OverlapRow] = {}
-    directions = [(False, overlaps_gathers(ctx)), (True, overlaps_reductions(ctx))]
-    for backward in [b for b, overlaps in directions if overlaps]:
+
+    def add_row(key: tuple, reads: list[tuple[Read, Callable[[Strategy, Strategy, str, int], float]]],
+                beside: tuple[str, ...], seconds: Callable[[NodeCost], float]) -> None:
+        classed = sorted((classes.class_of[param], classes.class_of[op], pos, param, cost)
+                         for (param, op, pos), cost in reads)
+        ops = tuple(sorted(classes.class_of[op] for op in beside if op in classes.class_of))
+        key = (key, tuple((u, v, pos, cost.__name__) for u, v, pos, _, cost in classed), ops)
+        if key in rows:
+            rows[key].weight += 1.0
+            return
+        comm = ChoiceSum({})
+        for u, v, pos, param, cost in classed:
+            stored = [strat[u].strategies[j] for j in grouping.choice_map[u]]
+            read = [strat[v].strategies[j] for j in grouping.choice_map[v]]
+            _add_pair(comm, grouping.group_of[u], grouping.group_of[v],
+                      [[cost(a, b, param, pos) for b in read] for a in stored])
+        compute = ChoiceSum({})
+        for cls in ops:
+            _add_term(compute, grouping.group_of[cls], [seconds(strat[cls].costs[j]) for j in grouping.choice_map[cls]])
+        if comm.most() > 0 and compute.most() > 0:
+            rows[key] = OverlapRow(comm, compute)
+
+    def gather(a: Strategy, b: Strategy, param: str, pos: int) -> float:
+        return forward_gather_seconds(view.graph, param, a.output_spec, read_spec(b, pos), ctx)
+
+    def reduction(a: Strategy, b: Strategy, param: str, pos: int) -> float:
+        return reduction_seconds(view.graph, param, a, b, pos, ctx)
+
+    if overlaps_gathers(ctx):
         for prefetch in view.prefetches:
-            reads = tuple(sorted((classes.class_of[param], classes.class_of[op], pos, param)
-                                 for param, op, pos in prefetch.reads if not backward or view.needs_grad.get(param)))
-            beside = tuple(sorted(classes.class_of[op] for op in prefetch.beside if op in classes.class_of))
-            key = (backward, tuple(r[:3] for r in reads), beside)
-            if key in rows:
-                rows[key].weight += 1.0
-                continue
-            comm = ChoiceSum({})
-            for u, v, pos, param in reads:
-                stored = [strat[u].strategies[j] for j in grouping.choice_map[u]]
-                read = [strat[v].strategies[j] for j in grouping.choice_map[v]]
-                if backward:
-                    matrix = [[reduction_seconds(view.graph, param, a, b, pos, ctx) for b in read] for a in stored]
-                else:
-                    matrix = [[forward_gather_seconds(view.graph, param, a.output_spec, read_spec(b, pos), ctx)
-                               for b in read] for a in stored]
-                _add_pair(comm, grouping.group_of[u], grouping.group_of[v], matrix)
-            compute = ChoiceSum({})
-            for cls in beside:
-                costs = (strat[cls].costs[j] for j in grouping.choice_map[cls])
-                _add_term(compute, grouping.group_of[cls],
-                          [backward_window(c) if backward else c.forward_s for c in costs])
-            if comm.most() > 0 and compute.most() > 0:
-                rows[key] = OverlapRow(comm, compute)
+            add_row("forward", [(r, gather) for r in prefetch.reads], prefetch.beside, lambda c: c.forward_s)
+    reduces, regathers = overlaps_reductions(ctx), overlaps_regathers(ctx)
+    if reduces or regathers:
+        for window in view.backward_windows:
+            reads = [(r, reduction) for r in window.reductions if reduces and view.needs_grad.get(r[0])]
+            reads += [(r, gather) for r in window.regathers
+                      if regathers and regathered(view.fx_nodes, view.needs_grad, r[1], r[0], ctx)]
+            add_row("backward", reads, window.ops, backward_window)
     return list(rows.values())
+
+
+def regathered(fx_nodes: Mapping[str, fx.Node], needs_grad: Mapping[str, bool], consumer: str, param: str,
+               ctx: CostContext) -> bool:
+    """Whether ``consumer`` keeps its trained input ``param`` for a backward it does not
+    recompute: a parameter gathered for it is gathered again there, and may be prefetched
+    (:mod:`~autoplan.cost_models.backward_overlap`)."""
+    return bool(needs_grad.get(param)) and ctx.region_of(consumer) is None \
+        and parameter_kept(fx_nodes, needs_grad, consumer, param, ctx)
 
 
 def _add_term(total: ChoiceSum, group: int, values: list[float]) -> None:

@@ -7,6 +7,7 @@ import math
 from dataclasses import replace
 
 from autoplan.cost_models import ALL_REDUCE, BROADCAST, LinkSpec, collective_time
+from autoplan.cost_models.backward_overlap import overlaps_regathers
 from autoplan.cost_models.step_costs import is_floating, model_flops_utilization
 from autoplan.errors import MemoryInfeasibleError
 from autoplan.load import ModelSpec
@@ -108,7 +109,7 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         warnings=warnings_, model=spec.name, batch_coupling=coupling,
         recompute=recomputed_layers((layers[i] for i in sorted(candidate.recomputed)),
                                     (layers[i] for i in candidate.selective)),
-        prefetch=prefetch)
+        prefetch=prefetch, prefetch_regathers=any(overlaps_regathers(ctx) for _, _, ctx in results))
 
 
 def per_rank(memories: list[MemoryEstimate], ranks: int) -> list[MemoryEstimate]:

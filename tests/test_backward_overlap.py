@@ -1,7 +1,7 @@
-"""Gradient reductions beside the backward of the block before
-(:mod:`autoplan.cost_models.reduction_overlap`): on a GPU, with one microbatch per step, a
-block's gradient reductions are hidden up to the backward of the block before it; nothing is
-hidden where microbatches accumulate or where the device overlaps nothing."""
+"""Collectives beside the backward of a block (:mod:`autoplan.cost_models.backward_overlap`): on a
+GPU the gradient reductions of the block after it (with one microbatch per step) and the
+re-gathers of the block before it are hidden up to its backward; nothing where the device
+overlaps nothing."""
 
 from __future__ import annotations
 
@@ -49,9 +49,21 @@ def test_fsdp_gradient_reduce_scatters_are_hidden_too(serial_h100: str) -> None:
     overlapped, serial = _plan("fsdp=8", "h100"), _plan("fsdp=8", serial_h100)
     assert _kind_seconds(overlapped, "reduce_scatter") > 0
     assert overlapped.predicted.hidden_s > 0 == serial.predicted.hidden_s
-    gathers_only = _plan("fsdp=8,microbatches=2", "h100")  # accumulating: reductions not hidden
-    # per microbatch, the same gathers hidden; with one microbatch the reductions besides
-    assert overlapped.predicted.hidden_s > gathers_only.predicted.hidden_s / 2
+    assert not serial.prefetch_regathers and overlapped.prefetch_regathers
+    assert overlapped.predicted.step_time_s + overlapped.predicted.hidden_s == pytest.approx(
+        serial.predicted.step_time_s)
+    accumulating = _plan("fsdp=8,microbatches=2", "h100")  # reductions not hidden, per microbatch the rest
+    assert overlapped.predicted.hidden_s > accumulating.predicted.hidden_s / 2
+
+
+def test_fsdp_regathers_are_hidden_where_the_backward_gathers_again() -> None:
+    """A block whose ops keep their gathered weights for the backward is gathered again there,
+    beside the backward of the block after it; a recomputed block gathers again in its
+    recomputation, which hides nothing."""
+    kept, recomputed = (_plan(f"fsdp=8,microbatches=2,ac={ac}", "h100") for ac in ("none", "full"))
+    assert any(c.where.endswith("(re-gathered)") for c in kept.collectives)
+    assert not any(c.where.endswith("(re-gathered)") for c in recomputed.collectives)
+    assert kept.predicted.hidden_s > recomputed.predicted.hidden_s > 0  # the forward's gathers in both
 
 
 def test_accumulated_gradients_are_reduced_without_overlap() -> None:
