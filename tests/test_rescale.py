@@ -120,7 +120,9 @@ def test_task_pool_cancel_stops_its_children(tmp_path: Path) -> None:
     pool: TaskPool[int] = TaskPool(2)
 
     def sleeper(k: int) -> int:
-        (tmp_path / f"{k}.pid").write_text(str(os.getpid()))
+        written = tmp_path / f"{k}.written"  # renamed once whole: never read half-written
+        written.write_text(str(os.getpid()))
+        written.rename(tmp_path / f"{k}.pid")
         time.sleep(600)
         return k
 
