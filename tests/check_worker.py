@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from autoplan.codegen.check import check_against_single_device  # noqa: E402
 from autoplan.codegen.parameter_regather import GatheredParameters  # noqa: E402
+from autoplan.codegen.prefetched_gathers import PrefetchedGathers  # noqa: E402
 from autoplan.codegen.runtime import build_parallel_module, init_distributed  # noqa: E402
 from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan  # noqa: E402
@@ -46,8 +47,10 @@ def run_case(case: dict) -> dict:
     pm = build_parallel_module(spec, Plan.load(case["plan"]))
     report = check_against_single_device(spec, pm, steps=2)
     regathered = [m.gathered for m in pm.modules() if isinstance(getattr(m, "gathered", None), GatheredParameters)]
+    recomputed = [m.prefetched for m in pm.modules() if isinstance(getattr(m, "prefetched", None), PrefetchedGathers)]
     return {"ok": report.ok, "text": report.text(), "moved": report.moved,
-            "prefetched_regathers": sum(g.prefetched for g in regathered)}
+            "prefetched_regathers": sum(g.prefetched for g in regathered)
+            + sum(p.recomputation_gathers for p in recomputed)}
 
 
 def main(out_dir: Path) -> None:

@@ -158,7 +158,9 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
     }[world]
     plans = {label: (model, _manual(model, text, world)) for label, (model, text) in cases.items()}
     if world == 4:  # planned for GPUs: FSDP inside pipeline stages, gathered per microbatch
-        plans["nanogpt4 pipeline fsdp prefetched"] = ("nanogpt4", _stage_prefetching(_pipelined_fsdp()))
+        plans["nanogpt4 pipeline fsdp prefetched"] = ("nanogpt4", _stage_prefetching(_pipelined_fsdp("none")))
+        plans["nanogpt4 pipeline fsdp checkpointed prefetched"] = ("nanogpt4",
+                                                                  _stage_prefetching(_pipelined_fsdp("all")))
     if world == 2:  # planned for GPUs: each block's gathers issued when the block before starts
         plans["llama fsdp prefetched"] = ("llama", _prefetching(_manual("llama", "fsdp=2", world, "h100")))
         plans["gpt2 fsdp checkpointed prefetched"] = ("gpt2", _prefetching(_manual("gpt2", "fsdp=2,ac=full", world,
@@ -173,15 +175,15 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
     assert_checks_passed(results, plans)
     for label, (_, plan) in plans.items():  # planned for GPUs: a block re-gathered beside the next one's backward
         early = [found[label]["prefetched_regathers"] for found in results.values()]
-        regathered = any(c.where.endswith("(re-gathered)") for c in plan.collectives)  # not recomputed
+        regathered = any(c.where.endswith(("(re-gathered)", "(recomputed)")) for c in plan.collectives)
         assert (min(early) > 0) == (plan.prefetch_regathers and regathered), (label, early)
 
 
-def _pipelined_fsdp() -> Plan:
+def _pipelined_fsdp(recompute: str) -> Plan:
     """Two 1F1B stages of two blocks on two H100s each, FSDP over each stage's two (the blocks'
-    weights pinned gathered at use, each microbatch: not held)."""
+    weights pinned gathered at use, each microbatch: not held), every layer recomputed or none."""
     spec = make_model_spec(*fsdp_cases.nanogpt4(), name="nanogpt4")
-    return plan_model(spec, PlanOptions(4, "h100", precision="fp32", recompute="none", schedule="1f1b",
+    return plan_model(spec, PlanOptions(4, "h100", precision="fp32", recompute=recompute, schedule="1f1b",
                                         pins=("fsdp=2", "h.*.weight=fsdp", "stages=2", "microbatches=2")))
 
 

@@ -48,7 +48,7 @@ from autoplan.codegen.collective_counter import CollectiveCounter
 from autoplan.codegen.materialize import planned_tensor
 from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters, backward_starts, parameter_block
-from autoplan.codegen.prefetched_gathers import PrefetchedGathers
+from autoplan.codegen.prefetched_gathers import PrefetchedGathers, recomputed_reads
 from autoplan.codegen.precision import gathered_dtype
 from autoplan.codegen.redistribution import (redistribute, reduce_gradient_on_edge, shard_batch, spec_text,
     to_dtensor_placements, unmask_partial)
@@ -110,11 +110,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
 
     def run_node(self, n: torch.fx.Node) -> Any:
         self.program.prefetched.issue(n.name, self._gather)
-        out = self.checkpointed.value(n, self.env, self._run_in) if n in self.checkpointed else self._run_one(n)
-        block = self.program.backward_starts.get(n.name)
-        if block is not None:
-            self.program.gathered.watch(out, block)
-        return out
+        if n in self.checkpointed:
+            return self.checkpointed.value(n, self.env, self._run_in)
+        return self._run_one(n)
 
     def _run_in(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
         """Run ``n`` on ``env`` (a recomputed layer's own values) instead of the walk's."""
@@ -125,6 +123,16 @@ class _PlanInterpreter(torch.fx.Interpreter):
             self.env = walk
 
     def _run_one(self, n: torch.fx.Node) -> Any:
+        """``n``'s value (inside a checkpointed region too, where its output's gradient starts
+        a block's backward: :meth:`GatheredParameters.watch`)."""
+        out = self._value_of(n)
+        block = self.program.backward_starts.get(n.name)
+        if block is not None:
+            self.program.gathered.watch(out, block)
+            self.program.prefetched.watch(out, block, self._gather)
+        return out
+
+    def _value_of(self, n: torch.fx.Node) -> Any:
         if n.op == "placeholder":
             return self._placeholder_values[n.name]
         if n.op == "call_function":
@@ -139,7 +147,9 @@ class _PlanInterpreter(torch.fx.Interpreter):
     def _gather(self, consumer: str, pos: int) -> Any:
         """Input ``pos`` of op ``consumer`` resharded as its plan reads it (a prefetched gather)."""
         a = tensor_inputs_of(self._nodes[consumer])[pos]
-        return redistribute(self.env[a], self.program.node_plans[consumer].inputs[pos], self.program.mesh,
+        fqn = self.program.placeholder_fqn.get(a.name)  # a parameter: read where it is kept
+        value = self.program.tensor(fqn) if fqn is not None else self.env[a]
+        return redistribute(value, self.program.node_plans[consumer].inputs[pos], self.program.mesh,
                             self.program.gradient_targets.get(a.name), self.program.param_dtype)
 
     def _call_planned(self, n: torch.fx.Node, node_plan: NodePlan) -> Any:
@@ -239,8 +249,15 @@ class ShardedProgram(torch.nn.Module):
         # the ops whose output's gradient starts a block's backward, where the block before it
         # is re-gathered (plan.prefetch_regathers)
         self.backward_starts = backward_starts(graph.graph_module.graph.nodes) if plan.prefetch_regathers else {}
-        # gathers issued a block ahead of their consumers (plan.prefetch)
-        self.prefetched = PrefetchedGathers(plan.prefetch, mesh.device_type)
+        # gathers issued a block ahead of their consumers (plan.prefetch), and a recomputed
+        # block's issued when the backward of the block after it starts (plan.prefetch_regathers)
+        recomputed = {name for layer in plan.recompute for name in layer.nodes}
+        planned = {n.name: tensor_inputs_of(n) for n in graph.graph_module.graph.nodes
+                   if n.name in self.node_plans and n.target is not operator.getitem}
+        self.prefetched = PrefetchedGathers(
+            plan.prefetch, mesh.device_type,
+            recomputed_reads(planned, (n for n in graph.graph_module.graph.nodes if n.name in recomputed),
+                             self.placeholder_fqn) if plan.prefetch_regathers else None)
         # parameters (placeholder names) whose edges reduce the gradient into the placements
         # the plan stores it in rather than the parameter's (ZeRO-2)
         # (``gradient_placements``: the same by ``id(parameter)``, for the gradient hooks)

@@ -112,11 +112,15 @@ def backward_starts(nodes: Iterable[torch.fx.Node]) -> dict[str, Block]:
     before it is re-gathered beside it (:meth:`GatheredParameters.watch`)."""
     last: dict[Block, str] = {}
     for n in nodes:
-        if n.op == "call_function":
-            block = block_of(module_of_op(n, "")[0])
-            if block is not None:
-                last[block] = n.name
+        block = op_block(n)
+        if block is not None:
+            last[block] = n.name
     return {name: block for block, name in last.items() if (block[0], block[1] - 1) in last}
+
+
+def op_block(node: torch.fx.Node) -> Block | None:
+    """The repeated block an op of the graph comes from (None: not an op, or outside blocks)."""
+    return block_of(module_of_op(node, "")[0]) if node.op == "call_function" else None
 
 
 def parameter_block(fqn: str) -> Block | None:

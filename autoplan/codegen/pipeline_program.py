@@ -91,7 +91,7 @@ from torch.distributed.tensor.placement_types import Placement
 
 from autoplan.codegen.checkpointing import CheckpointedRegions
 from autoplan.codegen.dtensor_program import ShardedProgram, dispatch_settings, tensor_inputs_of
-from autoplan.codegen.prefetched_gathers import PrefetchedGathers
+from autoplan.codegen.prefetched_gathers import PrefetchedGathers, recomputed_reads
 from autoplan.codegen.gradient_buckets import parameter_reads
 from autoplan.codegen.held_parameters import HeldParameter, held_parameters
 from autoplan.codegen.materialize import planned_tensor
@@ -219,8 +219,16 @@ class _StageModule(torch.nn.Module):
         self._blocks = {node: parameter_block(placeholder_fqn[node.name]) for node in self._locals}  # repeated ones
         # gathers issued a block ahead of their consumers (the plan's, for this stage's ops)
         names = {n.name for n in self.nodes}
-        self.prefetched = PrefetchedGathers([p for p in prefetch if p.at in names], mesh.device_type)
         self._by_name = {n.name: n for n in self.nodes}
+        # and a recomputed block's, issued when the backward of the block after it starts
+        in_layers = {name for layer in recomputed for name in layer.nodes}
+        planned = {n.name: tensor_inputs_of(n) for n in self.nodes
+                   if n.name in node_plans and n.target is not operator.getitem}
+        gathered = {node.name: placeholder_fqn[node.name] for node in self._locals if node not in self._held}
+        self.prefetched = PrefetchedGathers(
+            [p for p in prefetch if p.at in names], mesh.device_type,
+            recomputed_reads(planned, (n for n in self.nodes if n.name in in_layers), gathered)
+            if prefetch_regathers else None)
 
     def forward(self, *args: torch.Tensor) -> Any:
         if len(args) != len(self.input_nodes):
@@ -239,8 +247,6 @@ class _StageModule(torch.nn.Module):
                 for n in self.nodes:
                     self.prefetched.issue(n.name, partial(self._gather, env))
                     env[n] = self.checkpointed.value(n, env, self._run) if n in self.checkpointed else self._run(n, env)
-                    if n.name in self.backward_starts:
-                        self.gathered.watch(env[n], self.backward_starts[n.name])
         finally:
             self.prefetched.clear()
         outs = []
@@ -269,7 +275,25 @@ class _StageModule(torch.nn.Module):
         return redistribute(env[a], self.node_plans[consumer].inputs[pos], self.mesh,
                             self.gradient_targets.get(id(env[a])), self.param_dtype)
 
+    def _gather_stored(self, consumer: str, pos: int) -> Any:
+        """Input ``pos`` of op ``consumer``, a parameter of this stage, resharded as its plan
+        reads it (a recomputation's prefetched gather)."""
+        a = tensor_inputs_of(self._by_name[consumer])[pos]
+        param = getattr(self, self._locals[a])
+        return redistribute(param, self.node_plans[consumer].inputs[pos], self.mesh,
+                            self.gradient_targets.get(id(param)), self.param_dtype)
+
     def _run(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+        """``n``'s value (inside a checkpointed region too, where its output's gradient starts
+        a block's backward: :meth:`GatheredParameters.watch`)."""
+        out = self._value_of(n, env)
+        block = self.backward_starts.get(n.name)
+        if block is not None:
+            self.gathered.watch(out, block)
+            self.prefetched.watch(out, block, self._gather_stored)
+        return out
+
+    def _value_of(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
         if n.op == "get_attr":
             target = self.graph_module
             for part in str(n.target).split("."):

@@ -13,10 +13,12 @@ run beside it on a GPU, as FSDP2 runs them:
   ZeRO-1 or data-parallel gradient is reduced once, after the last, and the model leaves every
   reduction there whole;
 - **the re-gathers of block c-1** (the block whose backward comes next): every parameter of
-  ``c-1`` gathered at use whose consumer keeps it for its backward and is not recomputed,
-  gathered again for that backward (``reshard_after_forward``). The program issues them when
-  the gradient of block ``c``'s output arrives (:mod:`autoplan.codegen.parameter_regather`),
-  every microbatch, as FSDP2 prefetches the next block's all-gather in the backward.
+  ``c-1`` gathered at use whose consumer keeps it for its backward (``reshard_after_forward``)
+  or is recomputed (its recomputation gathers again), gathered again for that backward. The
+  program issues them when the gradient of block ``c``'s output arrives, every microbatch
+  (:mod:`autoplan.codegen.parameter_regather` for a kept read,
+  :mod:`autoplan.codegen.prefetched_gathers` for a recomputed one), as FSDP2 prefetches the
+  next block's all-gather in the backward.
 
 Hidden per block: ``min(R_(c+1) + G_(c-1), B_c)`` seconds, ``R`` the reductions' seconds
 (:func:`~autoplan.cost_models.step_costs.gradient_reduction_cost`), ``G`` the re-gathers'
@@ -26,9 +28,8 @@ forward (no collectives).
 
 **Not overlapped,** costed in full: the reductions of a stack's first block (the backward after
 it is the embeddings', outside the blocks) and of parameters outside repeated blocks; the
-re-gathers of a stack's last block (nothing of the stack runs before it in the backward), of a
-pipeline stage's last block, and the gathers a recomputed block runs again in its
-recomputation (inside the checkpointed region); a ZeRO-1 gradient's reduction (before the
+re-gathers of a stack's last block (nothing of the stack runs before it in the backward) and of
+a pipeline stage's last block; a ZeRO-1 gradient's reduction (before the
 optimizer step, after the backward); every tensor-parallel collective. Only on a device whose
 host runs ahead of it with collectives on their own stream (a GPU:
 :attr:`~autoplan.cost_models.DeviceSpec.overlapped_dispatch`); on a CPU nothing overlaps (the
@@ -130,8 +131,8 @@ def hidden_in_backward(graph: TracedGraph, windows: list[BackwardWindow], chosen
     """The seconds per step a plan's collectives hide beside the backward,
     ``sum_c min(R_(c+1) + G_(c-1), B_c)``, as the ILP's overlap rows cost them (``chosen``
     strategies, ``costs`` of each node; ``regathered(consumer, parameter)``: whether the
-    consumer keeps the parameter for its backward, not recomputed, so that it is gathered
-    again there)."""
+    backward runs the consumer's read again, recomputed or kept, so that a gathered parameter
+    is gathered again there)."""
     reduces, regathers = overlaps_reductions(ctx), overlaps_regathers(ctx)
     hidden = []
     for window in windows:

@@ -534,11 +534,12 @@ def overlap_rows(view: GraphView, classes: NodeClasses, strat: list[ClassStrateg
 
 def regathered(fx_nodes: Mapping[str, fx.Node], needs_grad: Mapping[str, bool], consumer: str, param: str,
                ctx: CostContext) -> bool:
-    """Whether ``consumer`` keeps its trained input ``param`` for a backward it does not
-    recompute: a parameter gathered for it is gathered again there, and may be prefetched
-    (:mod:`~autoplan.cost_models.backward_overlap`)."""
-    return bool(needs_grad.get(param)) and ctx.region_of(consumer) is None \
-        and parameter_kept(fx_nodes, needs_grad, consumer, param, ctx)
+    """Whether the backward runs ``consumer``'s read of its trained input ``param`` again
+    (:func:`~autoplan.cost_models.step_costs.regather_runs`): where the consumer is recomputed,
+    or keeps the parameter for its backward. A parameter gathered for it is gathered again
+    there, and may be prefetched (:mod:`~autoplan.cost_models.backward_overlap`)."""
+    return bool(needs_grad.get(param)) and (
+        ctx.region_of(consumer) is not None or parameter_kept(fx_nodes, needs_grad, consumer, param, ctx))
 
 
 def _add_term(total: ChoiceSum, group: int, values: list[float]) -> None:
