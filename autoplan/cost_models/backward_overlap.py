@@ -36,7 +36,10 @@ host runs ahead of it with collectives on their own stream (a GPU:
 program awaits a gloo reduction where it launches it, and re-gathers early in place).
 
 Not modelled: these collectives sharing a link with each other beyond their sum, or with a
-tensor-parallel collective of ``c``'s backward (costed as if the link were theirs alone).
+tensor-parallel collective of ``c``'s backward (costed as if the link were theirs alone); that
+where ``c`` is recomputed, the gradient of its last op, which issues the re-gathers, arrives
+only after its recomputation, so that they run beside its backward proper (``B_c`` counts the
+recomputation too).
 
 Beside the forward's prefetched gathers (:mod:`~autoplan.cost_models.gather_overlap`), whose
 rows cover the forward of the same blocks, the intra-op ILP holds these as overlap rows too
