@@ -48,6 +48,7 @@ from torch.distributed.tensor.placement_types import Placement
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autoplan.codegen.redistribution import redistribute
+from autoplan.codegen.side_stream import SideStream, arrived
 from autoplan.trace.naming import module_of_op
 from autoplan.trace.repeated import block_of
 
@@ -145,7 +146,7 @@ class GatheredParameters:
         # the plan's ``prefetch_regathers``: a block's re-gathers issued beside the backward of
         # the block after it, on a stream of their own on a GPU
         self.prefetch = prefetch
-        self._stream = torch.cuda.Stream() if prefetch and device_type == "cuda" else None
+        self._stream = SideStream(device_type, prefetch)
         self._forward: _ForwardRegathers | None = None
         self.prefetched = 0  # re-gathers taken where issued early
 
@@ -169,16 +170,7 @@ class GatheredParameters:
             return
         forward.issued.add(before)
         recipes = [r for r in (ref() for ref in forward.by_block.pop(before, [])) if r is not None]
-        if not recipes:
-            return
-        if self._stream is None:
-            for recipe in recipes:
-                forward.early[id(recipe)] = (self._rebuilt(recipe), None)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            locals_ = [self._rebuilt(recipe) for recipe in recipes]
-        event = self._stream.record_event()
+        locals_, event = self._stream.run([functools.partial(self._rebuilt, recipe) for recipe in recipes])
         for recipe, local in zip(recipes, locals_):
             forward.early[id(recipe)] = (local, event)
 
@@ -242,12 +234,8 @@ class GatheredParameters:
         if early is None:
             local = self._rebuilt(packed)
         else:
-            local, event = early
+            local = arrived(*early)
             self.prefetched += 1
-            if event is not None:  # issued on the re-gathers' stream: wait, and keep its memory
-                stream = torch.cuda.current_stream()
-                stream.wait_event(event)
-                local.record_stream(stream)
         if packed.placements is None:
             return local
         return DTensor.from_local(local, packed.source.param.device_mesh, packed.placements, run_check=False,

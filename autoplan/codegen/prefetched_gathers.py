@@ -27,10 +27,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import functools
+
 import torch
-from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.parameter_regather import Block, op_block, parameter_block
+from autoplan.codegen.side_stream import SideStream, arrived
 from autoplan.plan_schema import PrefetchedGather
 
 
@@ -62,7 +64,7 @@ class PrefetchedGathers:
                  recomputed: Mapping[Block, list[tuple[str, int]]] | None = None) -> None:
         self._at = {p.at: [(consumer, int(pos)) for consumer, pos in p.reads] for p in prefetch}
         self._recomputed = dict(recomputed or {})
-        self._stream = torch.cuda.Stream() if device_type == "cuda" and (self._at or self._recomputed) else None
+        self._stream = SideStream(device_type, bool(self._at or self._recomputed))
         self._ready: dict[tuple[str, int], tuple[Any, torch.cuda.Event | None]] = {}
         self.recomputation_gathers = 0  # a recomputation's gathers issued early
 
@@ -87,14 +89,7 @@ class PrefetchedGathers:
             self._issue(reads, gather)
 
     def _issue(self, reads: list[tuple[str, int]], gather: Callable[[str, int], Any]) -> None:
-        if self._stream is None:
-            for read in reads:
-                self._ready[read] = (gather(*read), None)
-            return
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            values = [gather(*read) for read in reads]
-        event = self._stream.record_event()
+        values, event = self._stream.run([functools.partial(gather, *read) for read in reads])
         for read, value in zip(reads, values):
             self._ready[read] = (value, event)
 
@@ -104,14 +99,7 @@ class PrefetchedGathers:
         entry = self._ready.pop((consumer, position), None)
         if entry is None:
             return None
-        value, event = entry
-        if event is not None:
-            stream = torch.cuda.current_stream()
-            stream.wait_event(event)
-            local = value._local_tensor if isinstance(value, DTensor) else value
-            if isinstance(local, torch.Tensor):
-                local.record_stream(stream)
-        return value
+        return arrived(*entry)
 
     def clear(self) -> None:
         self._ready.clear()
