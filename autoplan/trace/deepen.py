@@ -58,7 +58,7 @@ from torch.export.graph_signature import ExportGraphSignature, InputSpec, Output
 
 from autoplan.load import ModelSpec
 from autoplan.trace.export import WRAPPER_PREFIX, export_model, tidy_graph
-from autoplan.trace.graph import TracedGraph
+from autoplan.trace.graph import TracedGraph, lazy_graph_module
 from autoplan.trace.tracer import describe
 
 __all__ = ["MIN_BLOCKS", "NotDeepenable", "PERIODS", "TRACED_BLOCKS", "UnitsDiffer", "deepened_trace",
@@ -468,7 +468,7 @@ def _write_stack(gm: torch.fx.GraphModule, signature: ExportGraphSignature, stac
             input_specs.extend(new_specs.get(s.arg.name, []))
     output_specs = [OutputSpec(s.kind, TensorArgument(names.get(s.arg.name, s.arg.name)), s.target)
                     if isinstance(s.arg, TensorArgument) else s for s in signature.output_specs]
-    return torch.fx.GraphModule(gm, graph), ExportGraphSignature(input_specs, output_specs)
+    return lazy_graph_module(gm, graph), ExportGraphSignature(input_specs, output_specs)
 
 
 def _runs(gm: torch.fx.GraphModule, members: list[torch.fx.Node]) -> dict[torch.fx.Node, list[torch.fx.Node]]:

@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 import torch
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 
 class NodeKind(StrEnum):
@@ -57,6 +58,14 @@ class NodeInfo:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", NodeKind(self.kind))  # a bad kind fails here, named
+
+
+def lazy_graph_module(root: torch.nn.Module, graph: torch.fx.Graph) -> torch.fx.GraphModule:
+    """A graph module whose Python code is generated only when it is read or the module is
+    called (torch's own ``_LazyGraphModule``): the planner makes hundreds of graphs it only
+    inspects (layers, stages, graphs written from a trace), and generating and compiling the
+    code of each took seconds in a real-size model's search."""
+    return _LazyGraphModule(root, graph)
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch.fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from autoplan.trace.deepen import NotDeepenable
-from autoplan.trace.graph import TracedGraph
+from autoplan.trace.graph import TracedGraph, lazy_graph_module
 
 __all__ = ["BatchSizeGraphs", "NotAffine", "rescale"]
 
@@ -191,7 +191,7 @@ def rescale(first: TracedGraph, second: TracedGraph, sizes: tuple[int, int], siz
         if "val" in x.meta:
             node.meta["val"] = _fake_value(x.meta["val"], y_value, line)
         env[x.name] = node
-    return describe(torch.fx.GraphModule(gm_a, graph), first.exported)
+    return describe(lazy_graph_module(gm_a, graph), first.exported)
 
 
 @dataclass

@@ -16,7 +16,7 @@ from dataclasses import replace
 import torch
 from torch import fx
 
-from autoplan.trace.graph import NodeInfo, TracedGraph
+from autoplan.trace.graph import NodeInfo, TracedGraph, lazy_graph_module
 
 
 def boundary_values(graph: TracedGraph, node_names: list[str]) -> tuple[list[str], list[str]]:
@@ -90,7 +90,7 @@ def extract(graph: TracedGraph, node_names: list[str]) -> TracedGraph:
     outputs = [env[fx_nodes[name]] for name in produced]
     out = new.output(tuple(outputs))
     infos[out.name] = NodeInfo(out.name, "output", "output", None, "", 0, 0.0, 0.0, "", "", ())
-    module = fx.GraphModule(torch.nn.Module(), new)
+    module = lazy_graph_module(torch.nn.Module(), new)
     digest = hashlib.sha256((graph.graph_hash + "|" + ",".join(node_names)).encode()).hexdigest()[:16]
     inputs = [n for n in reads if graph.nodes[n].kind in ("input", "op")]
     params = {n: fqn for n, fqn in graph.param_names.items() if n in reads}
