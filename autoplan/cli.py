@@ -60,10 +60,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                             "faster than fp32 (h100, h200, a100), fp32 elsewhere (cpu, v100)")
     train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
     train.add_argument("--recompute", nargs="?", const="all", default="auto",
-                       choices=("auto", "all", "selective", "none"),
+                       choices=("auto", "all", "selective", "op", "none"),
                        help="activation checkpointing: auto (default: layers recomputed in the backward, fully or "
                             "selectively, where memory needs it), all (every layer; --recompute alone), selective "
-                            "(every layer, its matrix products and attention kept) or none")
+                            "(every layer, its matrix products and attention kept), op (every layer, torchtitan's "
+                            "per-op policy: attention and every other matrix product kept) or none")
     train.add_argument("--plan-only", action="store_true",
                        help="mark the plan as one to read, not to run (recorded in plan.json's options)")
     parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")
@@ -94,7 +95,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pipe.add_argument("--manual", action="append", default=[], metavar="dp=2,tp=4,pp=2,microbatches=64",
                       help="also cost this hand-written plan and show it beside the found one (repeatable); "
                            "keys dp, fsdp (sharded data parallel), tp, pp, microbatches, schedule, "
-                           "ac=full|selective|none, precision=fp32|bf16, zero=1|2 (optimizer state, and gradients, "
+                           "ac=full|selective|op|none, precision=fp32|bf16, zero=1|2 (optimizer state, and gradients, "
                            "sharded over dp)")
     pins = parser.add_argument_group("pins: decisions you fix, which the planner plans around")
     pins.add_argument("--pin", action="append", default=[], metavar="PATTERN=VALUE",

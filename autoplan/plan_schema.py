@@ -4,6 +4,7 @@ round trip, tied to the traced graph by its hash."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -95,19 +96,44 @@ class ParamStorage:
 
 
 class RecomputeMode(StrEnum):
-    """How a layer is recomputed (:class:`RecomputedLayer`)."""
+    """How a layer is recomputed (:class:`RecomputedLayer`): ``full`` keeps only what the layer
+    reads; ``selective`` also the outputs of its matrix products and attention; ``op``
+    (torchtitan's per-op selective policy) those of its attention and of every other matrix
+    product (:func:`kept_outputs`)."""
 
     FULL = "full"
     SELECTIVE = "selective"
+    PER_OP = "op"
 
 
 # the ops whose outputs a selectively recomputed layer keeps (ATen overload-packet names): the
 # graph's own (linear, matmul, scaled_dot_product_attention) and what they dispatch to at run time
-SELECTIVE_SAVED_OPS = frozenset({
-    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution", "conv1d", "conv2d", "conv3d",
+ATTENTION_OPS = frozenset({
     "scaled_dot_product_attention", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention"})
+SELECTIVE_SAVED_OPS = frozenset({
+    "mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "convolution", "conv1d", "conv2d", "conv3d"}) | ATTENTION_OPS
+
+
+def kept_outputs(ops: Iterable[tuple[str, str]], mode: RecomputeMode | str) -> frozenset[str]:
+    """Of a recomputed layer's ops, ``(node name, ATen overload-packet name)`` in graph order,
+    the nodes whose outputs its recomputation keeps in ``mode``: none where ``full``; every
+    matrix product and attention (:data:`SELECTIVE_SAVED_OPS`) where ``selective``; where
+    ``op``, the attention and the first, third, fifth, … matrix product (torchtitan's per-op
+    policy recomputes every second one: a Llama block keeps q, v, gate and down, and runs k,
+    o and up again). The cost model and the program read the same answer."""
+    if mode == RecomputeMode.FULL:
+        return frozenset()
+    kept, products = set(), 0
+    for name, op in ops:
+        if op in ATTENTION_OPS:
+            kept.add(name)
+        elif op in SELECTIVE_SAVED_OPS:
+            products += 1
+            if mode == RecomputeMode.SELECTIVE or products % 2 == 1:
+                kept.add(name)
+    return frozenset(kept)
 
 
 @dataclass
@@ -116,7 +142,8 @@ class RecomputedLayer:
     (graph order) under non-reentrant activation checkpointing, which keeps the values it
     reads and runs them again in the backward, collectives included. ``mode`` ``selective``
     also keeps the outputs of its matrix products and attention (:data:`SELECTIVE_SAVED_OPS`),
-    which the backward then does not compute again."""
+    which the backward then does not compute again; ``op`` those of its attention and of every
+    other matrix product (:func:`kept_outputs`)."""
 
     layer: str
     nodes: list[str]

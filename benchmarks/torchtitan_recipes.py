@@ -18,9 +18,9 @@ on an H100). The recipes are those of torchtitan's H100 benchmark
   sequence per microbatch), full checkpointing; measured 128 tokens/s per GPU (with
   torch.compile, Float8 and async TP).
 
-What differs from the recipes, and why: the 8B recipe's selective checkpointing is costed as
-``ac=selective``, which keeps the output of every matrix product and attention, where
-torchtitan's per-op policy keeps every other matrix product's (it recomputes one in two). The
+The 8B recipe's selective checkpointing is torchtitan's per-op policy, costed and run as
+``ac=op``: the attention's outputs and every other matrix product's kept, the rest recomputed.
+What differs from the recipes, and why: the
 70B and 405B measurements use Float8 and torch.compile, which the cost model does not know
 (bf16 peak only): their ratios are not like for like.
 
@@ -74,7 +74,7 @@ class Recipe:
 
 
 def _recipes() -> Iterator[Recipe]:
-    yield Recipe("8b", "Llama 3.1 8B", 4096, 32, 32, 14336, 8, 16, "fsdp=8,ac=selective", 5762, "FSDP, bf16")
+    yield Recipe("8b", "Llama 3.1 8B", 4096, 32, 32, 14336, 8, 16, "fsdp=8,ac=op", 5762, "FSDP, bf16")
     yield Recipe("70b", "Llama 3.1 70B", 8192, 80, 64, 28672, 256, 512, "fsdp=32,tp=8,ac=full", 829,
                  "2D + compile + Float8")
     yield Recipe("405b", "Llama 3.1 405B", 16384, 126, 128, 53248, 512, 256,

@@ -151,6 +151,7 @@ def _sharded_and_gathered(plan: Plan) -> bool:
 def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
     cases = {
         2: {"llama fsdp": ("llama", "fsdp=2"), "gpt2 fsdp checkpointed": ("gpt2", "fsdp=2,ac=full"),
+            "llama fsdp per-op checkpointed": ("llama", "fsdp=2,ac=op"),
             "nanogpt fsdp 2 microbatches": ("nanogpt", "fsdp=2,microbatches=2")},
         4: {"gpt2 fsdp x tp": ("gpt2", "fsdp=2,tp=2"), "nanogpt fsdp 4": ("nanogpt", "fsdp=4"),
             "llama 2 stages x fsdp checkpointed": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full"),

@@ -87,21 +87,59 @@ def test_recomputing_costs_a_forward_and_frees_activations() -> None:
     assert again.predicted.compute_s > kept.predicted.compute_s
 
 
-def test_selective_region_keeps_matrix_products_and_gives_the_same_gradients() -> None:
-    model, gm, middle, x = _three_linears()
+def _backward_ops(model: nn.Module, gm: torch.fx.GraphModule, x: torch.Tensor, middle: list[str],
+                  modes: tuple[str | None, ...]) -> list[tuple[collections.Counter[str], list[torch.Tensor]]]:
+    """For each mode (None: nothing recomputed), the ops the backward runs with ``middle``
+    recomputed so, and the parameters' gradients."""
     results = []
-    for mode in (None, "full", "selective"):
+    for mode in modes:
         recomputed = [RecomputedLayer("middle", middle, mode)] if mode else []
         model.zero_grad()
         loss = _walk(gm, x, CheckpointedRegions(recomputed, gm.graph.nodes)).sum()
         with _OpCounter() as counter:
             loss.backward()
         results.append((counter.counts, [p.grad.clone() for p in model.parameters()]))
-    (plain, grads), (full, grads_full), (selective, grads_selective) = results
+    return results
+
+
+def test_selective_region_keeps_matrix_products_and_gives_the_same_gradients() -> None:
+    model, gm, middle, x = _three_linears()
+    (plain, grads), (full, grads_full), (selective, grads_selective) = _backward_ops(
+        model, gm, x, middle, (None, "full", "selective"))
     # the layer (tanh, linear, tanh) again; selectively without its product
     assert full["addmm"] == plain["addmm"] + 1 and full["tanh"] == plain["tanh"] + 2
     assert selective["addmm"] == plain["addmm"] and selective["tanh"] == plain["tanh"] + 2
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(grads, grads_full, grads_selective))
+
+
+class _FiveLinears(nn.Module):
+    """Five linears with tanh between them, each product an op call (``F.linear``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linears = nn.ModuleList(nn.Linear(m, n) for m, n in ((8, 32), (32, 32), (32, 32), (32, 32), (32, 1)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, linear in enumerate(self.linears):
+            x = nn.functional.linear(x, linear.weight, linear.bias)
+            x = torch.tanh(x) if i < len(self.linears) - 1 else x
+        return x
+
+
+def test_per_op_region_keeps_every_other_matrix_product_and_gives_the_same_gradients() -> None:
+    model = _FiveLinears()
+    gm = torch.fx.symbolic_trace(model)  # the linears as calls of ops, as a traced graph has them
+    nodes = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    ops = [n.name for n in gm.graph.nodes if n.op == "call_function"]
+    middle = nodes[nodes.index(ops[1]):nodes.index(ops[7]) + 1]  # tanh, then three (linear, tanh), their weights
+    (plain, grads), *others = _backward_ops(model, gm, torch.randn(4, 8), middle, (None, "selective", "op", "full"))
+    selective, per_op, full = (counts for counts, _ in others)
+    # of the three products, the first and third kept, the second computed again; all four tanh again
+    assert (selective["addmm"], per_op["addmm"], full["addmm"]) == (plain["addmm"], plain["addmm"] + 1,
+                                                                    plain["addmm"] + 3)
+    assert selective["tanh"] == per_op["tanh"] == full["tanh"] == plain["tanh"] + 4
+    assert all(torch.equal(a, b) for _, again in others for a, b in zip(grads, again))
 
 
 class _OpCounter(TorchDispatchMode):
@@ -119,13 +157,17 @@ class _OpCounter(TorchDispatchMode):
 def test_selective_recomputation_costs_less_and_frees_less() -> None:
     spec = _spec("gpt2")
     by_policy = {policy: plan_model(spec, PlanOptions(2, "cpu", pipeline=False, mesh=(2,), recompute=policy))
-                 for policy in ("none", "selective", "all")}
-    kept, selective, full = (by_policy[p].predicted for p in ("none", "selective", "all"))
+                 for policy in ("none", "selective", "op", "all")}
+    kept, selective, per_op, full = (by_policy[p].predicted for p in ("none", "selective", "op", "all"))
     assert {r.mode for r in by_policy["selective"].recompute} == {"selective"}
-    assert kept.compute_s < selective.compute_s < full.compute_s
-    assert full.memory_bytes.activations < selective.memory_bytes.activations < kept.memory_bytes.activations
+    assert {r.mode for r in by_policy["op"].recompute} == {"op"}
+    # the per-op policy (every other matrix product kept) lies between the two
+    assert kept.compute_s < selective.compute_s < per_op.compute_s < full.compute_s
+    assert full.memory_bytes.activations < per_op.memory_bytes.activations < selective.memory_bytes.activations \
+        < kept.memory_bytes.activations
     assert "1 selectively" not in summary_text(by_policy["selective"])
     assert "all selectively" in summary_text(by_policy["selective"])
+    assert "all by the per-op policy" in summary_text(by_policy["op"])
 
 
 def test_search_recomputes_selectively_first_and_fully_where_that_is_not_enough() -> None:
@@ -189,10 +231,13 @@ def test_recomputing_programs_pass_check_on_2_processes(chosen: tuple[Plan, floa
         "gpt2 selective": ("gpt2", plan_model(_spec("gpt2"), PlanOptions(2, "cpu", stages=1, recompute="selective"))),
         "llama 2 stages selective": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=2,
                                                                                       recompute="selective"))),
+        "gpt2 op": ("gpt2", plan_model(_spec("gpt2"), PlanOptions(2, "cpu", stages=1, recompute="op"))),
+        "llama 2 stages op": ("llama", plan_model(_spec("llama"), PlanOptions(2, "cpu", stages=2, recompute="op"))),
     }
     assert all(plan.recompute for _, plan in plans.values())
     assert all(r.mode == "selective" for name, (_, plan) in plans.items() if name.endswith("selective")
                for r in plan.recompute)
+    assert all(r.mode == "op" for name, (_, plan) in plans.items() if name.endswith(" op") for r in plan.recompute)
     write_check_cases(tmp_path, plans)
     assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=600), plans)
 

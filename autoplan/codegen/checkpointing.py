@@ -10,7 +10,10 @@ other nodes then take the values it produced; the values only the layer itself r
 kept at all. A layer recomputed selectively runs under torch's selective activation
 checkpointing with a policy that must save the outputs of the plan's
 :data:`~autoplan.plan_schema.SELECTIVE_SAVED_OPS` (matrix products, attention) and recomputes
-everything else, its redistributions included.
+everything else, its redistributions included. A layer recomputed by the per-op policy
+(``op``) runs so too, its policy saving those outputs only while one of the layer's kept nodes
+(:func:`~autoplan.plan_schema.kept_outputs`: its attention and every other matrix product, by
+node, as the cost model reads them) runs.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -25,7 +29,8 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoplan.errors import AutoplanError
-from autoplan.plan_schema import SELECTIVE_SAVED_OPS, RecomputedLayer, RecomputeMode
+from autoplan.plan_schema import SELECTIVE_SAVED_OPS, RecomputedLayer, RecomputeMode, kept_outputs
+from autoplan.strategies.letters import op_name
 
 NodeRunner = Callable[[torch.fx.Node, dict[torch.fx.Node, Any]], Any]
 
@@ -40,6 +45,8 @@ class Region:
     inputs: tuple[torch.fx.Node, ...]
     outputs: tuple[torch.fx.Node, ...]
     selective: bool = False  # the outputs of SELECTIVE_SAVED_OPS kept, the rest recomputed
+    # (per-op) only those of these nodes; None: of every node
+    kept: frozenset[torch.fx.Node] | None = None
 
 
 def _region(layer: RecomputedLayer, by_name: Mapping[str, torch.fx.Node], order: Mapping[torch.fx.Node, int]
@@ -54,7 +61,12 @@ def _region(layer: RecomputedLayer, by_name: Mapping[str, torch.fx.Node], order:
         raise AutoplanError(f"layer {layer.layer} reads {late[0]}, which the graph computes inside it: "
                             f"the layer cannot be recomputed; plan again without recomputing it")
     outputs = tuple(n for n in nodes if any(u not in inside for u in n.users))
-    return Region(layer.layer, tuple(nodes), tuple(inputs), outputs, layer.mode == RecomputeMode.SELECTIVE)
+    kept = None
+    if layer.mode == RecomputeMode.PER_OP:
+        calls = [n for n in nodes if n.op == "call_function"]
+        names = kept_outputs(((n.name, op_name(n)) for n in calls), RecomputeMode.PER_OP)
+        kept = frozenset(n for n in calls if n.name in names)
+    return Region(layer.layer, tuple(nodes), tuple(inputs), outputs, layer.mode != RecomputeMode.FULL, kept)
 
 
 class CheckpointedRegions:
@@ -93,16 +105,20 @@ def run_checkpointed(region: Region, inputs: list[Any], run_node: NodeRunner,
     times (the program's dispatch settings: the backward's recomputation runs outside the
     forward's ``with`` blocks, and must save the same tensors)."""
 
+    running: list[bool] = [True]  # whether the node running now is one whose outputs the policy keeps
+
     def body(*values: Any) -> tuple[Any, ...]:
         local: dict[torch.fx.Node, Any] = dict(zip(region.inputs, values))
         with context():
             for n in region.nodes:
+                running[0] = region.kept is None or n in region.kept
                 local[n] = run_node(n, local)
         return tuple(local[n] for n in region.outputs)
 
     # early_stop=False: the whole region runs again, its last collectives included, as planned
     # (torch's early stop would end the recomputation at the last tensor the backward needs)
-    extra = {"context_fn": selective_contexts} if region.selective else {}
+    extra = {} if not region.selective else {"context_fn": selective_contexts} if region.kept is None else \
+        {"context_fn": lambda: create_selective_checkpoint_contexts(partial(keeps_while, running))}
     results = checkpoint(body, *inputs, use_reentrant=False, preserve_rng_state=True, early_stop=False, **extra)
     return dict(zip(region.outputs, results))
 
@@ -113,6 +129,13 @@ def keeps_selectively(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpo
     packet = getattr(func, "overloadpacket", None)
     return CheckpointPolicy.MUST_SAVE if packet is not None and packet.__name__ in SELECTIVE_SAVED_OPS \
         else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def keeps_while(running: list[bool], ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The per-op policy: :func:`keeps_selectively`'s answer while a kept node runs
+    (``running[0]``), else recompute. The forward and the recomputation run the same nodes in
+    the same order, so the two ask alike."""
+    return keeps_selectively(ctx, func) if running[0] else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def selective_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:

@@ -373,6 +373,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     modified: the program wraps a copy (on the mesh's device)."""
     if any(s.grad != s.param or s.optimizer_state != s.param for s in plan.storage.values()):
         return None  # ZeRO-1/2 runs on the interpreter's sharded optimizer state
+    if any(layer.mode == RecomputeMode.PER_OP for layer in plan.recompute):
+        return None  # the per-op policy keeps outputs by graph node: the interpreter walks the nodes
     found = recognise(spec, graph, plan)
     if found.kind == "none":
         return None

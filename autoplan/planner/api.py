@@ -24,8 +24,8 @@ from autoplan.planner.mesh_plan import IntraOpResult, emit_warnings, plan_intra_
 from autoplan.planner.meshes import candidate_meshes, mesh_label
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pins import PinKind
-from autoplan.planner.recompute import (RecomputeMode, every_layer, policy_mode, recomputable, recomputed_layers,
-    regions, saved_outputs)
+from autoplan.planner.recompute import (RecomputeMode, every_layer, lighter_mode, policy_mode, recomputable,
+    recomputed_layers, regions, saved_outputs)
 from autoplan.solvers import explain, format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
 from autoplan.trace.graph import TracedGraph
@@ -47,7 +47,8 @@ def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...],
                 canonical: bool = True, recomputed: Sequence[Layer] = (), selective: Sequence[Layer] = ()
                 ) -> MeshOutcome:
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer,
-                      recompute_regions=regions(recomputed), recompute_saved=saved_outputs(graph, selective))
+                      recompute_regions=regions(recomputed),
+                      recompute_saved=saved_outputs(graph, selective, lighter_mode(options.recompute)))
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
                                options.time_limit_s, options.pick, options.allow_storage, canonical, options.pins)
@@ -77,7 +78,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         chosen = recomputable(graph, layers) if every else frozenset()
         fully = options.pins.checkpointed_layers(graph, layers) if pinned else frozenset()
         recomputed = [layers[i] for i in sorted(chosen | fully)]
-        if policy_mode(options.recompute) == RecomputeMode.SELECTIVE:
+        if policy_mode(options.recompute) != RecomputeMode.FULL:
             selective = [layers[i] for i in sorted(chosen - fully)]
     # each mesh's optimum decides the mesh; only the chosen mesh's ties are broken canonically
     outcomes = [_solve_mesh(graph, classes, mesh, options, options.canonical and len(meshes) == 1, recomputed,
@@ -134,7 +135,7 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
         model=model_name,
         explanation=explain(result.problem, result.solution, top=8),
         batch_coupling=coupling_plans(graph, 1),
-        recompute=recomputed_layers(recomputed, selective),
+        recompute=recomputed_layers(recomputed, selective, lighter_mode(options.recompute)),
         prefetch=prefetched_gathers(graph, result, best.ctx),
         prefetch_regathers=overlaps_regathers(best.ctx),
     )

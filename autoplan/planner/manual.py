@@ -46,7 +46,8 @@ from autoplan.trace.layers import make_layers
 from autoplan.trace.repeated import find_classes
 
 _KEYS = ("dp", "fsdp", "tp", "pp", "microbatches", "schedule", "ac", "precision", "zero")
-_CHECKPOINTING = ("full", "selective", "none")  # ac=: every layer recomputed in the backward so, or none
+_CHECKPOINTING = ("full", "selective", "op", "none")  # ac=: every layer recomputed in the backward so, or none
+_AC_POLICIES = {"full": RecomputePolicy.ALL, "selective": RecomputePolicy.SELECTIVE, "op": RecomputePolicy.PER_OP}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -66,7 +67,9 @@ class ManualPlan:
     zero: int = 0  # over the dp axis: 1 shards the optimizer state, 2 the reduced gradients too
 
     def options(self, options: PlannerOptions) -> PlannerOptions:
-        """``options`` with this plan's precision, where it names one."""
+        """``options`` with this plan's precision and checkpointing, where it names them."""
+        if self.ac in _AC_POLICIES:
+            options = replace(options, recompute=_AC_POLICIES[self.ac])
         if self.precision is None:
             return options
         return replace(options, optimizer=replace(options.optimizer, mixed_precision=self.precision != "fp32"))
@@ -109,7 +112,9 @@ def parse_manual(text: str) -> ManualPlan:
         elif key == "ac":
             if value.lower() not in _CHECKPOINTING:
                 raise AutoplanError(f"--manual ac={value}: use ac=full (every layer recomputed), ac=selective "
-                                    "(every layer recomputed but its matrix products and attention) or ac=none")
+                                    "(every layer recomputed but its matrix products and attention), ac=op "
+                                    "(torchtitan's per-op policy: but its attention and every other matrix "
+                                    "product) or ac=none")
             values[key] = value.lower()
         elif key == "zero":
             if value not in ("1", "2"):
@@ -278,8 +283,9 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
     every = every_layer(options.recompute)
     recomputed = recomputable(graph, layers) if manual.ac != "none" or every else frozenset()
-    selective = recomputed if manual.ac == "selective" or (
-        manual.ac == "none" and options.recompute == RecomputePolicy.SELECTIVE) else frozenset()
+    selective = recomputed if manual.ac in ("selective", "op") or (
+        manual.ac == "none" and options.recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.PER_OP)) \
+        else frozenset()
     candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)),
                                   math.inf, graph, layers, recomputed=recomputed, selective=selective)
     if manual.schedule in INTERLEAVED:  # pp ranks of INTERLEAVE stages each, as the search builds them

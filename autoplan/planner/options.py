@@ -124,7 +124,7 @@ class PlanOptions:
         check_solver_name(self.solver)
         recompute = {True: "all", False: "auto"}.get(self.recompute, self.recompute)  # type: ignore[call-overload]
         if str(recompute).lower() not in tuple(RecomputePolicy):
-            raise AutoplanError(f"recompute must be auto, all, selective or none, got {self.recompute!r}")
+            raise AutoplanError(f"recompute must be auto, all, selective, op or none, got {self.recompute!r}")
         object.__setattr__(self, "recompute", str(recompute).lower())
         self._read_pins()
         if self.time_limit_s is not None and not self.time_limit_s > 0:

@@ -16,7 +16,7 @@ A pin is written ``PATTERN=VALUE``:
 - ``--manual``'s words as pins: ``dp=N``, ``fsdp=N`` (with ``tp=``, the mesh of each stage is
   their degrees above 1 in that order, and the rule of
   :func:`~autoplan.planner.manual.manual_rule` holds on it), ``zero=1|2`` (over ``dp``),
-  ``pp=N`` (``stages=N``) and ``ac=full|selective|none`` (``recompute`` all, selective or none). The planner
+  ``pp=N`` (``stages=N``) and ``ac=full|selective|op|none`` (``recompute`` all, selective, op or none). The planner
   finishes the rest: the layer cuts, and every placement the rule leaves free.
 
 PATTERN is a glob over dotted names: ``*`` matches any run of characters, ``?`` one, and a
@@ -169,9 +169,10 @@ def parse_pin(text: str) -> Pin:
                                 f"too); zero=3 is fsdp=N")
         return Pin(text, PinKind.ZERO, number=int(value))
     if pattern == "ac":
-        if value not in ("full", "selective", "none"):
+        if value not in ("full", "selective", "op", "none"):
             raise AutoplanError(f"pin {text!r}: write ac=full (every layer recomputed), ac=selective (every layer "
-                                f"recomputed but its matrix products and attention) or ac=none")
+                                f"recomputed but its matrix products and attention), ac=op (torchtitan's per-op "
+                                f"policy: but its attention and every other matrix product) or ac=none")
         return Pin(text, PinKind.ACTIVATION_CHECKPOINTING, choice=value)
     regex = pattern_regex(pattern)
     if value.startswith("[") and value.endswith("]"):

@@ -61,13 +61,15 @@ def _recompute_lines(plan: Plan) -> list[str]:
 
 def recompute_modes_text(plan: Plan) -> str:
     """How many recomputed layers are recomputed selectively (their matrix products and
-    attention kept), where any is."""
-    selective = sum(r.mode == RecomputeMode.SELECTIVE for r in plan.recompute)
-    if not selective:
-        return ""
-    every = selective == len(plan.recompute)
-    return (f", {'all' if every else selective} selectively (matrix products and attention kept, the rest "
-            f"recomputed)")
+    attention kept) or by the per-op policy, where any is."""
+    out = ""
+    for mode, how, kept in ((RecomputeMode.SELECTIVE, "selectively", "matrix products and attention"),
+                            (RecomputeMode.PER_OP, "by the per-op policy", "attention and every other matrix product")):
+        count = sum(r.mode == mode for r in plan.recompute)
+        if count:
+            every = count == len(plan.recompute)
+            out += f", {'all' if every else count} {how} ({kept} kept, the rest recomputed)"
+    return out
 
 
 def _gathered_lines(plan: Plan) -> list[str]:

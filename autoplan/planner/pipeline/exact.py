@@ -14,7 +14,7 @@ from autoplan.planner.pipeline.candidates import PipelineCandidate
 from autoplan.planner.pipeline.range_costs import (RangeTable, layer_inputs, small_whole, whole_below,
     whole_crossings)
 from autoplan.planner.pipeline.schedules import activations_in_flight
-from autoplan.planner.recompute import regions, saved_outputs
+from autoplan.planner.recompute import lighter_mode, regions, saved_outputs
 from autoplan.sharding import ShardingSpec
 from autoplan.solvers import format_bytes
 from autoplan.trace.graph import NodeInfo, TracedGraph
@@ -102,7 +102,8 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
                       options.optimizer, microbatches=candidate.microbatches, one_stage=stages == 1,
                       activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                       recompute_regions=regions(candidate.layers[start + i] for i in recomputed),
-                      recompute_saved=saved_outputs(sub, (candidate.layers[start + i] for i in selective)))
+                      recompute_saved=saved_outputs(sub, (candidate.layers[start + i] for i in selective),
+                                                     lighter_mode(options.recompute)))
     pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
                           if fqn in stored))
     if any(len(spec) != len(mesh) for _, spec in pinned):

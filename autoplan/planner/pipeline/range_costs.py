@@ -15,8 +15,8 @@ from autoplan.cost_models.transient_memory import backward_transient
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import (IntraOpResult, PreparedPlan, plan_intra_op, prepare_intra_op, recompute_change,
                                        splits_dims_over_axes)
-from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable,
-    regions, saved_outputs)
+from autoplan.planner.recompute import (RecomputeMode, RecomputePolicy, every_layer, lighter_mode, policy_mode,
+    recomputable, regions, saved_outputs)
 from autoplan.sharding import boundary_shards
 from autoplan.solvers import evaluate
 from autoplan.solvers.intra_op.trimming import TrimPath, TrimWalk
@@ -70,6 +70,11 @@ class LayerCosts:
     recomputed_problems: dict[tuple[str, RecomputeMode], IntraOpProblem] = field(default_factory=dict)
     recomputed_starts: dict[tuple[str, RecomputeMode, str], list[int]] = field(default_factory=dict)
 
+    @property
+    def lighter(self) -> RecomputeMode:
+        """The mode of the layers recomputed keeping some outputs (:func:`lighter_mode`)."""
+        return lighter_mode(self.options.recompute)
+
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
         the edge-cost memo or the trimming walks (and what they found) or the layers' graphs or
@@ -106,10 +111,10 @@ class LayerCosts:
                                        self.options.solver, self.options.time_limit_s,
                                        allow_storage=self.options.allow_storage, canonical=False,
                                        pins=self.options.pins, prepared=prepared)
-                self.changes[layer.signature, RecomputeMode.FULL] = recompute_change(sub, result, self.ctx)
-                self.changes[layer.signature, RecomputeMode.SELECTIVE] = recompute_change(
-                    sub, result, self.ctx, saved_outputs(sub, [layer]))
-                self.transients.update(layer_transients(sub, layer, result, self.ctx))
+                for mode in (RecomputeMode.FULL, self.lighter):
+                    self.changes[layer.signature, mode] = recompute_change(
+                        sub, result, self.ctx, saved_outputs(sub, [layer], mode))
+                self.transients.update(layer_transients(sub, layer, result, self.ctx, self.lighter))
                 self.fast_names[layer.signature] = {name: chosen.name for name, chosen in result.chosen.items()}
                 if splits_dims_over_axes(self.ctx):  # its ILP had gathered storage among the choices
                     self.problems.setdefault(layer.signature, result.problem)  # (mesh_plan._solve):
@@ -157,7 +162,7 @@ class LayerCosts:
         weights every microbatch."""
         if (layer.signature, mode) not in self.recomputed_problems:
             first, sub, _ = self._prepared(graph, layer)
-            saved = saved_outputs(sub, [first]) if mode == RecomputeMode.SELECTIVE else frozenset()
+            saved = saved_outputs(sub, [first], mode)
             ctx = replace(self.ctx, recompute_regions=regions([first]), recompute_saved=saved)
             self.recomputed_problems[layer.signature, mode] = plan_intra_op(
                 sub, find_classes(sub), self.ctx.mesh_shape, ctx, None, allow_storage=self.options.allow_storage,
@@ -253,8 +258,8 @@ class LayerCosts:
             apart = self.cost(graph, first)[0] + self.cost(graph, second)[0]
             self.pairs[key] = max(result.solution.objective - apart, -apart / 2)
             only = frozenset(second.nodes)
-            for mode in RecomputeMode:
-                kept = saved_outputs(sub, [second]) if mode == RecomputeMode.SELECTIVE else frozenset()
+            for mode in (RecomputeMode.FULL, self.lighter):
+                kept = saved_outputs(sub, [second], mode)
                 self.recompute_in_pair[(*key, mode)] = recompute_change(sub, result, self.ctx, kept, only)[0]
         return self.pairs[key]
 
@@ -280,19 +285,19 @@ def named_choices(problem: IntraOpProblem, choices: list[int]) -> dict[str, str]
     return {problem.group_name(g): problem.choice_name(g, i) for g, i in enumerate(choices)}
 
 
-def layer_transients(sub: TracedGraph, layer: Layer, result: IntraOpResult, ctx: CostContext
-                     ) -> dict[tuple[str, RecomputeMode | None], float]:
+def layer_transients(sub: TracedGraph, layer: Layer, result: IntraOpResult, ctx: CostContext,
+                     lighter: RecomputeMode = RecomputeMode.SELECTIVE) -> dict[tuple[str, RecomputeMode | None], float]:
     """The backward's transient (:func:`~autoplan.cost_models.transient_memory.backward_transient`)
     of one layer's plan ``result`` on its own graph ``sub``: kept (mode None), and recomputed
-    fully or selectively, by (signature, mode)."""
+    fully or in the ``lighter`` mode, by (signature, mode)."""
     outputs = model_outputs(sub)
 
     def held(again: CostContext) -> float:
         return backward_transient(sub.nodes, result.chosen, result.input_names, result.needs_grad, outputs, again)
 
     out: dict[tuple[str, RecomputeMode | None], float] = {(layer.signature, None): held(ctx)}
-    for mode in RecomputeMode:
-        saved = saved_outputs(sub, [layer]) if mode == RecomputeMode.SELECTIVE else frozenset()
+    for mode in (RecomputeMode.FULL, lighter):
+        saved = saved_outputs(sub, [layer], mode)
         out[layer.signature, mode] = held(replace(ctx, recompute_regions=regions([layer]), recompute_saved=saved))
     return out
 
@@ -499,7 +504,7 @@ class RangeTable:
         the layers in ``recomputed`` recomputed (those in ``selective`` selectively): each frees
         what recomputing its fastest plan frees, down to the parameters' floor
         (:meth:`state_floor`)."""
-        modes = {i: RecomputeMode.SELECTIVE if i in selective else RecomputeMode.FULL
+        modes = {i: self.costs.lighter if i in selective else RecomputeMode.FULL
                  for i in recomputed if start <= i < end}
         freed = math.fsum(self._recompute_steps(how)[i][1] for i, how in modes.items())
         kept = self._range(LEAN, start, end)[1] - self.counted_apart(start, end)
@@ -626,7 +631,7 @@ class RangeTable:
         key = (start, end, plan.recomputed, plan.selective)
         transient = self.range_transients.get(key)
         if transient is None:
-            modes = {i: RecomputeMode.SELECTIVE if i in plan.selective else RecomputeMode.FULL
+            modes = {i: self.costs.lighter if i in plan.selective else RecomputeMode.FULL
                      for i in plan.recomputed}
             transient = self.range_transients[key] = self.transient(start, end, modes)
         return RangePlan(plan.seconds, plan.memory + transient, plan.recomputed, plan.selective)
@@ -798,7 +803,7 @@ class RangeTable:
 
         apply_in_turn(sorted(pinned), RecomputeMode.FULL)
         others = [i for i in candidates if i not in pinned]
-        phases = [mode] if mode is not None else [RecomputeMode.SELECTIVE, RecomputeMode.FULL]
+        phases = [mode] if mode is not None else [self.costs.lighter, RecomputeMode.FULL]
         found: list[RangePlan] = []  # each phase's answer: fitting, or every layer recomputed so and trimmed
         within = set(others)
         for phase, how in enumerate(phases):
@@ -872,7 +877,7 @@ def _by_rate(step: tuple[float, float], i: int) -> tuple[float, int]:
 
 
 def _selective(applied: dict[int, tuple[RecomputeMode, float, float]]) -> frozenset[int]:
-    return frozenset(i for i, (how, _, _) in applied.items() if how == RecomputeMode.SELECTIVE)
+    return frozenset(i for i, (how, _, _) in applied.items() if how != RecomputeMode.FULL)
 
 
 def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool = False,
