@@ -380,6 +380,7 @@ def test_manual_words_are_pins_too() -> None:
     assert parse_pin("pp=2").kind == PinKind.STAGES
     assert parse_pin("zero=2").number == 2 and parse_pin("ac=full").choice == "full"
     assert PlanOptions(4, "cpu", pins=("ac=selective",)).recompute == "selective"
+    assert PlanOptions(4, "cpu", pins=("ac=op",)).recompute == "op"  # torchtitan's per-op policy
     assert PinSet.read(["dp=2", "tp=4"]).data_parallel_mesh == (2, 4)
     assert PinSet.read(["fsdp=8"]).data_parallel_mesh == (8,)
     for bad, message in (("zero=3", "zero=3 is fsdp=N"), ("ac=some", "write ac=full")):

@@ -134,7 +134,13 @@ def test_manual_plans_are_costed_or_explained(small_gpt) -> None:
     assert ok.predicted.compute_s < selective.predicted.compute_s < checkpointed.predicted.compute_s
     assert checkpointed.predicted.memory_bytes.activations < selective.predicted.memory_bytes.activations \
         < ok.predicted.memory_bytes.activations
-    with pytest.raises(AutoplanError, match="ac=selective"):
+    # torchtitan's per-op policy: every other matrix product's output kept, between selective and full
+    per_op = cost_manual(small_gpt, options, parse_manual("dp=2,tp=2,ac=op"))
+    assert per_op.name.endswith(",ac=op")
+    assert selective.predicted.compute_s < per_op.predicted.compute_s < checkpointed.predicted.compute_s
+    assert checkpointed.predicted.memory_bytes.activations < per_op.predicted.memory_bytes.activations \
+        < selective.predicted.memory_bytes.activations
+    with pytest.raises(AutoplanError, match="ac=selective.*ac=op"):
         parse_manual("dp=2,ac=some")
     # more stages than the model has layers: one line that names the layers and the fix
     deep = cost_manual(small_gpt, make_options(8, "cpu"), parse_manual("pp=8,microbatches=8"))
