@@ -79,6 +79,8 @@ def saved_outputs(graph: TracedGraph, layers: Iterable[Layer], mode: RecomputeMo
                   ) -> frozenset[str]:
     """The op nodes of ``layers``, recomputed in ``mode``, whose outputs are kept (the cost
     model's :attr:`~autoplan.cost_models.step_costs.CostContext.recompute_saved`)."""
+    if mode == RecomputeMode.FULL:
+        return frozenset()
     return frozenset().union(*(kept_outputs(layer_ops(graph, layer.nodes), mode) for layer in layers))
 
 
