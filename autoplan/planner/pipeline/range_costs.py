@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import itertools
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from autoplan.cost_models import LinkSpec
@@ -69,6 +69,9 @@ class LayerCosts:
     # starts, by (signature, mode, start) (:meth:`recomputed_problem`)
     recomputed_problems: dict[tuple[str, RecomputeMode], IntraOpProblem] = field(default_factory=dict)
     recomputed_starts: dict[tuple[str, RecomputeMode, str], list[int]] = field(default_factory=dict)
+    # a layer's fastest plan, its graph and the layer it was made from, by signature: what
+    # recomputing it in a mode changes is worked out from them (:meth:`recomputed`)
+    fast_results: dict[str, tuple[Layer, TracedGraph, IntraOpResult]] = field(default_factory=dict)
 
     @property
     def lighter(self) -> RecomputeMode:
@@ -77,10 +80,10 @@ class LayerCosts:
 
     def portable(self) -> LayerCosts:
         """A copy to send between processes: without the options (they may hold functions) or
-        the edge-cost memo or the trimming walks (and what they found) or the layers' graphs or
-        their recomputed problems (:meth:`restore` puts the options back)."""
+        the edge-cost memo or the trimming walks (and what they found) or the layers' graphs,
+        fastest plans or recomputed problems (:meth:`restore` puts the options back)."""
         return replace(self, options=None, ctx=replace(self.ctx, cache={}), trim_paths={}, trim_walks={},
-                       trim_steps={}, prepared={}, recomputed_problems={})
+                       trim_steps={}, prepared={}, recomputed_problems={}, fast_results={})
 
     def _prepared(self, graph: TracedGraph, layer: Layer) -> tuple[Layer, TracedGraph, PreparedPlan]:
         """The first layer of ``layer``'s signature costed, its own graph and its strategies on
@@ -111,10 +114,10 @@ class LayerCosts:
                                        self.options.solver, self.options.time_limit_s,
                                        allow_storage=self.options.allow_storage, canonical=False,
                                        pins=self.options.pins, prepared=prepared)
+                self.fast_results[layer.signature] = (layer, sub, result)
+                self.transients.update(layer_transients(sub, layer, result, self.ctx, (None,)))
                 for mode in (RecomputeMode.FULL, self.lighter):
-                    self.changes[layer.signature, mode] = recompute_change(
-                        sub, result, self.ctx, saved_outputs(sub, [layer], mode))
-                self.transients.update(layer_transients(sub, layer, result, self.ctx, self.lighter))
+                    self._recomputing(layer.signature, mode)
                 self.fast_names[layer.signature] = {name: chosen.name for name, chosen in result.chosen.items()}
                 if splits_dims_over_axes(self.ctx):  # its ILP had gathered storage among the choices
                     self.problems.setdefault(layer.signature, result.problem)  # (mesh_plan._solve):
@@ -145,8 +148,17 @@ class LayerCosts:
         backward in ``mode``, the same strategies
         (:func:`~autoplan.planner.mesh_plan.recompute_change`: no ILP)."""
         seconds, memory = self.cost(graph, layer)
-        added, freed = self.changes[layer.signature, mode]
+        added, freed = self._recomputing(layer.signature, mode)
         return seconds + added, memory - freed
+
+    def _recomputing(self, signature: str, mode: RecomputeMode) -> tuple[float, float]:
+        """(seconds added, bytes freed) recomputing a layer's fastest plan in ``mode`` (computed
+        with the backward's transient so for the modes the search reads, on demand for another)."""
+        if (signature, mode) not in self.changes:
+            layer, sub, result = self.fast_results[signature]
+            self.changes[signature, mode] = recompute_change(sub, result, self.ctx, saved_outputs(sub, [layer], mode))
+            self.transients.update(layer_transients(sub, layer, result, self.ctx, (mode,)))
+        return self.changes[signature, mode]
 
     def recomputed_problem(self, graph: TracedGraph, layer: Layer, mode: RecomputeMode, start: str = FAST
                            ) -> tuple[IntraOpProblem, list[int]]:
@@ -186,6 +198,8 @@ class LayerCosts:
         """Bytes per device the backward of one layer's fastest plan holds above its kept values
         at its peak, kept or recomputed in ``mode`` (:func:`layer_transients`)."""
         self.cost(graph, layer)
+        if mode is not None:
+            self._recomputing(layer.signature, mode)
         return self.transients[layer.signature, mode]
 
     def trimmed(self, graph: TracedGraph, layers: list[Layer], budget: float,
@@ -286,20 +300,18 @@ def named_choices(problem: IntraOpProblem, choices: list[int]) -> dict[str, str]
 
 
 def layer_transients(sub: TracedGraph, layer: Layer, result: IntraOpResult, ctx: CostContext,
-                     lighter: RecomputeMode = RecomputeMode.SELECTIVE) -> dict[tuple[str, RecomputeMode | None], float]:
+                     modes: Iterable[RecomputeMode | None]) -> dict[tuple[str, RecomputeMode | None], float]:
     """The backward's transient (:func:`~autoplan.cost_models.transient_memory.backward_transient`)
-    of one layer's plan ``result`` on its own graph ``sub``: kept (mode None), and recomputed
-    fully or in the ``lighter`` mode, by (signature, mode)."""
+    of one layer's plan ``result`` on its own graph ``sub``, kept (mode None) or recomputed in
+    each of ``modes``, by (signature, mode)."""
     outputs = model_outputs(sub)
 
     def held(again: CostContext) -> float:
         return backward_transient(sub.nodes, result.chosen, result.input_names, result.needs_grad, outputs, again)
 
-    out: dict[tuple[str, RecomputeMode | None], float] = {(layer.signature, None): held(ctx)}
-    for mode in (RecomputeMode.FULL, lighter):
-        saved = saved_outputs(sub, [layer], mode)
-        out[layer.signature, mode] = held(replace(ctx, recompute_regions=regions([layer]), recompute_saved=saved))
-    return out
+    return {(layer.signature, mode): held(ctx) if mode is None else held(replace(
+        ctx, recompute_regions=regions([layer]), recompute_saved=saved_outputs(sub, [layer], mode)))
+            for mode in modes}
 
 
 def link_between_stages(options: PlannerOptions, submesh: SubMesh) -> LinkSpec:
