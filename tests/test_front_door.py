@@ -70,7 +70,7 @@ def test_default_optimizer_is_adamw() -> None:
 @pytest.mark.parametrize("options, needle", [
     ({"precision": "fp16"}, "unknown precision 'fp16': use one of fp32, bf16"),
     ({"devices": 0}, "devices must be a whole number of at least 1, got 0"),
-    ({"recompute": "some"}, "recompute must be auto, all, selective or none, got 'some'"),
+    ({"recompute": "some"}, "recompute must be auto, all, selective, op or none, got 'some'"),
     ({"stages": 3}, "3 stages do not divide 8 devices"),
     ({"stages": 2, "pipeline": False}, "stages=2 pins a pipeline but pipelines are turned off"),
     ({"mesh": (2, 4), "stages": 2}, "mesh 2x4 holds 8 devices but each of the 2 stages of 8 devices has 4"),
