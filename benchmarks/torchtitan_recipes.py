@@ -10,7 +10,7 @@ cluster file (``benchmarks/results/h100-measured-matmul.toml``: the matmul throu
 on an H100). The recipes are those of torchtitan's H100 benchmark
 (``benchmarks/llama3_h100_202412_torchtitan.md`` in its repository, December 2024):
 
-- ``8b``: 8 GPUs, FSDP 8, local batch 2 (global 16), selective activation checkpointing;
+- ``8b``: 8 GPUs, FSDP 8, local batch 2 (global 16), per-op selective activation checkpointing;
   measured 5,762 tokens/s per GPU (FSDP, no torch.compile, no Float8);
 - ``70b``: 256 GPUs, FSDP 32 × TP 8, local batch 16 (global 512), full checkpointing;
   measured 829 tokens/s per GPU (with torch.compile and Float8);
