@@ -513,7 +513,8 @@ class RangeTable:
                      selective: frozenset[int] = frozenset()) -> float:
         """Bytes per device of layers [start, end)'s least-memory plans at the step's peak (with the
         transient of their fastest plans, which shard the backward's values no more than they do),
-        the layers in ``recomputed`` recomputed (those in ``selective`` selectively): each frees
+        the layers in ``recomputed`` recomputed (those in ``selective`` in the lighter mode,
+        :attr:`LayerCosts.lighter`): each frees
         what recomputing its fastest plan frees, down to the parameters' floor
         (:meth:`state_floor`)."""
         modes = {i: self.costs.lighter if i in selective else RecomputeMode.FULL
