@@ -24,10 +24,9 @@ recomputation's own gathers would; the recomputation takes them.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
-
-import functools
 
 import torch
 

@@ -27,7 +27,7 @@ from autoplan.load import ModelSpec
 from autoplan.plan_schema import PRECISIONS, Alternative, Plan
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import StorageRule
-from autoplan.planner.recompute import RecomputePolicy, every_layer, recomputable
+from autoplan.planner.recompute import RecomputeMode, RecomputePolicy, every_layer, policy_mode, recomputable
 from autoplan.planner.pipeline.candidates import interleave
 from autoplan.planner.pipeline.schedules import INTERLEAVED
 from autoplan.planner.pipeline import (
@@ -281,11 +281,9 @@ def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) ->
     bounds = [round(i * len(layers) / manual.pp) for i in range(manual.pp + 1)]
     _, per_node = cluster_shape(options)
     submesh = SubMesh(max(1, size // per_node), min(size, per_node))
-    every = every_layer(options.recompute)
-    recomputed = recomputable(graph, layers) if manual.ac != "none" or every else frozenset()
-    selective = recomputed if manual.ac in ("selective", "op") or (
-        manual.ac == "none" and options.recompute in (RecomputePolicy.SELECTIVE, RecomputePolicy.PER_OP)) \
-        else frozenset()
+    # opts' policy is the plan's ac= where it names one, else the run's
+    recomputed = recomputable(graph, layers) if every_layer(opts.recompute) else frozenset()
+    selective = recomputed if policy_mode(opts.recompute) != RecomputeMode.FULL else frozenset()
     candidate = PipelineCandidate(manual.microbatches, submesh, [mesh] * manual.pp, list(itertools.pairwise(bounds)),
                                   math.inf, graph, layers, recomputed=recomputed, selective=selective)
     if manual.schedule in INTERLEAVED:  # pp ranks of INTERLEAVE stages each, as the search builds them
