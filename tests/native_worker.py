@@ -84,7 +84,14 @@ def _nanogpt():
     return fsdp_cases.nanogpt()
 
 
-BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt}
+def _llama():
+    import llama
+
+    return (*llama.build(batch=4, seq=64, vocab=1024), None)  # logits worth sharding the loss over
+
+
+BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt,
+            "llama": _llama}
 
 # name -> (builder, --manual plan, expected kind): written plans of the memory dimensions
 MANUAL_CASES: dict[str, tuple[str, str, str]] = {
@@ -98,6 +105,11 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     # cross-entropy averaged over the global batch's counted tokens
     "llama_fsdp_ignored_tokens": ("llama_ignored_tokens", "fsdp={world},ac=full", "fsdp"),
     "llama_ddp_ignored_tokens": ("llama_ignored_tokens", "dp={world}", "ddp"),
+    # a Hugging Face Llama's blocks checkpointed three ways (its key-value cache turned off)
+    "llama_fsdp": ("llama", "fsdp={world}", "fsdp"),
+    "llama_fsdp_checkpointed": ("llama", "fsdp={world},ac=full", "fsdp"),
+    "llama_fsdp_selective": ("llama", "fsdp={world},ac=selective", "fsdp"),
+    "llama_fsdp_per_op": ("llama", "fsdp={world},ac=op", "fsdp"),
     # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
     "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
 }
@@ -171,7 +183,8 @@ def run_case(name: str, world: int) -> dict:
     report = check_against_single_device(spec, pm, steps=2, rtol=rtol, atol=atol)
     native = isinstance(program, NativeProgram)
     block_calls, block_dtype, matmuls = _calls_per_step(pm, "blocks.0.up", inputs) \
-        if native and module_name == "residual_blocks" else (0, "", 0)
+        if native and module_name == "residual_blocks" else \
+        _calls_per_step(pm, "model.layers.0.mlp.up_proj", inputs) if native and module_name == "llama" else (0, "", 0)
     observable = ({p: program.observable_collectives(p) for p in ("forward", "backward")}
                   if isinstance(program, NativeProgram) else report.planned)
     return {

@@ -124,6 +124,21 @@ def test_selective_checkpointing_runs_no_matrix_product_again(results):
     assert selective["matmuls_per_step"] == plain["matmuls_per_step"] < full["matmuls_per_step"]
 
 
+def test_a_llamas_checkpointed_blocks_run_again_what_their_policy_recomputes(results):
+    """FSDP2 over a Hugging Face Llama's blocks, checkpointed as modules: selectively, no matrix
+    product runs again; by the per-op policy, the three of each block's seven that the plan
+    recomputes (k, o and up: :func:`~autoplan.plan_schema.kept_outputs`), its attention kept;
+    fully, every one the backward needs. Each passes the check above."""
+    plain, full, selective, per_op = (_case(results, f"llama_fsdp{suffix}")[0] for suffix in
+                                      ("", "_checkpointed", "_selective", "_per_op"))
+    assert all(res["program"] == "fsdp" for res in (plain, full, selective, per_op))
+    assert set(per_op["recompute_modes"]) == {"op"} and len(per_op["recomputed_layers"]) == 2
+    assert selective["matmuls_per_step"] == plain["matmuls_per_step"]
+    assert per_op["matmuls_per_step"] == plain["matmuls_per_step"] + 3 * len(per_op["recomputed_layers"])
+    assert per_op["matmuls_per_step"] < full["matmuls_per_step"]
+    assert [res["block_calls_per_step"] for res in (plain, full, selective, per_op)] == [1, 2, 2, 2]
+
+
 @pytest.mark.parametrize("name", ["blocks_fsdp_bf16", "blocks_single_bf16"])
 def test_bf16_plans_run_natively_under_autocast(results, name):
     res = _case(results, name)[0]

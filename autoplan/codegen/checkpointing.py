@@ -13,7 +13,9 @@ checkpointing with a policy that must save the outputs of the plan's
 everything else, its redistributions included. A layer recomputed by the per-op policy
 (``op``) runs so too, its policy saving those outputs only while one of the layer's kept nodes
 (:func:`~autoplan.plan_schema.kept_outputs`: its attention and every other matrix product, by
-node, as the cost model reads them) runs.
+node, as the cost model reads them) runs. Where a native program checkpoints a whole module,
+:class:`KeptModules` keeps the same outputs by marking the calls of the submodules that hold
+them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import torch.fx
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autoplan.errors import AutoplanError
-from autoplan.plan_schema import SELECTIVE_SAVED_OPS, RecomputedLayer, RecomputeMode, kept_outputs
+from autoplan.plan_schema import ATTENTION_OPS, SELECTIVE_SAVED_OPS, RecomputedLayer, RecomputeMode, kept_outputs
 from autoplan.strategies.letters import op_name
 
 NodeRunner = Callable[[torch.fx.Node, dict[torch.fx.Node, Any]], Any]
@@ -136,6 +138,36 @@ def keeps_while(running: list[bool], ctx: Any, func: Any, *args: Any, **kwargs: 
     (``running[0]``), else recompute. The forward and the recomputation run the same nodes in
     the same order, so the two ask alike."""
     return keeps_selectively(ctx, func) if running[0] else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class KeptModules:
+    """The per-op policy where a checkpointed *module* runs (the native programs): the outputs of
+    attention are kept, and those of a matrix product only while one of ``modules`` runs (each
+    holds one of the plan's kept products: :func:`~autoplan.codegen.native_patterns.kept_modules`);
+    the rest are computed again. A forward hook pair on each module marks its call, in the
+    forward and again in the recomputation, so the two ask alike."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
+        self.running: list[bool] = [False]
+        for module in modules:
+            module.register_forward_pre_hook(self._enter)
+            module.register_forward_hook(self._leave)
+
+    def _enter(self, module: torch.nn.Module, args: Any) -> None:
+        self.running[0] = True
+
+    def _leave(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        self.running[0] = False
+
+    def policy(self, ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        packet = getattr(func, "overloadpacket", None)
+        if packet is not None and packet.__name__ in ATTENTION_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return keeps_while(self.running, ctx, func)
+
+    def contexts(self) -> tuple[AbstractContextManager, AbstractContextManager]:
+        """The forward's and the recomputation's contexts (a checkpoint's ``context_fn``)."""
+        return create_selective_checkpoint_contexts(self.policy)
 
 
 def selective_contexts() -> tuple[AbstractContextManager, AbstractContextManager]:

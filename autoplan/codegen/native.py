@@ -54,7 +54,11 @@ Each of the four checkpoints the plan's recomputed layers
 ``torch.distributed._composable.checkpoint`` (non-reentrant, the module's parameter names
 unchanged): the backward runs the module's forward again, keeping the outputs of its matrix
 products and attention where the layer is recomputed selectively
-(:func:`~autoplan.codegen.checkpointing.selective_contexts`). The plan's layer may hold ops outside
+(:func:`~autoplan.codegen.checkpointing.selective_contexts`), and by the per-op policy those of
+its attention and of the submodules that hold the plan's kept products (an ``nn.Linear`` each:
+:func:`~autoplan.codegen.native_patterns.kept_modules`, whose calls a hook pair marks,
+:class:`~autoplan.codegen.checkpointing.KeptModules`; a layer whose kept products are not
+such calls runs on the interpreter, which keeps them by node). The plan's layer may hold ops outside
 that module (the embedding before the first block, the head and the loss after the last); those
 run once and keep their outputs, so the loss's count is not all-reduced again in the backward
 as the plan lists for a recomputed loss. The plan's precision is the ``torch.autocast`` that
@@ -113,9 +117,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
-from autoplan.codegen.checkpointing import selective_contexts
+from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
-from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, recognise
+from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, kept_modules, recognise
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -352,6 +356,17 @@ def _model_outputs(output: Any, loss: Any) -> list[Any]:
     return [t for t in tensor_leaves(output) if t is not loss]
 
 
+def _without_cache(module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with a Hugging Face model's key-value cache turned off (``config.use_cache``):
+    the traced graph returns no cache, and a checkpointed layer that wrote one in the forward
+    would find it full when the backward runs the layer again (its attention over twice the
+    keys, and selective checkpointing's saved outputs out of step)."""
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    return module
+
+
 def sharded_blocks(module: torch.nn.Module, plan: Plan) -> list[torch.nn.Module]:
     """The modules FSDP shards and gathers as one unit each: the plan's layers that are modules
     and hold parameters (the repeated blocks, as torchtitan wraps each transformer block), in
@@ -373,19 +388,22 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     modified: the program wraps a copy (on the mesh's device)."""
     if any(s.grad != s.param or s.optimizer_state != s.param for s in plan.storage.values()):
         return None  # ZeRO-1/2 runs on the interpreter's sharded optimizer state
-    if any(layer.mode == RecomputeMode.PER_OP for layer in plan.recompute):
-        return None  # the per-op policy keeps outputs by graph node: the interpreter walks the nodes
+    kept = kept_modules(graph, plan)
+    if isinstance(kept, str):
+        return None  # a per-op layer's kept products are not module calls: the interpreter keeps them by node
     found = recognise(spec, graph, plan)
     if found.kind == "none":
         return None
     meta = has_meta_tensors(spec.module)  # allocated below, shard by shard where the plan shards
-    module = copy.deepcopy(spec.module)
+    module = _without_cache(copy.deepcopy(spec.module))
     if not meta:
         module.to(mesh.device_type)
     elif found.kind in ("single", "ddp"):  # a whole copy on every rank, by design
         materialise_whole(module, mesh.device_type, spec.init_weights)
     for layer in plan.recompute:
-        selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else {}
+        selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else \
+            {"context_fn": KeptModules(map(module.get_submodule, kept[layer.layer])).contexts} \
+            if layer.mode == RecomputeMode.PER_OP else {}
         checkpoint(module.get_submodule(layer.layer), **selective)
     if found.kind == "single":
         return NativeProgram("single", module, spec, graph, plan, mesh, {})

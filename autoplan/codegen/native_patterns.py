@@ -17,8 +17,9 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import NodePlan, Plan
+from autoplan.plan_schema import ATTENTION_OPS, NodePlan, Plan, RecomputeMode, kept_outputs
 from autoplan.sharding import parse_placement
+from autoplan.strategies.letters import op_name
 from autoplan.trace.batch_coupling import op_argument
 from autoplan.trace.graph import TracedGraph
 
@@ -218,6 +219,44 @@ def _unrecomputable(spec: ModelSpec, plan: Plan) -> str | None:
         except AttributeError:
             return f"recomputed layer {layer.layer!r} is not a module"
     return None
+
+
+_SHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "t", "transpose", "permute", "contiguous", "unsqueeze",
+                        "squeeze", "flatten", "sym_size"})
+
+
+def _inside(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(f"{layer}.")
+
+
+def kept_modules(graph: TracedGraph, plan: Plan) -> dict[str, list[str]] | str:
+    """For each layer the plan recomputes by the per-op policy, the submodules whose matrix
+    product it keeps, so that a checkpointed module keeps the same outputs
+    (:class:`~autoplan.codegen.checkpointing.KeptModules`); else why not. Each kept product
+    must be the only product of a submodule of the layer that runs nothing else but shape ops
+    (an ``nn.Linear``: its one ``linear``), so that marking the submodule's call marks the
+    product in the forward and in the recomputation alike; the attention is kept wherever it
+    runs. Products the plan's layer holds outside the module (the head after the last block)
+    run once and keep their outputs, as in every native checkpointed layer."""
+    by_name = {n.name: n for n in graph.graph_module.graph.nodes}
+    found: dict[str, list[str]] = {}
+    for layer in plan.recompute:
+        if layer.mode != RecomputeMode.PER_OP:
+            continue
+        calls = [by_name[name] for name in layer.nodes if name in by_name and by_name[name].op == "call_function"]
+        kept = kept_outputs(((n.name, op_name(n)) for n in calls), RecomputeMode.PER_OP)
+        inside = [n for n in calls if n.name in graph.nodes and _inside(graph.nodes[n.name].module, layer.layer)]
+        modules = []
+        for node in inside:
+            if node.name not in kept or op_name(node) in ATTENTION_OPS:
+                continue
+            owner = graph.nodes[node.name].module
+            held = [n for n in inside if _inside(graph.nodes[n.name].module, owner)]
+            if owner == layer.layer or any(n is not node and op_name(n) not in _SHAPE_OPS for n in held):
+                return f"{layer.layer}: its kept {node.name} is not the one op of a submodule ({owner or 'root'})"
+            modules.append(owner)
+        found[layer.layer] = modules
+    return found
 
 
 def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | str:
