@@ -1,7 +1,7 @@
 """The search never loses to a plan it can express: hand-written plans drawn at random
-(``--manual`` data, sharded data, tensor and pipeline degrees, microbatches, checkpointing)
-for small models on two clusters and two device counts, each costed under the same model as
-the plan found, are never predicted faster than it."""
+(``--manual`` data, sharded data, tensor and pipeline degrees, microbatches, checkpointing:
+none, full, selective or per-op) for small models on two clusters and two device counts, each
+costed under the same model as the plan found, are never predicted faster than it."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def _draw(rng: random.Random, devices: int) -> ManualPlan:
     fsdp = data if rng.random() < 0.5 else 1
     microbatches = rng.choice([1, 2]) if pp == 1 else rng.choice([pp, 2 * pp])
     return ManualPlan(dp=data // fsdp, fsdp=fsdp, tp=tp, pp=pp, microbatches=microbatches,
-                      ac=rng.choice(["none", "full", "selective"]))
+                      ac=rng.choice(["none", "full", "selective", "op"]))
 
 
 def _spec(name: str):
