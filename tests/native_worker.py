@@ -110,6 +110,8 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     "llama_fsdp_checkpointed": ("llama", "fsdp={world},ac=full", "fsdp"),
     "llama_fsdp_selective": ("llama", "fsdp={world},ac=selective", "fsdp"),
     "llama_fsdp_per_op": ("llama", "fsdp={world},ac=op", "fsdp"),
+    "llama_fsdp_per_op_bf16": ("llama", "fsdp={world},ac=op,precision=bf16", "fsdp"),  # torchtitan's 8B recipe
+    "llama_ddp_per_op": ("llama", "dp={world},ac=op", "ddp"),
     # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
     "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
 }
@@ -118,6 +120,7 @@ HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_hsdp": ("residual_blocks", "dp=2,fsdp=2", "hsdp"),
     "blocks_hsdp_checkpointed_bf16": ("residual_blocks", "dp=2,fsdp=2,ac=full,precision=bf16", "hsdp"),
     "llama_hsdp_ignored_tokens": ("llama_ignored_tokens", "dp=2,fsdp=2,ac=full", "hsdp"),
+    "llama_hsdp_per_op": ("llama", "dp=2,fsdp=2,ac=op", "hsdp"),
 }
 # cases for one process: the plan of one device runs the model itself
 SINGLE_CASES: dict[str, tuple[str, str, str]] = {

@@ -139,6 +139,21 @@ def test_a_llamas_checkpointed_blocks_run_again_what_their_policy_recomputes(res
     assert [res["block_calls_per_step"] for res in (plain, full, selective, per_op)] == [1, 2, 2, 2]
 
 
+@pytest.mark.parametrize("name, kind", [("llama_fsdp_per_op_bf16", "fsdp"), ("llama_ddp_per_op", "ddp"),
+                                        ("llama_hsdp_per_op", "hsdp")])
+def test_per_op_checkpointing_runs_natively_with_bf16_ddp_and_hsdp(results, name, kind):
+    """torchtitan's 8B recipe in small (FSDP2, bf16 under its mixed-precision policy, per-op
+    checkpointing), and the per-op policy under DDP and HSDP: native, the same products run
+    again as in fp32 FSDP, and each passes the check above with its collectives as planned."""
+    res, fp32 = _case(results, name)[0], _case(results, "llama_fsdp_per_op")[0]
+    assert res["program"] == kind and set(res["recompute_modes"]) == {"op"}
+    assert res["matmuls_per_step"] == fp32["matmuls_per_step"]
+    assert res["executed"] == res["observable"] == res["planned"]
+    if name.endswith("bf16"):
+        assert res["block_output_dtype"] == "torch.bfloat16"
+        assert res["moved"]["forward"]["all_gather"] == ["bfloat16"]
+
+
 @pytest.mark.parametrize("name", ["blocks_fsdp_bf16", "blocks_single_bf16"])
 def test_bf16_plans_run_natively_under_autocast(results, name):
     res = _case(results, name)[0]
