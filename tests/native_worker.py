@@ -121,6 +121,11 @@ HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_hsdp_checkpointed_bf16": ("residual_blocks", "dp=2,fsdp=2,ac=full,precision=bf16", "hsdp"),
     "llama_hsdp_ignored_tokens": ("llama_ignored_tokens", "dp=2,fsdp=2,ac=full", "hsdp"),
     "llama_hsdp_per_op": ("llama", "dp=2,fsdp=2,ac=op", "hsdp"),
+    # FSDP x TP on a 2x2 mesh, as torchtitan composes them
+    "llama_fsdp_tp": ("llama", "fsdp=2,tp=2", "fsdp_tp"),
+    "llama_fsdp_tp_checkpointed": ("llama", "fsdp=2,tp=2,ac=full", "fsdp_tp"),
+    "llama_fsdp_tp_per_op_bf16": ("llama", "fsdp=2,tp=2,ac=op,precision=bf16", "fsdp_tp"),
+    "llama_fsdp_tp_selective": ("llama", "fsdp=2,tp=2,ac=selective", "fsdp_tp"),
 }
 # cases for one process: the plan of one device runs the model itself
 SINGLE_CASES: dict[str, tuple[str, str, str]] = {

@@ -93,7 +93,7 @@ def test_two_dimensional_plan_other_than_hsdp_is_not_recognised():
     spec = make_model_spec(model, inputs, mlp.loss_fn)
     plan, graph = plan_spec(spec, make_options(4, "h100", (2, 2)))
     found = recognise(spec, graph, plan)
-    assert found.kind == "none" and "is 2-D and the plan is not HSDP" in found.reason
+    assert found.kind == "none" and "is 2-D and the plan is neither HSDP" in found.reason
 
 
 @pytest.mark.parametrize("name", ["blocks_fsdp", "blocks_fsdp_checkpointed", "blocks_fsdp_selective",
@@ -179,6 +179,43 @@ def test_hsdp_plans_run_fully_shard_on_the_2d_mesh(results, name):
     if name.endswith("bf16"):
         assert res["moved"]["forward"]["all_gather"] == ["bfloat16"]
         assert res["moved"]["backward"]["reduce_scatter"] == ["float32"] == res["moved"]["backward"]["all_reduce"]
+
+
+_FSDP_TP = ("llama_fsdp_tp", "llama_fsdp_tp_checkpointed", "llama_fsdp_tp_selective", "llama_fsdp_tp_per_op_bf16")
+
+
+@pytest.mark.parametrize("name", _FSDP_TP)
+def test_fsdp_x_tp_plans_run_parallelize_module_then_fully_shard(results, name):
+    """``fsdp=2,tp=2`` of a Hugging Face Llama on a 2x2 mesh, as torchtitan composes them:
+    ``ColwiseParallel`` on q, k, v, gate and up, ``RowwiseParallel`` on o and down, the
+    embedding and the head column-parallel with their outputs gathered; FSDP2 over axis 0 per
+    block and the root. Each rank computes its half of the batch; the forward runs each block's
+    gather and the two row all-reduces per block, the embedding's and the logits' gathers and
+    the loss's two all-reduces; the backward one all-reduce per column linear's input (and the
+    row all-reduces again where the blocks are recomputed), as the plan lists them."""
+    res = _case(results, name)[0]
+    styles = res["styles"]
+    assert res["program"] == "fsdp_tp" and res["fsdp_groups"] == 3  # two blocks and the root
+    assert {m for m, (kind, layout) in styles.items() if kind == "colwise" and layout == "None"} == \
+        {f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                                           "mlp.gate_proj", "mlp.up_proj")}
+    assert {m for m, (kind, _) in styles.items() if kind == "rowwise"} == \
+        {f"model.layers.{i}.{m}" for i in (0, 1) for m in ("self_attn.o_proj", "mlp.down_proj")}
+    assert styles["model.embed_tokens"] == styles["lm_head"] == ["colwise", "R"]
+    assert all(spec[1] == "R" for spec in res["inputs"].values())  # the batch split over axis 0 only
+    recomputed = 2 * 2 if res["recomputed_layers"] else 0  # the row all-reduces again
+    assert res["executed"]["forward"] == {"all_gather": 3 + 2, "all_reduce": 2 * 2 + 2}
+    assert res["executed"]["backward"] == {"all_gather": 3, "reduce_scatter": 3, "all_reduce": 5 * 2 + 1 + recomputed}
+    assert res["executed"] == res["observable"] == res["planned"]
+
+
+def test_fsdp_x_tp_checkpointing_runs_again_what_its_policy_recomputes(results):
+    plain, full, selective, per_op = (_case(results, name)[0] for name in _FSDP_TP)
+    assert [set(res["recompute_modes"]) for res in (full, selective, per_op)] == [{"full"}, {"selective"}, {"op"}]
+    assert selective["matmuls_per_step"] == plain["matmuls_per_step"]
+    assert per_op["matmuls_per_step"] == plain["matmuls_per_step"] + 3 * 2
+    assert full["matmuls_per_step"] == plain["matmuls_per_step"] + 7 * 2  # no early stop: the whole block
+    assert per_op["block_output_dtype"] == "torch.bfloat16" and plain["block_output_dtype"] == "torch.float32"
 
 
 def test_accumulating_fsdp_plans_run_on_the_interpreter(results):

@@ -7,7 +7,7 @@ Recognition reads only the plan and the traced graph; it is deliberately conserv
 taken natively only when the native program does what the plan says (same placements, same
 collectives up to DDP's bucketing) and provably computes the same loss and gradients.
 
-Patterns (1-D meshes but for HSDP's 2-D one, one stage, one microbatch):
+Patterns (1-D meshes but for the 2-D ones of HSDP and FSDP x TP, one stage, one microbatch):
 
 ``"single"`` — a plan of one device: the user's module (a copy) itself.
 
@@ -49,7 +49,13 @@ and its shard all-reduced over axis 0 (the order the plan costs:
 :func:`~autoplan.sharding.reduce_scatter_first`). The loss and a cross-entropy's token count are
 all-reduced over each axis in turn, as the plan reduces them.
 
-Each of the four checkpoints the plan's recomputed layers
+``"fsdp_tp"`` — FSDP over axis 0 of a 2-D mesh composed with tensor parallelism over axis 1, as
+torchtitan composes them: ``parallelize_module`` on the tensor axis (column and row linears, a
+column-parallel embedding and head whose outputs are gathered), the recomputed layers
+checkpointed, then ``fully_shard`` per block and on the root over the data axis. Recognition
+and how the collectives correspond: :mod:`autoplan.codegen.native_fsdp_tp`.
+
+Each of the data-parallel patterns checkpoints the plan's recomputed layers
 (:attr:`~autoplan.plan_schema.Plan.recompute`), which must name modules, with
 ``torch.distributed._composable.checkpoint`` (non-reentrant, the module's parameter names
 unchanged): the backward runs the module's forward again, keeping the outputs of its matrix
@@ -101,6 +107,7 @@ FSDP's per-group gathers and reduce-scatters are in ``"fsdp"`` above):
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections import Counter
 from collections.abc import Sequence
@@ -119,7 +126,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
-from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, kept_modules, recognise
+from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, inside_module, kept_modules, recognise
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -150,15 +157,22 @@ class NativeProgram(torch.nn.Module):
         self._call = spec.call  # the model called as the user calls it (by keyword, or positionally)
         self.input_names = list(graph.input_names)
         self.redistributions: list[tuple[str, str, str]] = []
-        self._n = mesh.size()
-        self._coord = _batch_slice(mesh)
-        self._input_dims = [batch_dim(plan.inputs.get(name, ["R"])) for name in self.input_names]
-        self._output_placements = self._model_output_placements(graph, plan)
+        # the axes the batch is split over: every axis, but the tensor axis of FSDP x TP
+        self._data_axes = 1 if kind == "fsdp_tp" else mesh.ndim
+        self._n = math.prod(mesh.shape[:self._data_axes])
+        self._coord = _batch_slice(mesh, self._data_axes)
+        self._input_dims = [batch_dim(plan.inputs.get(name, ["R"])[:self._data_axes]) for name in self.input_names]
+        self._output_placements = self._model_output_placements(graph, plan, self._data_axes)
+        # the nodes the checkpointed modules run again in the backward
+        self._rerun = {name for layer in plan.recompute for name in layer.nodes
+                       if name in graph.nodes and inside_module(graph.nodes[name].module, layer.layer)}
         self._dtensor_output = any(isinstance(p, Shard) for kind_, p in styles.values() if kind_ == "rowwise")
         self.collective_map = self._collective_map()
 
     @staticmethod
-    def _model_output_placements(graph: TracedGraph, plan: Plan) -> list[tuple[DPlacement, ...]]:
+    def _model_output_placements(graph: TracedGraph, plan: Plan, data_axes: int) -> list[tuple[DPlacement, ...]]:
+        """Each model output's placements: the plan's over the data axes, whole over the tensor
+        axis of FSDP x TP (its column outputs are gathered at the module)."""
         plans = {p.name: p for p in plan.nodes}
         out = next(n for n in graph.graph_module.graph.nodes if n.op == "output")
         results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
@@ -166,7 +180,8 @@ class NativeProgram(torch.nn.Module):
         for r in results[1:]:
             p = plans.get(r.name) if isinstance(r, torch.fx.Node) else None
             specs = p.outputs[0] if p is not None and p.outputs else ["R"]
-            placements.append(to_dtensor_placements(["R" if s == "P" else s for s in specs]))
+            specs = [("R" if s == "P" else s) if axis < data_axes else "R" for axis, s in enumerate(specs)]
+            placements.append(to_dtensor_placements(specs))
         return placements
 
     # -- what runs --------------------------------------------------------------------------
@@ -190,9 +205,9 @@ class NativeProgram(torch.nn.Module):
             outs = [DTensor.from_local(o, self.mesh, rep, run_check=False) if isinstance(o, torch.Tensor) else o
                     for o in _model_outputs(output, local_loss)]
             return (loss, *outs)
-        if self.kind in ("ddp", "fsdp", "hsdp"):
+        if self.kind in ("ddp", "fsdp", "hsdp", "fsdp_tp"):
             local = self._local_inputs(inputs)
-            groups = [self.mesh.get_group(axis) for axis in range(self.mesh.ndim)]
+            groups = [self.mesh.get_group(axis) for axis in range(self._data_axes)]
             with warnings.catch_warnings():
                 # the loss reads the model's outputs out of place: FSDP2's warning about in-place
                 # ops on a returned view does not apply
@@ -205,7 +220,7 @@ class NativeProgram(torch.nn.Module):
             # The value of the global loss (the mean of equal shards' means); the gradient of
             # the local one, which DDP's all-reduce and FSDP's reduce-scatter average over ranks.
             total = local_loss.detach().clone()
-            for group in groups:  # over each mesh axis, as the plan reduces the loss
+            for group in groups:  # over each data axis, as the plan reduces the loss
                 dist.all_reduce(total, group=group)
             loss = local_loss + (total / self._n - local_loss.detach())
             loss = DTensor.from_local(loss, self.mesh, rep * self.mesh.ndim, run_check=False)
@@ -240,6 +255,8 @@ class NativeProgram(torch.nn.Module):
         runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
                 "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups)",
                 "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups)",
+                "fsdp_tp": f"parallelize_module on axis 1, then FSDP2 fully_shard on axis 0 ({self.fsdp_groups} "
+                           "groups)",
                 "tensor_parallel": "parallelize_module (ColwiseParallel/RowwiseParallel)"}[self.kind]
         return f"native: {runs}{checkpointed}"
 
@@ -261,15 +278,20 @@ class NativeProgram(torch.nn.Module):
 
     # -- collectives ---------------------------------------------------------------------------
 
-    def _loss_not_recomputed(self, c: PlannedCollective) -> bool:
-        """Whether ``c`` is the loss count of a recomputed loss: the plan's last layer holds the
-        loss, the checkpointed block module does not, so the native program counts once."""
-        return c.tensor == "loss count" and c.phase == "backward"
+    def _not_run_again(self, c: PlannedCollective) -> bool:
+        """Whether ``c`` is a recomputation's collective the native program does not run again:
+        the plan's recomputed layer holds the ops before the first block and after the last (the
+        embedding and its gather, the head, the loss and its count), the checkpointed block
+        module does not, so those run once."""
+        if c.phase != "backward" or not (c.where.endswith("(recomputed)") or c.tensor == "loss count"):
+            return False
+        producer = c.where.split(" -> ")[0].split(" (")[0]
+        return producer not in self._rerun
 
     def _grouped_by_fsdp(self, c: PlannedCollective) -> bool:
         """Whether FSDP2 runs ``c`` as part of its per-group collectives (a parameter's gather or
         a gradient's reduce-scatter)."""
-        return self.kind in ("fsdp", "hsdp") and c.tensor in ("parameter", "gradient")
+        return self.kind in ("fsdp", "hsdp", "fsdp_tp") and c.tensor in ("parameter", "gradient")
 
     def _collective_map(self) -> list[CollectiveMapping]:
         out = []
@@ -279,18 +301,19 @@ class NativeProgram(torch.nn.Module):
             if c in grads or c in grouped:
                 continue
             what = f"{c.kind} x{c.count} {c.phase} at {c.where}"
-            if self._loss_not_recomputed(c):
-                native = "none: the checkpointed block modules do not hold the loss"
+            if self._not_run_again(c):
+                native = "none: it is outside the checkpointed block modules, which run again without it"
             elif self.token_mean and c.tensor == "loss count":
                 native = "GlobalTokenMean: the cross-entropy's token count, all-reduced in the forward"
             elif c.where.endswith("-> output"):
-                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind in ("ddp", "fsdp", "hsdp") else \
+                native = "the loss's all-reduce (NativeProgram.forward)" if self.kind != "tensor_parallel" else \
                     "DTensor: the loss's redistribute to Replicate"
-            elif self.kind == "tensor_parallel":
-                native = "DTensor inside RowwiseParallel's output redistribute (or its backward)"
+            elif self.kind in ("tensor_parallel", "fsdp_tp"):
+                native = "DTensor inside a parallel style's redistribute: RowwiseParallel's output, " \
+                         "ColwiseParallel's gathered output, the gradient of ColwiseParallel's input"
             else:
                 native = "?"
-            out.append(CollectiveMapping(what, native, not self._loss_not_recomputed(c)))
+            out.append(CollectiveMapping(what, native, not self._not_run_again(c)))
         if grouped:
             nbytes = sum(c.bytes * c.count for c in grouped)
             out.append(CollectiveMapping(
@@ -321,14 +344,14 @@ class NativeProgram(torch.nn.Module):
         gathers and reduce-scatters become one per ``fully_shard`` group."""
         counts: Counter[str] = Counter()
         grads = 0
-        if self.kind in ("fsdp", "hsdp") and phase in ("forward", "backward"):
+        if self.kind in ("fsdp", "hsdp", "fsdp_tp") and phase in ("forward", "backward"):
             counts["all_gather"] += self.fsdp_groups
             if phase == "backward":
                 counts["reduce_scatter"] += self.fsdp_groups
                 if self.kind == "hsdp":
                     counts["all_reduce"] += self.fsdp_groups
         for c in self.plan.collectives_in(phase):
-            if self._grouped_by_fsdp(c) or self._loss_not_recomputed(c):
+            if self._grouped_by_fsdp(c) or self._not_run_again(c):
                 continue
             if self.kind == "ddp" and c.tensor == "gradient" and c.bucketed:
                 grads += c.count
@@ -339,11 +362,12 @@ class NativeProgram(torch.nn.Module):
         return dict(counts)
 
 
-def _batch_slice(mesh: DeviceMesh) -> int:
-    """Which of the mesh's equal slices of a batch this rank computes: its coordinate read
-    row-major, as DTensor lays out a dim sharded over every axis (``[Shard(0), Shard(0)]``)."""
+def _batch_slice(mesh: DeviceMesh, axes: int) -> int:
+    """Which of the equal slices of a batch split over the mesh's first ``axes`` axes this rank
+    computes: its coordinate read row-major, as DTensor lays out a dim sharded over them
+    (``[Shard(0), Shard(0)]``)."""
     index = 0
-    for size, coordinate in zip(mesh.shape, mesh.get_coordinate() or ()):
+    for size, coordinate in list(zip(mesh.shape, mesh.get_coordinate() or ()))[:axes]:
         index = index * size + coordinate
     return index
 
@@ -354,6 +378,23 @@ def _model_outputs(output: Any, loss: Any) -> list[Any]:
     from autoplan.trace.values import tensor_leaves
 
     return [t for t in tensor_leaves(output) if t is not loss]
+
+
+def _parallelize(module: torch.nn.Module, mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]]
+                 ) -> None:
+    """``parallelize_module`` with the recognised styles: column parallel (its output sharded,
+    or gathered where the style names ``Replicate``), row parallel (its output reduced to the
+    layout named)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan: dict[str, Any] = {}
+    for name, (kind, layout) in styles.items():
+        if kind == "colwise":
+            plan[name] = ColwiseParallel(output_layouts=layout) if layout is not None else ColwiseParallel()
+        else:
+            plan[name] = RowwiseParallel(output_layouts=layout, use_local_output=isinstance(layout, Replicate))
+    # every rank holds the same weights: cut them locally (src_data_rank=None), no scatter
+    parallelize_module(module, mesh, plan, src_data_rank=None)
 
 
 def _without_cache(module: torch.nn.Module) -> torch.nn.Module:
@@ -394,22 +435,32 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     found = recognise(spec, graph, plan)
     if found.kind == "none":
         return None
+    whole_mesh = mesh
     meta = has_meta_tensors(spec.module)  # allocated below, shard by shard where the plan shards
     module = _without_cache(copy.deepcopy(spec.module))
     if not meta:
         module.to(mesh.device_type)
     elif found.kind in ("single", "ddp"):  # a whole copy on every rank, by design
         materialise_whole(module, mesh.device_type, spec.init_weights)
+    if found.kind == "fsdp_tp":  # tensor parallelism first, then checkpointing and FSDP, as torchtitan
+        data, tensor = mesh.mesh_dim_names or ()
+        _parallelize(module, mesh[tensor], found.styles)
     for layer in plan.recompute:
         selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else \
             {"context_fn": KeptModules(map(module.get_submodule, kept[layer.layer])).contexts} \
             if layer.mode == RecomputeMode.PER_OP else {}
-        checkpoint(module.get_submodule(layer.layer), **selective)
+        # under tensor parallelism the whole layer again, its last all-reduces included, as planned
+        # (torch's early stop would end the recomputation at the last tensor the backward needs)
+        checkpoint(module.get_submodule(layer.layer), early_stop=found.kind != "fsdp_tp", **selective)
     if found.kind == "single":
         return NativeProgram("single", module, spec, graph, plan, mesh, {})
-    if found.kind in ("fsdp", "hsdp"):
-        # on a 2-D mesh FSDP2 replicates over axis 0 and shards over axis 1 (HSDP); every group re-gathers in the backward what it freed after the forward, the root too:
+    if found.kind in ("fsdp", "hsdp", "fsdp_tp"):
+        # on a 2-D mesh FSDP2 replicates over axis 0 and shards over axis 1 (HSDP), or shards over
+        # axis 0 the tensor-parallel shards of axis 1 (FSDP x TP, as torchtitan composes them);
+        # every group re-gathers in the backward what it freed after the forward, the root too:
         # the plan re-gathers every weight a backward reads
+        if found.kind == "fsdp_tp":
+            mesh = mesh[data]
         blocks = sharded_blocks(module, plan)
         policy = mixed_precision_policy(plan.precision)
         for block in blocks:
@@ -419,8 +470,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
         if meta:
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
-        return NativeProgram(found.kind, module, spec, graph, plan, mesh, {}, fsdp_groups=len(blocks) + root_group,
-                             token_mean=found.token_mean)
+        return NativeProgram(found.kind, module, spec, graph, plan, whole_mesh, found.styles,
+                             fsdp_groups=len(blocks) + root_group, token_mean=found.token_mean)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 
@@ -434,20 +485,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         wrapped = DistributedDataParallel(module, device_ids=device_ids, process_group=mesh.get_group(),
                                           forward_sync_buffers=False, find_unused_parameters=unused)
         return NativeProgram("ddp", wrapped, spec, graph, plan, mesh, {}, token_mean=found.token_mean)
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
-
-    styles: dict[str, Any] = {}
-    for name, (kind, layout) in found.styles.items():
-        if kind == "colwise":
-            styles[name] = ColwiseParallel()
-        else:
-            styles[name] = RowwiseParallel(output_layouts=layout, use_local_output=isinstance(layout, Replicate))
-    # every rank holds the same weights: cut them locally (src_data_rank=None), no scatter
-    parallelize_module(module, mesh, styles, src_data_rank=None)
+    _parallelize(module, mesh, found.styles)
     if meta:
         materialise_whole(module, mesh.device_type, spec.init_weights)
     return NativeProgram("tensor_parallel", module, spec, graph, plan, mesh, found.styles)

@@ -24,7 +24,7 @@ from autoplan.trace.batch_coupling import op_argument
 from autoplan.trace.graph import TracedGraph
 
 _LINEAR = "aten.linear.default"
-_MEAN_OPS = ("aten.mean.default",)
+MEAN_OPS = ("aten.mean.default",)
 _CROSS_ENTROPY = "aten.cross_entropy_loss.default"
 _MEAN_REDUCTION = 1  # aten's Reduction::Mean
 _SKIPPED = ("_assert_tensor_metadata", "_assert_scalar", "sym_constrain_range")
@@ -56,11 +56,11 @@ class Recognised:
 # recognition
 
 
-def _spec(specs: Sequence[str] | None) -> str | None:
+def spec_text(specs: Sequence[str] | None) -> str | None:
     return None if specs is None else "".join(specs)
 
 
-def _is_r(specs: Sequence[str] | None) -> bool:
+def is_whole(specs: Sequence[str] | None) -> bool:
     return specs is None or all(parse_placement(s).is_replicate for s in specs)
 
 
@@ -83,7 +83,7 @@ def _is_partial(specs: Sequence[str] | None) -> bool:
         and not parse_placement(specs[0]).is_shard
 
 
-def _op_nodes(graph: TracedGraph) -> list[torch.fx.Node]:
+def op_nodes(graph: TracedGraph) -> list[torch.fx.Node]:
     out = []
     for n in graph.graph_module.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
@@ -98,31 +98,31 @@ def _op_nodes(graph: TracedGraph) -> list[torch.fx.Node]:
 def _planned_ops(graph: TracedGraph, plan: Plan) -> list[tuple[torch.fx.Node, NodePlan]]:
     """The graph's op nodes with their plans, in graph order."""
     plans = {p.name: p for p in plan.nodes}
-    return [(node, plans[node.name]) for node in _op_nodes(graph) if node.name in plans]
+    return [(node, plans[node.name]) for node in op_nodes(graph) if node.name in plans]
 
 
-def _tensor_inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
+def tensor_inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
-def _target_name(n: torch.fx.Node) -> str:
+def target_name(n: torch.fx.Node) -> str:
     return str(n.target)
 
 
-def _loss_node(graph: TracedGraph) -> torch.fx.Node | None:
+def loss_node(graph: TracedGraph) -> torch.fx.Node | None:
     out = next(n for n in graph.graph_module.graph.nodes if n.op == "output")
     results = out.args[0]
     first = results[0] if isinstance(results, (tuple, list)) else results
     return first if isinstance(first, torch.fx.Node) else None
 
 
-def _has_batch_norm(graph: TracedGraph, module: torch.nn.Module) -> bool:
+def has_batch_norm(graph: TracedGraph, module: torch.nn.Module) -> bool:
     if any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in module.modules()):
         return True
-    return any("batch_norm" in _target_name(n) for n in _op_nodes(graph))
+    return any("batch_norm" in target_name(n) for n in op_nodes(graph))
 
 
-def _writes_buffers(graph: TracedGraph) -> bool:
+def writes_buffers(graph: TracedGraph) -> bool:
     ep = graph.exported
     if ep is None:
         return False
@@ -138,22 +138,22 @@ def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
     axis 0 and sharded on dim 0 over axis 1, HSDP) and every op reads it whole (gathered at
     use: ZeRO-3 / FSDP), else a reason."""
     hybrid = len(plan.mesh) == 2
-    if not hybrid and all(_is_r(p) for p in plan.params.values()):
+    if not hybrid and all(is_whole(p) for p in plan.params.values()):
         return "replicated"
     parameters = dict(spec.module.named_parameters(remove_duplicate=False))
     for fqn, specs in plan.params.items():
         storage = plan.storage.get(fqn)
-        if fqn not in parameters and _is_r(specs):
+        if fqn not in parameters and is_whole(specs):
             continue  # a buffer, kept whole on every rank as FSDP keeps it
         if hybrid:
             if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
-                return f"{fqn} is {_spec(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP)"
+                return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP)"
         elif shard_dim(specs) != 0 or storage is None or shard_dim(storage.param) != 0:
-            return f"{fqn} is {_spec(specs)}: neither replicated nor stored sharded on dim 0"
+            return f"{fqn} is {spec_text(specs)}: neither replicated nor stored sharded on dim 0"
     for node, p in _planned_ops(graph, plan):
-        for value, specs in zip(_tensor_inputs(node), p.inputs):
-            if value.name in graph.param_names and not _is_r(specs):
-                return f"{node.name} reads {graph.param_names[value.name]} as {_spec(specs)}, not gathered whole"
+        for value, specs in zip(tensor_inputs(node), p.inputs):
+            if value.name in graph.param_names and not is_whole(specs):
+                return f"{node.name} reads {graph.param_names[value.name]} as {spec_text(specs)}, not gathered whole"
     return "sharded"
 
 
@@ -166,20 +166,20 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
     sharded_inputs = 0
     for name, node in zip(graph.input_names, spec.example_inputs):
         specs = plan.inputs.get(name, ["R"])
-        if _is_r(specs):
+        if is_whole(specs):
             continue
         d = batch_dim(specs)
         if d is None or not isinstance(node, torch.Tensor) or node.shape[d] % n:
-            return f"input {name} is {_spec(specs)}: not evenly batch-sharded"
+            return f"input {name} is {spec_text(specs)}: not evenly batch-sharded"
         sharded_inputs += 1
     if not sharded_inputs:
         return "no input is batch-sharded"
-    if _has_batch_norm(graph, spec.module):
+    if has_batch_norm(graph, spec.module):
         return "batch norm: per-rank statistics differ from the global batch's"
-    if _writes_buffers(graph):
+    if writes_buffers(graph):
         return "the forward writes buffers"
-    loss = _loss_node(graph)
-    token_mean = loss is not None and _is_token_mean(graph, loss)
+    loss = loss_node(graph)
+    token_mean = loss is not None and is_token_mean(graph, loss)
     weights = ("parameter",) if storage == "sharded" else ()
     counts = ("loss count",) if token_mean else ()
     for c in plan.collectives:
@@ -191,18 +191,18 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
         if any(_is_partial(s) for s in p.outputs):
             if node is not loss:
                 return f"{node.name} makes partial sums and is not the loss"
-            if _target_name(node) not in _MEAN_OPS and not token_mean:
-                return f"the loss is {_target_name(node)}, not a mean: the ranks' gradient average would differ"
+            if target_name(node) not in MEAN_OPS and not token_mean:
+                return f"the loss is {target_name(node)}, not a mean: the ranks' gradient average would differ"
     kind = "ddp" if storage == "replicated" else "hsdp" if len(plan.mesh) == 2 else "fsdp"
     return Recognised(kind, {}, token_mean=token_mean)
 
 
-def _is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:
+def is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:
     """Whether ``loss`` is the graph's only cross-entropy, averaged over the targets it does not
     ignore (class indices, no class weights)."""
-    if _target_name(loss) != _CROSS_ENTROPY:
+    if target_name(loss) != _CROSS_ENTROPY:
         return False
-    if sum(_target_name(n) == _CROSS_ENTROPY for n in graph.graph_module.graph.nodes) != 1:
+    if sum(target_name(n) == _CROSS_ENTROPY for n in graph.graph_module.graph.nodes) != 1:
         return False
     target = op_argument(loss, "target")
     value = target.meta.get("val") if isinstance(target, torch.fx.Node) else None
@@ -225,7 +225,8 @@ _SHAPE_OPS = frozenset({"view", "reshape", "_unsafe_view", "t", "transpose", "pe
                         "squeeze", "flatten", "sym_size"})
 
 
-def _inside(module: str, layer: str) -> bool:
+def inside_module(module: str, layer: str) -> bool:
+    """Whether the module named ``module`` is ``layer`` or lies inside it."""
     return module == layer or module.startswith(f"{layer}.")
 
 
@@ -245,13 +246,13 @@ def kept_modules(graph: TracedGraph, plan: Plan) -> dict[str, list[str]] | str:
             continue
         calls = [by_name[name] for name in layer.nodes if name in by_name and by_name[name].op == "call_function"]
         kept = kept_outputs(((n.name, op_name(n)) for n in calls), RecomputeMode.PER_OP)
-        inside = [n for n in calls if n.name in graph.nodes and _inside(graph.nodes[n.name].module, layer.layer)]
+        inside = [n for n in calls if n.name in graph.nodes and inside_module(graph.nodes[n.name].module, layer.layer)]
         modules = []
         for node in inside:
             if node.name not in kept or op_name(node) in ATTENTION_OPS:
                 continue
             owner = graph.nodes[node.name].module
-            held = [n for n in inside if _inside(graph.nodes[n.name].module, owner)]
+            held = [n for n in inside if inside_module(graph.nodes[n.name].module, owner)]
             if owner == layer.layer or any(n is not node and op_name(n) not in _SHAPE_OPS for n in held):
                 return f"{layer.layer}: its kept {node.name} is not the one op of a submodule ({owner or 'root'})"
             modules.append(owner)
@@ -261,12 +262,12 @@ def kept_modules(graph: TracedGraph, plan: Plan) -> dict[str, list[str]] | str:
 
 def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | str:
     plans = {p.name: p for p in plan.nodes}
-    if any(fqn in graph.tied or fqn in graph.tied.values() for fqn, s in plan.params.items() if not _is_r(s)):
+    if any(fqn in graph.tied or fqn in graph.tied.values() for fqn, s in plan.params.items() if not is_whole(s)):
         return "a tied parameter is sharded"
-    if any(not _is_r(s) for s in plan.inputs.values()):
+    if any(not is_whole(s) for s in plan.inputs.values()):
         return "a user input is sharded"
-    ops = _op_nodes(graph)
-    sharded_params = {fqn for fqn, s in plan.params.items() if not _is_r(s)}
+    ops = op_nodes(graph)
+    sharded_params = {fqn for fqn, s in plan.params.items() if not is_whole(s)}
     if not sharded_params:
         return "every parameter is replicated"
     styles: dict[str, tuple[str, DPlacement | None]] = {}
@@ -283,8 +284,8 @@ def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised
         reads = [fqn for fqn in info.params if fqn in sharded_params]
         if not reads:
             continue
-        if _target_name(node) != _LINEAR or len(p.inputs) < 2:
-            return f"{node.name} ({_target_name(node)}) reads sharded {reads[0]}: not a linear"
+        if target_name(node) != _LINEAR or len(p.inputs) < 2:
+            return f"{node.name} ({target_name(node)}) reads sharded {reads[0]}: not a linear"
         mod_name = info.module
         try:
             mod = spec.module.get_submodule(mod_name)
@@ -295,29 +296,29 @@ def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised
         w, b = f"{mod_name}.weight", f"{mod_name}.bias"
         wspec = plan.params.get(w)
         if shard_dim(wspec) == 0:  # column parallel
-            if not _is_r(p.inputs[0]) or (mod.bias is not None and shard_dim(plan.params.get(b)) != 0):
-                return f"{mod_name}: column-sharded but input {_spec(p.inputs[0])}, bias {_spec(plan.params.get(b))}"
+            if not is_whole(p.inputs[0]) or (mod.bias is not None and shard_dim(plan.params.get(b)) != 0):
+                return f"{mod_name}: column-sharded but input {spec_text(p.inputs[0])}, bias {spec_text(plan.params.get(b))}"
             out_dim = len(node.meta["val"].shape) - 1
             if shard_dim(p.outputs[0]) != out_dim:
-                return f"{mod_name}: output {_spec(p.outputs[0])}, expected S({out_dim})"
+                return f"{mod_name}: output {spec_text(p.outputs[0])}, expected S({out_dim})"
             styles[mod_name] = ("colwise", None)
         elif shard_dim(wspec) == 1:  # row parallel: find its column partner up the chain
             last = len(node.meta["val"].shape) - 1
             if shard_dim(p.inputs[0]) != last or not _is_partial(p.outputs[0]):
-                return f"{mod_name}: row-sharded but input {_spec(p.inputs[0])} output {_spec(p.outputs[0])}"
-            chain, cur = [], _tensor_inputs(node)[0]
+                return f"{mod_name}: row-sharded but input {spec_text(p.inputs[0])} output {spec_text(p.outputs[0])}"
+            chain, cur = [], tensor_inputs(node)[0]
             while True:
                 if cur.op != "call_function" or len(cur.users) != 1:
                     return f"{mod_name}: its input does not come from a column-parallel linear alone"
                 cp = plans.get(cur.name)
-                if _target_name(cur) == _LINEAR and infos[cur.name].module in styles \
+                if target_name(cur) == _LINEAR and infos[cur.name].module in styles \
                         and styles[infos[cur.name].module][0] == "colwise":
                     break
-                if cp is None or len(_tensor_inputs(cur)) != 1 or \
+                if cp is None or len(tensor_inputs(cur)) != 1 or \
                         any(shard_dim(s) != last for s in [*cp.inputs, *cp.outputs] if s is not None):
                     return f"{mod_name}: {cur.name} between the pair is not an element-wise op on S({last})"
                 chain.append(cur.name)
-                cur = _tensor_inputs(cur)[0]
+                cur = tensor_inputs(cur)[0]
             partner = infos[cur.name].module
             if partner in paired:
                 return f"{partner} feeds two row-parallel linears"
@@ -330,8 +331,8 @@ def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised
                 up = plans.get(user.name)
                 if up is None:
                     continue
-                idx = _tensor_inputs(user).index(node)
-                wanted.add(_spec(up.inputs[idx]))
+                idx = tensor_inputs(user).index(node)
+                wanted.add(spec_text(up.inputs[idx]))
             layouts = {("R" if w_ in ("R", "P") else w_) for w_ in wanted}
             if len(layouts) > 1:
                 return f"{mod_name}: consumers want {sorted(wanted)}"
@@ -341,7 +342,7 @@ def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised
             for later in node.users:
                 _mark_downstream(later, downstream)
         else:
-            return f"{w} is {_spec(wspec)}: neither column (S(0)) nor row (S(1)) sharded"
+            return f"{w} is {spec_text(wspec)}: neither column (S(0)) nor row (S(1)) sharded"
         covered.update({w, b})
     if sharded_params - covered:
         return f"{min(sharded_params - covered)} is sharded outside a linear pair"
@@ -354,11 +355,11 @@ def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised
             continue
         specs = [s for s in [*p.inputs, *p.outputs] if s is not None]
         if node.name in downstream:
-            if any(not (_is_r(s) or _is_partial(s) or shard_dim(s) is not None) for s in specs):
+            if any(not (is_whole(s) or _is_partial(s) or shard_dim(s) is not None) for s in specs):
                 return f"{node.name}: placements {specs}"
             continue
-        if any(not _is_r(s) for s in specs):
-            return f"{node.name} is {[_spec(s) for s in specs]} outside a column/row pair"
+        if any(not is_whole(s) for s in specs):
+            return f"{node.name} is {[spec_text(s) for s in specs]} outside a column/row pair"
     return Recognised("tensor_parallel", styles)
 
 
@@ -374,8 +375,8 @@ def _mark_downstream(node: torch.fx.Node, seen: set[str]) -> None:
 
 def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     """Which native pattern ``plan`` reduces to: ``kind`` is ``"single"``, ``"ddp"``,
-    ``"fsdp"`` or ``"tensor_parallel"``, or ``"none"`` (then ``reason`` says why, for the pattern
-    that came closest)."""
+    ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"`` or ``"tensor_parallel"``, or ``"none"`` (then
+    ``reason`` says why, for the pattern that came closest)."""
     if len(plan.mesh) > 2:
         return Recognised("none", {}, f"mesh {plan.mesh} has more than two axes")
     if plan.scheduled:
@@ -390,7 +391,13 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     if isinstance(found, Recognised):
         return found
     if len(plan.mesh) != 1:
-        return Recognised("none", {}, f"mesh {plan.mesh} is 2-D and the plan is not HSDP ({found})")
+        from autoplan.codegen.native_fsdp_tp import recognise_fsdp_tp  # it reads this module's helpers
+
+        composed = recognise_fsdp_tp(spec, graph, plan)
+        if isinstance(composed, Recognised):
+            return composed
+        return Recognised("none", {}, f"mesh {plan.mesh} is 2-D and the plan is neither HSDP ({found}) "
+                                      f"nor FSDP x TP ({composed})")
     if plan.recompute:
         return Recognised("none", {}, f"not data parallel ({found}); layers recomputed under tensor parallelism")
     tp = _recognise_tp(spec, graph, plan)
