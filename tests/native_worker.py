@@ -90,8 +90,14 @@ def _llama():
     return (*llama.build(batch=4, seq=64, vocab=1024), None)  # logits worth sharding the loss over
 
 
+def _llama_wide():
+    import llama
+
+    return (*llama.build(hidden=256, intermediate=512, batch=4, seq=64, vocab=4096), None)
+
+
 BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt,
-            "llama": _llama}
+            "llama": _llama, "llama_wide": _llama_wide}
 
 # name -> (builder, --manual plan, expected kind): written plans of the memory dimensions
 MANUAL_CASES: dict[str, tuple[str, str, str]] = {
@@ -126,6 +132,8 @@ HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "llama_fsdp_tp_checkpointed": ("llama", "fsdp=2,tp=2,ac=full", "fsdp_tp"),
     "llama_fsdp_tp_per_op_bf16": ("llama", "fsdp=2,tp=2,ac=op,precision=bf16", "fsdp_tp"),
     "llama_fsdp_tp_selective": ("llama", "fsdp=2,tp=2,ac=selective", "fsdp_tp"),
+    # ... with the norms and the residual stream sharded on the sequence (Megatron's sequence parallelism)
+    "llama_fsdp_tp_sequence": ("llama_wide", "fsdp=2,tp=2", "fsdp_tp"),
 }
 # cases for one process: the plan of one device runs the model itself
 SINGLE_CASES: dict[str, tuple[str, str, str]] = {

@@ -209,6 +209,24 @@ def test_fsdp_x_tp_plans_run_parallelize_module_then_fully_shard(results, name):
     assert res["executed"] == res["observable"] == res["planned"]
 
 
+def test_fsdp_x_tp_with_sequence_parallelism_runs_natively(results):
+    """A wider Llama's plan keeps the residual stream and the norms sharded on the sequence over
+    axis 1 (Megatron's sequence parallelism): the embedding's output all-to-all'd onto sequence
+    shards, every column linear gathering its input, the row linears reduce-scattering, the norms
+    as ``SequenceParallel`` (their weights' gradients all-reduced over axis 1, as planned)."""
+    res = _case(results, "llama_fsdp_tp_sequence")[0]
+    styles = res["styles"]
+    assert res["program"] == "fsdp_tp"
+    assert styles["model.embed_tokens"] == ["colwise", "S(1)"] and styles["lm_head"] == ["colwise", "R"]
+    assert {m for m, (kind, _) in styles.items() if kind == "sequence"} == \
+        {"model.norm", *(f"model.layers.{i}.{m}" for i in (0, 1) for m in ("input_layernorm",
+                                                                           "post_attention_layernorm"))}
+    assert {layout for kind, layout in styles.values() if kind == "rowwise"} == {"S(1)"}
+    assert res["executed"]["forward"]["reduce_scatter"] == 2 * 2  # the row outputs
+    assert res["executed"]["backward"]["all_reduce"] == 2 * 2 + 1  # the norms' weight gradients
+    assert res["executed"] == res["planned"]  # (gloo runs the planned all-to-all as a gather)
+
+
 def test_fsdp_x_tp_checkpointing_runs_again_what_its_policy_recomputes(results):
     plain, full, selective, per_op = (_case(results, name)[0] for name in _FSDP_TP)
     assert [set(res["recompute_modes"]) for res in (full, selective, per_op)] == [{"full"}, {"selective"}, {"op"}]

@@ -291,6 +291,8 @@ class NativeProgram(torch.nn.Module):
     def _grouped_by_fsdp(self, c: PlannedCollective) -> bool:
         """Whether FSDP2 runs ``c`` as part of its per-group collectives (a parameter's gather or
         a gradient's reduce-scatter)."""
+        if self.kind == "fsdp_tp" and c.mesh_axis != 0:
+            return False  # a sequence-parallel norm's weight gradient, all-reduced over the tensor axis
         return self.kind in ("fsdp", "hsdp", "fsdp_tp") and c.tensor in ("parameter", "gradient")
 
     def _collective_map(self) -> list[CollectiveMapping]:
@@ -380,19 +382,30 @@ def _model_outputs(output: Any, loss: Any) -> list[Any]:
     return [t for t in tensor_leaves(output) if t is not loss]
 
 
-def _parallelize(module: torch.nn.Module, mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]]
-                 ) -> None:
+def _parallelize(module: torch.nn.Module, mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]],
+                 input_layouts: dict[str, DPlacement] | None = None) -> None:
     """``parallelize_module`` with the recognised styles: column parallel (its output sharded,
-    or gathered where the style names ``Replicate``), row parallel (its output reduced to the
-    layout named)."""
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    gathered where the style names ``Replicate``, all-to-all'd onto a sequence shard where it
+    names ``Shard``; its input gathered where ``input_layouts`` names a shard), row parallel
+    (its output reduced to the layout named), sequence parallel (a norm on sequence shards).
+    Values sharded on the sequence stay DTensors between the styles; the others are local."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
     plan: dict[str, Any] = {}
     for name, (kind, layout) in styles.items():
+        local = not isinstance(layout, Shard)
         if kind == "colwise":
-            plan[name] = ColwiseParallel(output_layouts=layout) if layout is not None else ColwiseParallel()
+            plan[name] = ColwiseParallel(input_layouts=(input_layouts or {}).get(name, Replicate()),
+                                         output_layouts=layout or Shard(-1), use_local_output=local)
+        elif kind == "sequence":
+            plan[name] = SequenceParallel(sequence_dim=layout.dim)
         else:
-            plan[name] = RowwiseParallel(output_layouts=layout, use_local_output=isinstance(layout, Replicate))
+            plan[name] = RowwiseParallel(output_layouts=layout, use_local_output=local)
     # every rank holds the same weights: cut them locally (src_data_rank=None), no scatter
     parallelize_module(module, mesh, plan, src_data_rank=None)
 
@@ -444,7 +457,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         materialise_whole(module, mesh.device_type, spec.init_weights)
     if found.kind == "fsdp_tp":  # tensor parallelism first, then checkpointing and FSDP, as torchtitan
         data, tensor = mesh.mesh_dim_names or ()
-        _parallelize(module, mesh[tensor], found.styles)
+        _parallelize(module, mesh[tensor], found.styles, found.input_layouts)
     for layer in plan.recompute:
         selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else \
             {"context_fn": KeptModules(map(module.get_submodule, kept[layer.layer])).contexts} \

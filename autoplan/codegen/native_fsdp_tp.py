@@ -1,7 +1,8 @@
 """Recognising FSDP × tensor-parallel plans on a 2-D mesh, the way torchtitan composes them:
 ``parallelize_module`` on the tensor axis (``ColwiseParallel``/``RowwiseParallel`` per
-``nn.Linear``, ``ColwiseParallel`` on an ``nn.Embedding``), then FSDP2's ``fully_shard`` per
-block and on the root over the data axis.
+``nn.Linear``, ``ColwiseParallel`` on an ``nn.Embedding``, ``SequenceParallel`` on the norms of a
+sequence-parallel plan), then FSDP2's ``fully_shard`` per block and on the root over the data
+axis.
 
 A plan on mesh ``(data, tensor)`` is taken when, read axis by axis:
 
@@ -14,23 +15,33 @@ A plan on mesh ``(data, tensor)`` is taken when, read axis by axis:
 - **tensor axis (1).** The sharded parameters are those of ``nn.Linear`` and ``nn.Embedding``
   modules, each called once: a *column* linear (weight ``S(0)``, bias ``S(0)``, input ``R``,
   output sharded on its last dim), a *row* linear (weight ``S(1)``, input sharded on its last
-  dim, output partial sums that every consumer reads whole: one all-reduce), a *column*
-  embedding (weight ``S(1)``, output sharded on its last dim). The values sharded on axis 1 form
-  regions that start at column modules: every op in a region reads sharded values of the region
-  and values whole on axis 1 only (rotary tables, masks) and gives a sharded value (attention
-  per head, the gated MLP's product); a region ends at the inputs of row linears, or — for a
-  column module none of whose values reaches a row linear — at a gather: a chain of
-  single-input ops (casts, views) kept sharded on the last dim whose every consumer reads the
-  value whole. ``ColwiseParallel(output_layouts=Replicate())`` gathers that value at the module's
-  output instead: the same bytes (in fp32) and one gather, as planned. Every other value is whole
-  on axis 1.
+  dim, output partial sums that every consumer reads whole — one all-reduce — or on one dim — a
+  reduce-scatter), a *column* embedding (weight ``S(1)``, output sharded on its last dim). The
+  values sharded on their last dim form regions that start at column modules: every op in a
+  region reads sharded values of the region and values whole on axis 1 only (rotary tables,
+  masks) and gives a sharded value (attention per head, the gated MLP's product); a region ends
+  at the inputs of row linears, or — for a column module none of whose values reaches a row
+  linear — at an exit: a chain of single-input ops (casts, views) kept sharded on the last dim
+  whose every consumer reads the value whole (a gather) or on another dim (an all-to-all).
+  ``ColwiseParallel(output_layouts=...)`` does that at the module's output instead: the same
+  bytes (in fp32) and one collective, as planned.
+- **sequence parallelism** (Megatron's). The other values sharded on axis 1 (the residual stream
+  and the norms, split on the sequence) are read as they are given, but by column linears,
+  which gather them (``ColwiseParallel(input_layouts=Shard(d))``), and come from a row linear's
+  reduce-scatter, a column module's exit or one another; a module among them holding parameters
+  (a norm, its weight whole on axis 1) runs as ``SequenceParallel``, which all-reduces its
+  weight's gradient over axis 1 as the plan does. These values stay DTensors between the
+  styles, so that the model reads their global shapes (positions, masks). Every other value is
+  whole on axis 1.
 
 What the native program executes then equals the plan's collectives: per block one gather of its
 parameters over axis 0 in the forward and one in the backward, one reduce-scatter of their
 gradients (FSDP2 groups the plan's per-parameter ones); on axis 1 each row linear's all-reduce and
-each gathered column output's all-gather in the forward, and in the backward one all-reduce of
-the gradient of each column linear's input (``ColwiseParallel`` makes its input a replicated
-DTensor, whose gradient arrives as partial sums: the plan's per-edge all-reduces); the loss and
+each column exit's gather or all-to-all, each gathered column input in the forward, and in the
+backward their duals: one all-reduce (or reduce-scatter, where the input was gathered) of the
+gradient of each column linear's input — ``ColwiseParallel`` makes its input a replicated
+DTensor, whose gradient arrives as partial sums: the plan's per-edge reductions — and a
+sequence-parallel norm's weight gradient all-reduced; the loss and
 the token count all-reduced over axis 0. FSDP2 stores dim 0 of each tensor-parallel shard
 sharded over axis 0, where the plan may name another dim: the same bytes gathered and
 reduce-scattered. ``check.py`` compares the counts.
@@ -39,8 +50,10 @@ Recomputed layers run under the module checkpoint of the data-parallel patterns 
 early stop: the recomputation runs the whole layer again, its row linears' all-reduces
 included, as the plan lists them.
 
-Not taken (the DTensor interpreter runs them): sequence-parallel row outputs
-(reduce-scattered), tied parameters sharded on axis 1, ZeRO-1/2, anything else above. A model
+Not taken (the DTensor interpreter runs them): a plan that gathers inside a norm (its statistics,
+as the search may choose under recomputation), a loss over a batch split on axis 1 too (the
+search's choice for Llama-70B on 32 x 8 H100s), tied parameters sharded on axis 1, ZeRO-1/2,
+anything else above. A model
 whose code sizes its heads from its configuration rather than from its tensors (``view(b, s,
 self.num_heads, d)``) would see its local shards of heads with the global count and stop at its
 first step with a shape error; the Hugging Face decoders size them from their tensors, as
@@ -53,13 +66,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.fx
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.native_patterns import (
     MEAN_OPS,
     Recognised,
     has_batch_norm,
+    inside_module,
     is_token_mean,
     is_whole,
     loss_node,
@@ -134,7 +148,7 @@ def _data_axis(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str | None:
         return "the forward writes buffers"
     for c in plan.collectives:
         on_data = c.tensor in ("parameter", "gradient", "loss count") or c.where.endswith("-> output")
-        if c.mesh_axis != (0 if on_data else 1):
+        if c.mesh_axis != (0 if on_data else 1) and not (c.tensor == "gradient" and c.kind == "all_reduce"):
             return f"the plan has a {c.tensor} collective over axis {c.mesh_axis} ({c.kind} at {c.where})"
     return None
 
@@ -149,7 +163,12 @@ class _TensorAxis:
         self.columns: dict[torch.fx.Node, str] = {}  # column module calls -> module FQN
         self.rows: set[torch.fx.Node] = set()
         self.region: set[torch.fx.Node] = set()
-        self.gathered_edges: set[tuple[str, str]] = set()
+        self.gathered_edges: set[tuple[str, str]] = set()  # (value, reader): a column output's exit
+        self.sequence: set[torch.fx.Node] = set()  # values sharded on axis 1 outside the regions
+        self.input_layouts: dict[str, DPlacement] = {}  # column modules reading a sharded value
+
+    def exits(self, value: torch.fx.Node) -> bool:
+        return value in self.columns or value in self.region
 
     def out(self, node: torch.fx.Node) -> str | None:
         p = self.plans.get(node.name)
@@ -189,9 +208,18 @@ class _TensorAxis:
                 if weight == 0 and _whole(_axis(p.inputs[0], 1)) and _sharded_dim(self.out(node)) == last \
                         and (bias is None or _sharded_dim(bias[1]) == 0):
                     self.columns[node] = name
+                    read = _sharded_dim(self.out(tensor_inputs(node)[0]))
+                    if read is not None:  # gathered from a sequence-sharded value
+                        self.input_layouts[name] = Shard(read)
                 elif weight == 1 and _sharded_dim(_axis(p.inputs[0], 1)) == last and _partial(self.out(node)):
                     self.rows.add(node)
-                    self.styles[name] = ("rowwise", Replicate())
+                    # its consumers read the partial sums whole (an all-reduce) or on one shard (a
+                    # reduce-scatter onto the sequence)
+                    wanted = {"R" if _whole(w) else w for w in (self.read(u, node) for u in node.users)}
+                    layout = wanted.pop() if len(wanted) == 1 else None
+                    if layout is None or (layout != "R" and _sharded_dim(layout) is None):
+                        return f"{name}: its partial sums are read as {sorted(wanted | {str(layout)})}"
+                    self.styles[name] = ("rowwise", Replicate() if layout == "R" else Shard(_sharded_dim(layout)))
                 else:
                     return f"{name}: weight {spec_text(self.plan.params.get(f'{name}.weight'))} read " \
                            f"{spec_text(p.inputs[0])}, output {spec_text(p.outputs[0])}: neither column nor row parallel"
@@ -209,20 +237,21 @@ class _TensorAxis:
         return None
 
     def regions(self) -> str | None:
-        """Walk each column module's sharded values to the row linears or a gather."""
+        """Walk each column module's sharded values to the row linears or an exit: a gather, or
+        an all-to-all onto a sequence-sharded value."""
         for column, name in self.columns.items():
             seen, stack, rows, gathers = {column}, [column], 0, []
             while stack:
                 value = stack.pop()
                 for user in value.users:
                     if user.op == "output":
-                        gathers.append((value, user))
+                        gathers.append((value, user, "R"))
                         continue
                     wants = self.read(user, value)
                     if user in self.rows and tensor_inputs(user)[0] is value:
                         rows += 1
-                    elif _whole(wants):
-                        gathers.append((value, user))
+                    elif _whole(wants) or wants != self.out(value):
+                        gathers.append((value, user, wants or "R"))
                     elif user in self.columns or user in seen:
                         continue
                     elif _sharded_dim(self.out(user)) is None:
@@ -233,12 +262,17 @@ class _TensorAxis:
             self.region |= seen - {column}
             if rows and gathers:
                 return f"{name}'s sharded values reach a row linear and are gathered ({gathers[0][0].name})"
+            layouts = {"R" if _whole(wants) else wants for _, _, wants in gathers}
+            if len(layouts) > 1:
+                return f"{name}'s sharded values are read as {sorted(layouts)}"
             if gathers:
                 why = self._gather_chain(column, seen)
                 if why:
                     return f"{name}: {why}"
-                self.gathered_edges |= {(v.name, u.name) for v, u in gathers}
-            self.styles[name] = ("colwise", Replicate() if gathers else None)
+                self.gathered_edges |= {(v.name, u.name) for v, u, _ in gathers}
+            layout = layouts.pop() if layouts else None
+            self.styles[name] = ("colwise", None if layout is None else Replicate() if layout == "R"
+                                 else Shard(_sharded_dim(layout)))
         for node in self.region:
             for value in tensor_inputs(node):
                 if value not in self.region and value not in self.columns and not _whole(self.read(node, value)):
@@ -260,13 +294,51 @@ class _TensorAxis:
                 return f"{nxt.name} ({target_name(nxt)}) between the module and the gather"
             node = nxt
 
+    def sequence_values(self) -> str | None:
+        """Megatron's sequence parallelism: the values sharded on axis 1 outside the regions
+        (the residual stream and the norms between the blocks' halves, split on their sequence
+        dim) are read as they are given, but by the column linears, which gather them, and come
+        from a row linear's reduce-scatter, a column module's all-to-all or one another. A
+        module among them that holds parameters (a norm, its weight whole on axis 1) runs as
+        ``SequenceParallel``: its weight's gradient all-reduced over axis 1, as planned."""
+        self.sequence = {n for n in op_nodes(self.graph) if n.name in self.plans and n not in self.region
+                         and n not in self.columns and n not in self.rows and not _whole(self.out(n))}
+        if not self.sequence:
+            return None
+        for node in self.sequence:
+            given = self.out(node)
+            info = self.graph.nodes.get(node.name)
+            for value in tensor_inputs(node):
+                read = self.read(node, value)
+                if value.name in self.graph.param_names:
+                    if not _whole(read):
+                        return f"{node.name} reads {value.name} as {read}"
+                    owner = info.module if info is not None else ""
+                    if not owner:
+                        return f"{node.name} reads a parameter outside a module"
+                    self.styles[owner] = ("sequence", Shard(_sharded_dim(given)))
+                elif read != given or (value not in self.sequence and value not in self.rows
+                                       and (value.name, node.name) not in self.gathered_edges):
+                    return f"{node.name} ({given}) reads {value.name} as {read}"
+            for user in node.users:
+                if user.op == "output" or (user not in self.sequence and user not in self.columns):
+                    return f"{node.name} ({given}) is read by {user.name}"
+        for name, style in self.styles.items():
+            if style[0] != "sequence":
+                continue
+            inside = [n for n in op_nodes(self.graph) if n.name in self.graph.nodes
+                      and inside_module(self.graph.nodes[n.name].module, name)]
+            if any(n not in self.sequence for n in inside):
+                return f"{name} holds ops not sharded on the sequence"
+        return None
+
     def rest(self) -> str | None:
         """Every other value is whole on axis 1; a row linear's partial sums are read whole."""
         loss = loss_node(self.graph)
         for node in op_nodes(self.graph):
             p = self.plans.get(node.name)
-            if p is None or node in self.region or node in self.columns or node in self.rows:
-                continue  # (a column's and a row's reads and outputs: modules())
+            if p is None or node in self.region or node in self.columns or node in self.rows or node in self.sequence:
+                continue  # (a column's and a row's reads and outputs: modules(); the sequence's: sequence_values())
             for value in tensor_inputs(node):
                 if (value in self.region or value in self.columns) and (value.name, node.name) in self.gathered_edges:
                     continue
@@ -294,11 +366,16 @@ def recognise_fsdp_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recogn
     if why:
         return why
     tensor = _TensorAxis(spec, graph, plan)
-    why = tensor.modules() or tensor.regions() or tensor.rest()
+    why = tensor.modules() or tensor.regions() or tensor.sequence_values() or tensor.rest()
     if why:
         return why
+    sequence_modules = [name for name, style in tensor.styles.items() if style[0] == "sequence"]
+    for c in plan.collectives:
+        if c.tensor == "gradient" and c.mesh_axis == 1 and \
+                not any(c.where.startswith(f"{name}.") for name in sequence_modules):
+            return f"the plan reduces a gradient over axis 1 ({c.kind} at {c.where})"
     loss = loss_node(graph)
     token_mean = loss is not None and is_token_mean(graph, loss)
     if loss is None or (target_name(loss) not in MEAN_OPS and not token_mean):
         return "the loss is not a mean: the ranks' gradient average would differ"
-    return Recognised("fsdp_tp", tensor.styles, token_mean=token_mean)
+    return Recognised("fsdp_tp", tensor.styles, token_mean=token_mean, input_layouts=tensor.input_layouts)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx
@@ -50,6 +50,7 @@ class Recognised:
     styles: dict[str, tuple[str, DPlacement | None]]
     reason: str = ""
     token_mean: bool = False
+    input_layouts: dict[str, DPlacement] = field(default_factory=dict)  # column modules reading a sharded value
 
 
 # --------------------------------------------------------------------------------------------
