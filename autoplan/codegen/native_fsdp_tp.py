@@ -52,7 +52,7 @@ included, as the plan lists them.
 
 Not taken (the DTensor interpreter runs them): a plan that gathers inside a norm (its statistics,
 as the search may choose under recomputation), a loss over a batch split on axis 1 too (the
-search's choice for Llama-70B on 32 x 8 H100s), tied parameters sharded on axis 1, ZeRO-1/2,
+plan of ``--manual fsdp=32,tp=8`` for Llama-70B), tied parameters sharded on axis 1, ZeRO-1/2,
 anything else above. A model
 whose code sizes its heads from its configuration rather than from its tensors (``view(b, s,
 self.num_heads, d)``) would see its local shards of heads with the global count and stop at its
@@ -148,7 +148,8 @@ def _data_axis(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str | None:
         return "the forward writes buffers"
     for c in plan.collectives:
         on_data = c.tensor in ("parameter", "gradient", "loss count") or c.where.endswith("-> output")
-        if c.mesh_axis != (0 if on_data else 1) and not (c.tensor == "gradient" and c.kind == "all_reduce"):
+        norm_gradient = c.tensor == "gradient" and c.kind == "all_reduce"  # over axis 1: checked with the styles
+        if c.mesh_axis != (0 if on_data else 1) and not norm_gradient:
             return f"the plan has a {c.tensor} collective over axis {c.mesh_axis} ({c.kind} at {c.where})"
     return None
 
@@ -166,9 +167,6 @@ class _TensorAxis:
         self.gathered_edges: set[tuple[str, str]] = set()  # (value, reader): a column output's exit
         self.sequence: set[torch.fx.Node] = set()  # values sharded on axis 1 outside the regions
         self.input_layouts: dict[str, DPlacement] = {}  # column modules reading a sharded value
-
-    def exits(self, value: torch.fx.Node) -> bool:
-        return value in self.columns or value in self.region
 
     def out(self, node: torch.fx.Node) -> str | None:
         p = self.plans.get(node.name)
@@ -222,7 +220,8 @@ class _TensorAxis:
                     self.styles[name] = ("rowwise", Replicate() if layout == "R" else Shard(_sharded_dim(layout)))
                 else:
                     return f"{name}: weight {spec_text(self.plan.params.get(f'{name}.weight'))} read " \
-                           f"{spec_text(p.inputs[0])}, output {spec_text(p.outputs[0])}: neither column nor row parallel"
+                           f"{spec_text(p.inputs[0])}, output {spec_text(p.outputs[0])}: neither column nor row " \
+                           "parallel"
             elif isinstance(module, torch.nn.Embedding) and target_name(node) == _EMBEDDING and weight == 1 \
                     and _sharded_dim(self.out(node)) == last:
                 self.columns[node] = name

@@ -148,7 +148,8 @@ def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
             continue  # a buffer, kept whole on every rank as FSDP keeps it
         if hybrid:
             if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
-                return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP)"
+                return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 " \
+                       "(HSDP)"
         elif shard_dim(specs) != 0 or storage is None or shard_dim(storage.param) != 0:
             return f"{fqn} is {spec_text(specs)}: neither replicated nor stored sharded on dim 0"
     for node, p in _planned_ops(graph, plan):
@@ -298,7 +299,8 @@ def _recognise_tp(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised
         wspec = plan.params.get(w)
         if shard_dim(wspec) == 0:  # column parallel
             if not is_whole(p.inputs[0]) or (mod.bias is not None and shard_dim(plan.params.get(b)) != 0):
-                return f"{mod_name}: column-sharded but input {spec_text(p.inputs[0])}, bias {spec_text(plan.params.get(b))}"
+                return f"{mod_name}: column-sharded but input {spec_text(p.inputs[0])}, " \
+                       f"bias {spec_text(plan.params.get(b))}"
             out_dim = len(node.meta["val"].shape) - 1
             if shard_dim(p.outputs[0]) != out_dim:
                 return f"{mod_name}: output {spec_text(p.outputs[0])}, expected S({out_dim})"
