@@ -202,7 +202,7 @@ def test_a_weights_folder_of_nothing_it_can_read_is_named_in_one_line(tmp_path, 
 
 
 @pytest.mark.parametrize("text, program", [("fsdp=4", "native: FSDP2 fully_shard"),
-                                           ("fsdp=2,tp=2", "the DTensor interpreter"),
+                                           ("fsdp=2,tp=2", "native: parallelize_module on axis 1"),
                                            ("pp=2,fsdp=2,microbatches=2", "torch.distributed.pipelining")])
 def test_a_meta_model_three_times_a_ranks_budget_initialises_sharded_within_it(tmp_path, text, program):
     sys.path.insert(0, str(ROOT / "tests"))
