@@ -42,9 +42,11 @@ class CollectiveMapping:
 @dataclass
 class Recognised:
     """What :func:`recognise` found: ``kind`` and, for tensor parallelism, the styles by
-    module FQN (``("colwise", None)`` / ``("rowwise", output placement)``); ``token_mean``: the
-    loss is a cross-entropy averaged over the tokens it does not ignore, which data-parallel
-    programs divide by the global batch's count (:mod:`autoplan.codegen.token_mean`)."""
+    module FQN (``("colwise", output placement or None)`` / ``("rowwise", output placement)`` /
+    ``("sequence", Shard(sequence dim))``) and the input placements of the column modules that
+    gather a sequence-sharded value (``input_layouts``); ``token_mean``: the loss is a
+    cross-entropy averaged over the tokens it does not ignore, which data-parallel programs
+    divide by the global batch's count (:mod:`autoplan.codegen.token_mean`)."""
 
     kind: str
     styles: dict[str, tuple[str, DPlacement | None]]
@@ -58,10 +60,12 @@ class Recognised:
 
 
 def spec_text(specs: Sequence[str] | None) -> str | None:
+    """A placement list as one word (``S(0)R``), for reasons."""
     return None if specs is None else "".join(specs)
 
 
 def is_whole(specs: Sequence[str] | None) -> bool:
+    """Whether ``specs`` replicate the value over every mesh axis (or say nothing)."""
     return specs is None or all(parse_placement(s).is_replicate for s in specs)
 
 
@@ -85,6 +89,7 @@ def _is_partial(specs: Sequence[str] | None) -> bool:
 
 
 def op_nodes(graph: TracedGraph) -> list[torch.fx.Node]:
+    """The graph's op calls in order, less ``getitem`` and export's assertions."""
     out = []
     for n in graph.graph_module.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
@@ -103,14 +108,17 @@ def _planned_ops(graph: TracedGraph, plan: Plan) -> list[tuple[torch.fx.Node, No
 
 
 def tensor_inputs(n: torch.fx.Node) -> list[torch.fx.Node]:
+    """``n``'s tensor-valued inputs, in the order its plan lists their placements."""
     return [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
 
 
 def target_name(n: torch.fx.Node) -> str:
+    """``n``'s op as ``aten.linear.default``."""
     return str(n.target)
 
 
 def loss_node(graph: TracedGraph) -> torch.fx.Node | None:
+    """The node of the graph's first output, the loss."""
     out = next(n for n in graph.graph_module.graph.nodes if n.op == "output")
     results = out.args[0]
     first = results[0] if isinstance(results, (tuple, list)) else results
@@ -118,12 +126,14 @@ def loss_node(graph: TracedGraph) -> torch.fx.Node | None:
 
 
 def has_batch_norm(graph: TracedGraph, module: torch.nn.Module) -> bool:
+    """Whether the model normalises over its batch (per-rank statistics would differ)."""
     if any(isinstance(m, torch.nn.modules.batchnorm._NormBase) for m in module.modules()):
         return True
     return any("batch_norm" in target_name(n) for n in op_nodes(graph))
 
 
 def writes_buffers(graph: TracedGraph) -> bool:
+    """Whether the exported forward writes a buffer (running statistics)."""
     ep = graph.exported
     if ep is None:
         return False
