@@ -72,7 +72,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from autoplan.codegen.native_patterns import (
     MEAN_OPS,
     Recognised,
-    has_batch_norm,
+    batch_split,
     inside_module,
     is_token_mean,
     is_whole,
@@ -82,7 +82,6 @@ from autoplan.codegen.native_patterns import (
     spec_text,
     target_name,
     tensor_inputs,
-    writes_buffers,
 )
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import NodePlan, Plan
@@ -128,24 +127,9 @@ def _data_axis(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str | None:
         storage = plan.storage.get(fqn)
         if _sharded_dim(specs[0]) is None or storage is None or list(storage.param) != list(specs):
             return f"{fqn} is {spec_text(specs)}: not stored sharded over axis 0"
-    sharded_inputs = 0
-    for name, value in zip(graph.input_names, spec.example_inputs):
-        specs = plan.inputs.get(name, ["R", "R"])
-        if not _whole(specs[1]):
-            return f"input {name} is {spec_text(specs)}: sharded over axis 1"
-        d = _sharded_dim(specs[0])
-        if d is None and not _whole(specs[0]):
-            return f"input {name} is {spec_text(specs)}"
-        if d is not None:
-            if not isinstance(value, torch.Tensor) or value.shape[d] % plan.mesh[0]:
-                return f"input {name} is {spec_text(specs)}: not evenly batch-sharded"
-            sharded_inputs += 1
-    if not sharded_inputs:
-        return "no input is batch-sharded over axis 0"
-    if has_batch_norm(graph, spec.module):
-        return "batch norm: per-rank statistics differ from the global batch's"
-    if writes_buffers(graph):
-        return "the forward writes buffers"
+    why = batch_split(spec, graph, plan, 1)
+    if why:
+        return why
     for c in plan.collectives:
         on_data = c.tensor in ("parameter", "gradient", "loss count") or c.where.endswith("-> output")
         norm_gradient = c.tensor == "gradient" and c.kind == "all_reduce"  # over axis 1: checked with the styles

@@ -169,19 +169,20 @@ def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
     return "sharded"
 
 
-def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | str:
-    """DDP (every parameter replicated) or FSDP (every parameter stored sharded and gathered at
-    use), the batch split over the ranks, the loss a mean."""
-    storage = _storage_kind(spec, graph, plan)
-    if storage not in ("replicated", "sharded"):
-        return storage
+def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int) -> str | None:
+    """Why the plan does not split the batch over the mesh's first ``axes`` axes as a data-parallel
+    program can (None: it does): every user input split on one batch dim over those axes, evenly,
+    or whole, and whole over the others; at least one split; no batch norm, no buffer written."""
+    ranks = math.prod(plan.mesh[:axes])
     sharded_inputs = 0
-    for name, node in zip(graph.input_names, spec.example_inputs):
-        specs = plan.inputs.get(name, ["R"])
-        if is_whole(specs):
+    for name, value in zip(graph.input_names, spec.example_inputs):
+        specs = plan.inputs.get(name, ["R"] * len(plan.mesh))
+        if not is_whole(specs[axes:]):
+            return f"input {name} is {spec_text(specs)}: sharded over a tensor axis"
+        if is_whole(specs[:axes]):
             continue
-        d = batch_dim(specs)
-        if d is None or not isinstance(node, torch.Tensor) or node.shape[d] % n:
+        d = batch_dim(specs[:axes])
+        if d is None or not isinstance(value, torch.Tensor) or value.shape[d] % ranks:
             return f"input {name} is {spec_text(specs)}: not evenly batch-sharded"
         sharded_inputs += 1
     if not sharded_inputs:
@@ -190,6 +191,18 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
         return "batch norm: per-rank statistics differ from the global batch's"
     if writes_buffers(graph):
         return "the forward writes buffers"
+    return None
+
+
+def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | str:
+    """DDP (every parameter replicated) or FSDP (every parameter stored sharded and gathered at
+    use), the batch split over the ranks, the loss a mean."""
+    storage = _storage_kind(spec, graph, plan)
+    if storage not in ("replicated", "sharded"):
+        return storage
+    why = batch_split(spec, graph, plan, len(plan.mesh))
+    if why:
+        return why
     loss = loss_node(graph)
     token_mean = loss is not None and is_token_mean(graph, loss)
     weights = ("parameter",) if storage == "sharded" else ()
