@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,6 +119,12 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     "llama_fsdp_per_op": ("llama", "fsdp={world},ac=op", "fsdp"),
     "llama_fsdp_per_op_bf16": ("llama", "fsdp={world},ac=op,precision=bf16", "fsdp"),  # torchtitan's 8B recipe
     "llama_ddp_per_op": ("llama", "dp={world},ac=op", "ddp"),
+    # ZeRO-2: FSDP2 holding a group's gathered parameters from its forward through its backward
+    "llama_zero2": ("llama", "dp={world},zero=2", "fsdp"),
+    "llama_zero2_per_op_bf16": ("llama", "dp={world},zero=2,ac=op,precision=bf16", "fsdp"),
+    "blocks_zero2_checkpointed": ("residual_blocks", "dp={world},zero=2,ac=full", "fsdp"),
+    # ZeRO-1 (a whole gradient reduce-scattered once per step): the interpreter
+    "llama_zero1": ("llama", "dp={world},zero=1", "none"),
     # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
     "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
 }
@@ -176,6 +183,15 @@ def _calls_per_step(pm, module_name: str, inputs) -> tuple[int, str, int]:
     return len(calls), calls[0], counter.count
 
 
+def _whole_after_forward(pm, inputs) -> int:
+    """How many of the program's parameters are whole (gathered, not FSDP's DTensor shards)
+    between a forward and its backward: FSDP2 holds only the root's, ZeRO-2 every group's."""
+    loss = pm(*inputs).loss
+    whole = sum(not isinstance(p, DTensor) for p in pm.program.user_module.parameters())
+    loss.backward()
+    return whole
+
+
 def run_case(name: str, world: int) -> dict:
     if name in CASES:
         module_name, kwargs, memory, loss_override, expected = CASES[name]
@@ -201,6 +217,7 @@ def run_case(name: str, world: int) -> dict:
     block_calls, block_dtype, matmuls = _calls_per_step(pm, "blocks.0.up", inputs) \
         if native and module_name == "residual_blocks" else \
         _calls_per_step(pm, "model.layers.0.mlp.up_proj", inputs) if native and module_name == "llama" else (0, "", 0)
+    whole_after_forward = _whole_after_forward(pm, inputs) if kind in ("fsdp", "hsdp") else 0
     observable = ({p: program.observable_collectives(p) for p in ("forward", "backward")}
                   if isinstance(program, NativeProgram) else report.planned)
     return {
@@ -219,7 +236,9 @@ def run_case(name: str, world: int) -> dict:
         "executed": report.executed,
         "moved": report.moved,
         "planned": report.planned,  # what check.py expects the program to run
-        "planned_by_plan": {p: planned_collectives(plan, p) for p in ("forward", "backward")},
+        "planned_by_plan": {p: planned_collectives(plan, p) for p in ("forward", "backward", "optimizer")},
+        "whole_after_forward": whole_after_forward,
+        "description": pm.description,
         "observable": observable,
         "collective_map": [[m.planned, m.native, m.observable] for m in getattr(program, "collective_map", [])],
         "module_untouched": untouched,

@@ -108,6 +108,35 @@ def test_fsdp_plans_run_fully_shard_per_block_with_the_plans_collectives(results
     assert res["executed"] == res["observable"] == res["planned"]
 
 
+@pytest.mark.parametrize("name, checkpointed", [("llama_zero2", False), ("llama_zero2_per_op_bf16", True),
+                                                ("blocks_zero2_checkpointed", True)])
+def test_zero2_plans_run_fully_shard_holding_the_gathered_parameters_through_the_backward(results, name,
+                                                                                         checkpointed):
+    res = _case(results, name)[0]
+    groups = res["fsdp_groups"]
+    assert res["program"] == "fsdp" and "ZeRO-2" in res["description"]
+    assert bool(res["recomputed_layers"]) == checkpointed
+    # the plan: every parameter whole, its gradient reduce-scattered in the backward and its
+    # updated shards gathered after the optimizer step
+    assert all(p == ["R"] for p in res["params"].values())
+    planned = res["planned_by_plan"]
+    assert planned["backward"]["reduce_scatter"] == planned["optimizer"]["all_gather"] > groups
+    assert "all_gather" not in planned["backward"]
+    # FSDP2 gathers each group once, before its forward (the step's gathers moved there), holds
+    # it through the backward, recomputation included (no second gather), and reduce-scatters
+    assert res["executed"]["forward"]["all_gather"] == groups
+    assert res["executed"]["backward"] == {"reduce_scatter": groups}
+    assert res["executed"] == res["observable"] == res["planned"]
+    assert res["whole_after_forward"] == res["num_model_parameters"]
+    assert _case(results, "llama_fsdp")[0]["whole_after_forward"] == 0  # FSDP frees them after the forward
+
+
+def test_zero1_plans_run_on_the_interpreter(results):
+    res = _case(results, "llama_zero1")[0]
+    assert res["program"] == "none" and "(ZeRO-1)" in res["reason"]
+    assert res["executed"]["optimizer"] == res["planned"]["optimizer"]
+
+
 @pytest.mark.parametrize("name, calls", [("blocks_fsdp", 1), ("blocks_fsdp_checkpointed", 2),
                                          ("blocks_fsdp_selective", 2),
                                          ("blocks_ddp_checkpointed", 2), ("blocks_single_checkpointed", 2)])

@@ -40,6 +40,18 @@ stores, and such plans run on the interpreter. Under a bf16 plan every group has
 ``MixedPrecisionPolicy``: parameters gathered and computed with in bf16, gradients reduced in
 fp32 into the fp32 shards (the optimizer's master weights), as the plan costs the gathers.
 
+A ZeRO-2 plan (every parameter whole, its gradient and optimizer state stored sharded on dim
+0 over a 1-D mesh: :func:`~autoplan.codegen.native_patterns.zero_storage`) runs the same way
+with ``reshard_after_forward=False``, FSDP2's ZeRO-2 (FSDP1's ``SHARD_GRAD_OP``): a group's
+parameters are gathered before its forward and held through its backward (recomputation
+included: no second gather), its gradients reduce-scattered into the shards the optimizer
+steps. The plan gathers each parameter's updated shards after the optimizer step; FSDP2
+gathers them before the next forward: the same bytes once per step, a phase later, and
+between steps each rank keeps only its shards (less memory than the plan counts). ZeRO-1 (a
+whole gradient kept to the step) has no FSDP2 form: torch's ``ZeroRedundancyOptimizer``
+all-reduces the gradients and broadcasts the updated parameters, half as many bytes again as
+the plan's reduce-scatter and all-gather, so such plans run on the interpreter.
+
 ``"hsdp"`` — FSDP on a 2-D ``dp × fsdp`` mesh: the batch split over both axes (each rank's
 slice is its mesh coordinate read row-major, as DTensor lays out ``[Shard(0), Shard(0)]``), every
 parameter replicated over axis 0 and stored sharded on dim 0 over axis 1 (``[R, S(0)]``), read
@@ -144,10 +156,12 @@ class NativeProgram(torch.nn.Module):
 
     def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
                  mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]], fsdp_groups: int = 0,
-                 token_mean: bool = False) -> None:
+                 token_mean: bool = False, reshard_after_forward: bool = True) -> None:
         super().__init__()
         self.token_mean = token_mean  # the cross-entropy divides by the global batch's token count
         self.fsdp_groups = fsdp_groups  # fully_shard units: one all-gather (and reduce-scatter) each
+        # False: ZeRO-2, a group's parameters gathered in the forward and held through the backward
+        self.reshard_after_forward = reshard_after_forward
         self.kind = kind
         self.mesh = mesh
         self.plan = plan
@@ -217,6 +231,8 @@ class NativeProgram(torch.nn.Module):
                     local_loss = self.loss_fn(output, *local)
             if mean is not None:
                 check_one_loss(mean)
+            if not (self.reshard_after_forward or torch.is_grad_enabled()):
+                self._reshard()  # no backward frees what ZeRO-2 holds after a forward without gradients
             # The value of the global loss (the mean of equal shards' means); the gradient of
             # the local one, which DDP's all-reduce and FSDP's reduce-scatter average over ranks.
             total = local_loss.detach().clone()
@@ -253,12 +269,24 @@ class NativeProgram(torch.nn.Module):
         """What runs the plan, in a few words."""
         checkpointed = f", {len(self.plan.recompute)} checkpointed layer(s)" if self.plan.recompute else ""
         runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
-                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups)",
-                "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups)",
+                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text})",
+                "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups{self._zero2_text})",
                 "fsdp_tp": f"parallelize_module on axis 1, then FSDP2 fully_shard on axis 0 ({self.fsdp_groups} "
                            "groups)",
                 "tensor_parallel": "parallelize_module (ColwiseParallel/RowwiseParallel)"}[self.kind]
         return f"native: {runs}{checkpointed}"
+
+    def _reshard(self) -> None:
+        """Free every FSDP2 group's gathered parameters, its shards the module's parameters again."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for m in self.module.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+
+    @property
+    def _zero2_text(self) -> str:
+        return "" if self.reshard_after_forward else ", not resharded after the forward: ZeRO-2"
 
     # -- what ShardedProgram offers -----------------------------------------------------------
 
@@ -323,7 +351,11 @@ class NativeProgram(torch.nn.Module):
                 f"{nbytes:.0f} bytes",
                 f"FSDP2: per fully_shard group ({self.fsdp_groups}), one all-gather in the forward, one in the "
                 "backward and one reduce-scatter of the gradients (HSDP: and one all-reduce of the reduced shard "
-                "over axis 0); the same bytes in fewer calls", False))
+                "over axis 0); the same bytes in fewer calls" if self.reshard_after_forward else
+                f"FSDP2 without resharding after the forward (ZeRO-2): per fully_shard group ({self.fsdp_groups}), "
+                "one reduce-scatter of the gradients in the backward (HSDP: and one all-reduce of the reduced "
+                "shard over axis 0), and the all-gather of the updated shards that the plan runs after the "
+                "optimizer step run before the next forward; the same bytes in fewer calls", False))
         if grads and self.kind == "ddp":
             nbytes = sum(c.bytes * c.count for c in grads)
             out.append(CollectiveMapping(
@@ -347,7 +379,8 @@ class NativeProgram(torch.nn.Module):
         counts: Counter[str] = Counter()
         grads = 0
         if self.kind in ("fsdp", "hsdp", "fsdp_tp") and phase in ("forward", "backward"):
-            counts["all_gather"] += self.fsdp_groups
+            if phase == "forward" or self.reshard_after_forward:
+                counts["all_gather"] += self.fsdp_groups
             if phase == "backward":
                 counts["reduce_scatter"] += self.fsdp_groups
                 if self.kind == "hsdp":
@@ -440,8 +473,6 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     """The native program for ``plan`` (DDP or ``parallelize_module``), or ``None`` when the plan
     is not one of the recognised patterns (see the module docstring). ``spec.module`` is not
     modified: the program wraps a copy (on the mesh's device)."""
-    if any(s.grad != s.param or s.optimizer_state != s.param for s in plan.storage.values()):
-        return None  # ZeRO-1/2 runs on the interpreter's sharded optimizer state
     kept = kept_modules(graph, plan)
     if isinstance(kept, str):
         return None  # a per-op layer's kept products are not module calls: the interpreter keeps them by node
@@ -476,15 +507,17 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
             mesh = mesh[data]
         blocks = sharded_blocks(module, plan)
         policy = mixed_precision_policy(plan.precision)
+        resharded = found.reshard_after_forward  # False: ZeRO-2, gathered once per step
         for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+            fully_shard(block, mesh=mesh, reshard_after_forward=resharded, mp_policy=policy)
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         root_group = any(id(p) not in in_blocks for p in module.parameters())
-        fully_shard(module, mesh=mesh, reshard_after_forward=True, mp_policy=policy)
+        fully_shard(module, mesh=mesh, reshard_after_forward=resharded, mp_policy=policy)
         if meta:
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
         return NativeProgram(found.kind, module, spec, graph, plan, whole_mesh, found.styles,
-                             fsdp_groups=len(blocks) + root_group, token_mean=found.token_mean)
+                             fsdp_groups=len(blocks) + root_group, token_mean=found.token_mean,
+                             reshard_after_forward=resharded)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

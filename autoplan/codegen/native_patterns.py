@@ -53,6 +53,9 @@ class Recognised:
     reason: str = ""
     token_mean: bool = False
     input_layouts: dict[str, DPlacement] = field(default_factory=dict)  # column modules reading a sharded value
+    # False for ZeRO-2 (parameters whole, gradients and optimizer state sharded): FSDP2 keeps a
+    # group's gathered parameters from its forward through its backward
+    reshard_after_forward: bool = True
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,12 +146,38 @@ def writes_buffers(graph: TracedGraph) -> bool:
 _HYBRID = ["R", "S(0)"]  # HSDP's parameter on a (replicate, shard) mesh
 
 
+def zero_storage(spec: ModelSpec, plan: Plan) -> str | None:
+    """How the plan stores the gradients and optimizer states of its parameters: None where
+    every one is stored as its parameter, ``"zero2"`` where every parameter is whole and its
+    gradient and optimizer state are stored sharded on dim 0 over a 1-D mesh, else a reason
+    (ZeRO-1, ZeRO-2 on some parameters, on another dim or on a 2-D mesh), which FSDP2 does not
+    store so."""
+    parameters = dict(spec.module.named_parameters(remove_duplicate=False))
+    stored = {fqn: plan.storage[fqn] for fqn in parameters if fqn in plan.storage}
+    if all(s.grad == s.param and s.optimizer_state == s.param for s in stored.values()):
+        return None
+    shard = ["S(0)"]
+    for fqn, s in stored.items():
+        if s.grad == s.param and s.optimizer_state != s.param:
+            return f"{fqn}'s optimizer state is sharded under a whole gradient (ZeRO-1)"
+        if not is_whole(s.param) or list(s.grad) != shard or list(s.optimizer_state) != shard:
+            return f"{fqn} is stored {spec_text(s.param)}, its gradient {spec_text(s.grad)} and optimizer state " \
+                   f"{spec_text(s.optimizer_state)}: not ZeRO-2 on dim 0 of a 1-D mesh"
+    return "zero2"
+
+
 def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
     """``"replicated"`` when every parameter is whole on every device of a 1-D mesh,
-    ``"sharded"`` when every one is stored sharded on its dim 0 (on a 2-D mesh: replicated over
-    axis 0 and sharded on dim 0 over axis 1, HSDP) and every op reads it whole (gathered at
-    use: ZeRO-3 / FSDP), else a reason."""
+    ``"zero2"`` when every one is whole, its gradient and optimizer state sharded
+    (:func:`zero_storage`), ``"sharded"`` when every one is stored sharded on its dim 0 (on a
+    2-D mesh: replicated over axis 0 and sharded on dim 0 over axis 1, HSDP) and every op reads
+    it whole (gathered at use: ZeRO-3 / FSDP), else a reason."""
     hybrid = len(plan.mesh) == 2
+    zero = zero_storage(spec, plan)
+    if zero == "zero2" and not all(is_whole(p) for p in plan.params.values()):
+        return "ZeRO-2 storage beside a parameter stored sharded"
+    if zero is not None:
+        return zero
     if not hybrid and all(is_whole(p) for p in plan.params.values()):
         return "replicated"
     parameters = dict(spec.module.named_parameters(remove_duplicate=False))
@@ -198,7 +227,7 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
     """DDP (every parameter replicated) or FSDP (every parameter stored sharded and gathered at
     use), the batch split over the ranks, the loss a mean."""
     storage = _storage_kind(spec, graph, plan)
-    if storage not in ("replicated", "sharded"):
+    if storage not in ("replicated", "zero2", "sharded"):
         return storage
     why = batch_split(spec, graph, plan, len(plan.mesh))
     if why:
@@ -219,7 +248,7 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
             if target_name(node) not in MEAN_OPS and not token_mean:
                 return f"the loss is {target_name(node)}, not a mean: the ranks' gradient average would differ"
     kind = "ddp" if storage == "replicated" else "hsdp" if len(plan.mesh) == 2 else "fsdp"
-    return Recognised(kind, {}, token_mean=token_mean)
+    return Recognised(kind, {}, token_mean=token_mean, reshard_after_forward=storage != "zero2")
 
 
 def is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:
@@ -428,5 +457,6 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
         return Recognised("none", {}, f"not data parallel ({found}); layers recomputed under tensor parallelism")
     tp = _recognise_tp(spec, graph, plan)
     if isinstance(tp, Recognised):
-        return tp
+        zero = zero_storage(spec, plan)
+        return tp if zero is None else Recognised("none", {}, f"Megatron with ZeRO storage ({zero})")
     return Recognised("none", {}, f"not data parallel ({found}); not Megatron ({tp})")

@@ -121,8 +121,11 @@ class PlannedTraining(torch.nn.Module):
         self.optimizer.zero_grad()
 
     def _build_optimizer(self, program: torch.nn.Module) -> None:
-        """The plan's optimizer over ``program``'s parameters, ZeRO ones by their master shards."""
-        self.sharded_state = ShardedOptimizerState(self.plan.storage, program.named_plan_parameters())
+        """The plan's optimizer over ``program``'s parameters, ZeRO ones by their master shards
+        (a native program's FSDP2 steps its own shards: none there)."""
+        interpreted = isinstance(program, ShardedProgram) or isinstance(self, PipelinedModule)
+        self.sharded_state = ShardedOptimizerState(self.plan.storage if interpreted else {},
+                                                   program.named_plan_parameters())
         params = self.sharded_state.parameters(list(program.parameters()))
         self.optimizer = build_optimizer(self.plan.optimizer, params)
 
@@ -149,7 +152,7 @@ class ParallelModule(PlannedTraining):
         self.program = program
         self.plan = plan
         self.device_type = device_type
-        buckets, targets = None, {}  # a native program reduces its gradients itself (DDP, FSDP; no ZeRO-1/2)
+        buckets, targets = None, {}  # a native program reduces its gradients itself (DDP, FSDP, ZeRO-2)
         if isinstance(program, ShardedProgram):
             buckets = program.gradient_buckets = GradientBuckets(program)
             targets = program.gradient_placements
