@@ -38,6 +38,7 @@ from autoplan.planner.options import PlanOptions
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.tracer import trace
 from autoplan.codegen.native import NativeProgram, recognise
+from autoplan.codegen.native_accumulation import AccumulatedProgram
 from autoplan.codegen.runtime import init_distributed, build_parallel_module
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.load import make_model_spec
@@ -107,8 +108,15 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_fsdp_selective": ("residual_blocks", "fsdp={world},ac=selective", "fsdp"),
     "blocks_fsdp_bf16": ("residual_blocks", "fsdp={world},ac=full,precision=bf16", "fsdp"),
     "blocks_ddp_checkpointed": ("residual_blocks", "dp={world},ac=full", "ddp"),
-    # FSDP with gradient accumulation: the interpreter's schedule
-    "blocks_fsdp_accumulated": ("residual_blocks", "fsdp={world},microbatches=2", "none"),
+    # gradient accumulation: each microbatch through the native program, DDP and FSDP2 told the last
+    "blocks_fsdp_accumulated": ("residual_blocks", "fsdp={world},microbatches=2", "fsdp"),
+    "llama_ddp_accumulated": ("llama", "dp={world},microbatches=2", "ddp"),
+    "llama_ddp_ignored_tokens_accumulated": ("llama_ignored_tokens", "dp={world},microbatches=2", "ddp"),
+    "llama_zero2_accumulated": ("llama", "dp={world},zero=2,microbatches=2", "fsdp"),
+    "llama_fsdp_accumulated_checkpointed_bf16": ("llama", "fsdp={world},microbatches=2,ac=full,precision=bf16",
+                                                 "fsdp"),
+    # ZeRO-1 accumulates whole gradients and reduce-scatters them at the step: the interpreter
+    "llama_zero1_accumulated": ("llama", "dp={world},zero=1,microbatches=2", "none"),
     # cross-entropy averaged over the global batch's counted tokens
     "llama_fsdp_ignored_tokens": ("llama_ignored_tokens", "fsdp={world},ac=full", "fsdp"),
     "llama_ddp_ignored_tokens": ("llama_ignored_tokens", "dp={world}", "ddp"),
@@ -134,6 +142,7 @@ HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_hsdp_checkpointed_bf16": ("residual_blocks", "dp=2,fsdp=2,ac=full,precision=bf16", "hsdp"),
     "llama_hsdp_ignored_tokens": ("llama_ignored_tokens", "dp=2,fsdp=2,ac=full", "hsdp"),
     "llama_hsdp_per_op": ("llama", "dp=2,fsdp=2,ac=op", "hsdp"),
+    "blocks_hsdp_accumulated": ("residual_blocks", "dp=2,fsdp=2,microbatches=2", "hsdp"),
     # FSDP x TP on a 2x2 mesh, as torchtitan composes them
     "llama_fsdp_tp": ("llama", "fsdp=2,tp=2", "fsdp_tp"),
     "llama_fsdp_tp_checkpointed": ("llama", "fsdp=2,tp=2,ac=full", "fsdp_tp"),
@@ -205,19 +214,19 @@ def run_case(name: str, world: int) -> dict:
         model, inputs = spec.module, spec.example_inputs
         plan = _manual_plan(spec, text.format(world=world), world)
         graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
-    found = recognise(spec, graph, plan)
+    found = recognise(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)), graph, plan)
     before = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
     pm = build_parallel_module(spec, plan, graph=graph)
     untouched = all(torch.equal(before[k], v) for k, v in spec.module.state_dict().items())
     program = pm.program
-    kind = program.kind if isinstance(program, NativeProgram) else "none"
+    kind = program.kind if isinstance(program, (NativeProgram, AccumulatedProgram)) else "none"
     rtol, atol = check_tolerances(plan.precision)
     report = check_against_single_device(spec, pm, steps=2, rtol=rtol, atol=atol)
     native = isinstance(program, NativeProgram)
     block_calls, block_dtype, matmuls = _calls_per_step(pm, "blocks.0.up", inputs) \
         if native and module_name == "residual_blocks" else \
         _calls_per_step(pm, "model.layers.0.mlp.up_proj", inputs) if native and module_name == "llama" else (0, "", 0)
-    whole_after_forward = _whole_after_forward(pm, inputs) if kind in ("fsdp", "hsdp") else 0
+    whole_after_forward = _whole_after_forward(pm, inputs) if native and kind in ("fsdp", "hsdp") else 0
     observable = ({p: program.observable_collectives(p) for p in ("forward", "backward")}
                   if isinstance(program, NativeProgram) else report.planned)
     return {
@@ -239,6 +248,7 @@ def run_case(name: str, world: int) -> dict:
         "planned_by_plan": {p: planned_collectives(plan, p) for p in ("forward", "backward", "optimizer")},
         "whole_after_forward": whole_after_forward,
         "description": pm.description,
+        "microbatches": plan.microbatches,
         "observable": observable,
         "collective_map": [[m.planned, m.native, m.observable] for m in getattr(program, "collective_map", [])],
         "module_untouched": untouched,
@@ -246,7 +256,7 @@ def run_case(name: str, world: int) -> dict:
         "recompute_modes": [r.mode for r in plan.recompute],
         "matmuls_per_step": matmuls,
         "precision": plan.precision.name,
-        "fsdp_groups": getattr(program, "fsdp_groups", 0),
+        "fsdp_groups": getattr(getattr(program, "program", program), "fsdp_groups", 0),
         "token_mean": getattr(program, "token_mean", False),
         "block_calls_per_step": block_calls,
         "block_output_dtype": block_dtype,

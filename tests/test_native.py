@@ -131,10 +131,11 @@ def test_zero2_plans_run_fully_shard_holding_the_gathered_parameters_through_the
     assert _case(results, "llama_fsdp")[0]["whole_after_forward"] == 0  # FSDP frees them after the forward
 
 
-def test_zero1_plans_run_on_the_interpreter(results):
-    res = _case(results, "llama_zero1")[0]
+@pytest.mark.parametrize("name", ["llama_zero1", "llama_zero1_accumulated"])
+def test_zero1_plans_run_on_the_interpreter(results, name):
+    res = _case(results, name)[0]
     assert res["program"] == "none" and "(ZeRO-1)" in res["reason"]
-    assert res["executed"]["optimizer"] == res["planned"]["optimizer"]
+    assert res["executed"] == res["planned"], res["report"]
 
 
 @pytest.mark.parametrize("name, calls", [("blocks_fsdp", 1), ("blocks_fsdp_checkpointed", 2),
@@ -265,9 +266,30 @@ def test_fsdp_x_tp_checkpointing_runs_again_what_its_policy_recomputes(results):
     assert per_op["block_output_dtype"] == "torch.bfloat16" and plain["block_output_dtype"] == "torch.float32"
 
 
-def test_accumulating_fsdp_plans_run_on_the_interpreter(results):
-    res = _case(results, "blocks_fsdp_accumulated")[0]
-    assert res["program"] == "none" and "microbatches" in res["reason"]
+@pytest.mark.parametrize("name", ["blocks_fsdp_accumulated", "llama_ddp_accumulated",
+                                  "llama_ddp_ignored_tokens_accumulated", "llama_zero2_accumulated",
+                                  "llama_fsdp_accumulated_checkpointed_bf16", "blocks_hsdp_accumulated"])
+def test_accumulated_microbatches_run_one_after_another_through_the_native_program(results, name):
+    """Each microbatch through DDP or FSDP2, which reduce and gather as often per step as the
+    plan: DDP's buckets once (``no_sync`` before the last microbatch), FSDP's gathers and
+    reduce-scatters every microbatch, ZeRO-2's gathers once (held through the microbatches)
+    and its reduce-scatters every microbatch. (The loss, every gradient and the parameters
+    after two steps equal one device's: the first test.)"""
+    res = _case(results, name)[0]
+    m, groups = res["microbatches"], res["fsdp_groups"]
+    assert m == 2 and f"{m} microbatches accumulated" in res["description"]
+    executed = res["executed"]["step, rank 0"]
+    assert res["executed"] == res["planned"], res["report"]
+    planned = res["planned_by_plan"]
+    if res["program"] == "ddp":  # the per-parameter all-reduces of the step's gradients, in buckets once
+        assert planned["backward"]["all_reduce"] > executed["all_reduce"] - planned["forward"]["all_reduce"] >= 1
+    elif "ZeRO-2" in res["description"]:
+        assert executed["all_gather"] == groups and executed["reduce_scatter"] == m * groups
+        assert planned["optimizer"]["all_gather"] > groups  # the plan's, per parameter once per step
+    else:
+        assert executed["all_gather"] == 2 * m * groups and executed["reduce_scatter"] == m * groups
+        assert executed.get("all_reduce", 0) == planned["forward"]["all_reduce"] + \
+            (m * groups if res["program"] == "hsdp" else 0)
 
 
 @pytest.mark.parametrize("name", ["llama_fsdp_ignored_tokens", "llama_ddp_ignored_tokens",

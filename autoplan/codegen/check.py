@@ -258,6 +258,9 @@ def expected_pipeline_collectives(pm: PipelinedModule, phase: str = "step") -> d
     reduction), the reductions of tied weights it holds a copy of, and the loss's broadcast;
     the bucketed gradient all-reduces counted per bucket, as the program ran them in the step
     just taken. Stage-to-stage sends are point-to-point: not collectives, not counted."""
+    observable = getattr(pm.program, "observable_collectives", None)  # a native program's accumulated step
+    if observable is not None:
+        return _as_backend_runs(observable(phase))
     mine = set(pm.program.stage_indices)
     counts: Counter[str] = Counter()
     for c in pm.plan.collectives:

@@ -7,7 +7,9 @@ Recognition reads only the plan and the traced graph; it is deliberately conserv
 taken natively only when the native program does what the plan says (same placements, same
 collectives up to DDP's bucketing) and provably computes the same loss and gradients.
 
-Patterns (1-D meshes but for the 2-D ones of HSDP and FSDP x TP, one stage, one microbatch):
+Patterns (1-D meshes but for the 2-D ones of HSDP and FSDP x TP, one stage, one microbatch; DDP,
+FSDP, HSDP and ZeRO-2 also with microbatches accumulated, each microbatch through this program:
+:mod:`autoplan.codegen.native_accumulation`):
 
 ``"single"`` — a plan of one device: the user's module (a copy) itself.
 
@@ -145,6 +147,7 @@ from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import Plan, PlannedCollective, RecomputeMode
 from autoplan.trace.graph import TracedGraph
+from autoplan.trace.microbatch import microbatch_inputs
 
 __all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise", "sharded_blocks"]
 
@@ -378,13 +381,16 @@ class NativeProgram(torch.nn.Module):
         gathers and reduce-scatters become one per ``fully_shard`` group."""
         counts: Counter[str] = Counter()
         grads = 0
+        m = self.plan.microbatches  # accumulated (:mod:`autoplan.codegen.native_accumulation`)
         if self.kind in ("fsdp", "hsdp", "fsdp_tp") and phase in ("forward", "backward"):
-            if phase == "forward" or self.reshard_after_forward:
+            if self.reshard_after_forward:  # every microbatch gathers before its forward and its backward
+                counts["all_gather"] += self.fsdp_groups * m
+            elif phase == "forward":  # ZeRO-2: once per step, held through the microbatches
                 counts["all_gather"] += self.fsdp_groups
             if phase == "backward":
-                counts["reduce_scatter"] += self.fsdp_groups
+                counts["reduce_scatter"] += self.fsdp_groups * m
                 if self.kind == "hsdp":
-                    counts["all_reduce"] += self.fsdp_groups
+                    counts["all_reduce"] += self.fsdp_groups * m
         for c in self.plan.collectives_in(phase):
             if self._grouped_by_fsdp(c) or self._not_run_again(c):
                 continue
@@ -476,7 +482,9 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     kept = kept_modules(graph, plan)
     if isinstance(kept, str):
         return None  # a per-op layer's kept products are not module calls: the interpreter keeps them by node
-    found = recognise(spec, graph, plan)
+    one = spec if plan.microbatches == 1 else \
+        spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))  # as ``graph`` was traced
+    found = recognise(one, graph, plan)
     if found.kind == "none":
         return None
     whole_mesh = mesh

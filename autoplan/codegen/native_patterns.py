@@ -431,20 +431,28 @@ def _mark_downstream(node: torch.fx.Node, seen: set[str]) -> None:
 def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     """Which native pattern ``plan`` reduces to: ``kind`` is ``"single"``, ``"ddp"``,
     ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"`` or ``"tensor_parallel"``, or ``"none"`` (then
-    ``reason`` says why, for the pattern that came closest)."""
+    ``reason`` says why, for the pattern that came closest). A plan of one stage that
+    accumulates microbatches is recognised on ``spec`` and ``graph`` of one microbatch, as
+    DDP, FSDP or HSDP only."""
     if len(plan.mesh) > 2:
         return Recognised("none", {}, f"mesh {plan.mesh} has more than two axes")
-    if plan.scheduled:
-        return Recognised("none", {}, "pipeline stages or microbatches")
+    if len(plan.stages) > 1:
+        return Recognised("none", {}, "pipeline stages")
+    if any(s.held for s in plan.storage.values()):
+        return Recognised("none", {}, "parameters held gathered through the microbatches")
     unrecomputable = _unrecomputable(spec, plan)
     if unrecomputable:
         return Recognised("none", {}, unrecomputable)
     n = math.prod(plan.mesh)
+    accumulated = plan.microbatches > 1  # (``spec``'s inputs are then one microbatch's)
     if n == 1:
-        return Recognised("single", {})
+        return Recognised("single", {}) if not accumulated else \
+            Recognised("none", {}, "microbatches accumulated on one device")
     found = _recognise_data_parallel(spec, graph, plan, n)
     if isinstance(found, Recognised):
         return found
+    if accumulated:
+        return Recognised("none", {}, f"microbatches accumulated, not data parallel ({found})")
     if len(plan.mesh) != 1:
         from autoplan.codegen.native_fsdp_tp import recognise_fsdp_tp  # it reads this module's helpers
 

@@ -101,6 +101,7 @@ from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_sk
     schedule_class, stage_ranks)
 from autoplan.codegen.precision import compute_precision, gathered_dtype
 from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, redistribute, to_dtensor_placements
+from autoplan.codegen.loss_weights import microbatch_weights
 from autoplan.codegen.sharded_state import gradient_placements, reduced_before_step
 from autoplan.errors import AutoplanError
 from autoplan.sharding import boundary_spec, deferred_axes, spec_to_json
@@ -561,15 +562,7 @@ class PipelineProgram(torch.nn.Module):
     def _microbatch_weights(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
         """``[M, 1]``: what each microbatch's loss is multiplied by (the schedule hands
         microbatch ``i`` row ``i`` as its target)."""
-        m = self.num_microbatches
-        if self._count is None:
-            return torch.full((m, 1), self._scale, device=self.device)
-        with torch.no_grad():
-            pieces = zip(*(x.chunk(m) for x in inputs))
-            counts = torch.stack([self._count(*piece).to(torch.float64) for piece in pieces])
-        total = counts.sum()
-        weights = counts / total if total > 0 else torch.full_like(counts, 1.0 / m)
-        return weights.reshape(m, 1).to(torch.float32).to(self.device)
+        return microbatch_weights(inputs, self.num_microbatches, self._scale, self._count, self.device)
 
     def _finish_gradients(self, params: Sequence[torch.nn.Parameter]) -> None:
         # partial sums → the parameter's placement: summed over axes where the parameter is

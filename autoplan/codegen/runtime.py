@@ -123,8 +123,8 @@ class PlannedTraining(torch.nn.Module):
     def _build_optimizer(self, program: torch.nn.Module) -> None:
         """The plan's optimizer over ``program``'s parameters, ZeRO ones by their master shards
         (a native program's FSDP2 steps its own shards: none there)."""
-        interpreted = isinstance(program, ShardedProgram) or isinstance(self, PipelinedModule)
-        self.sharded_state = ShardedOptimizerState(self.plan.storage if interpreted else {},
+        native = getattr(program, "kind", None) is not None  # NativeProgram, AccumulatedProgram
+        self.sharded_state = ShardedOptimizerState({} if native else self.plan.storage,
                                                    program.named_plan_parameters())
         params = self.sharded_state.parameters(list(program.parameters()))
         self.optimizer = build_optimizer(self.plan.optimizer, params)
@@ -199,7 +199,8 @@ class PipelinedModule(PlannedTraining):
 
     @property
     def description(self) -> str:
-        return f"torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stage(s))"
+        return getattr(self.program, "description", None) or \
+            f"torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stage(s))"
 
     def forward(self, *inputs: Any, **keyword_inputs: Any) -> ParallelOutput:
         raise AutoplanError("a pipelined plan runs forward and backward together: call pm.train_step(*batch)")
@@ -284,14 +285,12 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
     check_plan_devices(plan, ctx.world_size)
     refuse_unsupported(plan)
     if plan.scheduled:
-        return _pipelined(spec, plan, ctx, graph)
+        return _pipelined(spec, plan, ctx, graph, prefer_native)
     graph = graph or trace(spec)
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
     if mesh is None:
-        # named axes: FSDP2 takes a 2-D mesh as HSDP's (replicate, shard) only when they are named
-        mesh = init_device_mesh(ctx.device_type, tuple(plan.mesh),
-                                mesh_dim_names=tuple(f"axis{i}" for i in range(len(plan.mesh))))
+        mesh = _named_mesh(ctx, plan)
     elif tuple(mesh.shape) != tuple(plan.mesh):
         raise AutoplanError(f"the plan is for mesh {plan.mesh} but the given mesh is {list(mesh.shape)}")
     tensors = _model_tensors(spec.module)
@@ -306,8 +305,18 @@ def build_parallel_module(spec: ModelSpec, plan: Plan, mesh: DeviceMesh | None =
     return ParallelModule(program, plan, ctx.device_type, spec)
 
 
-def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph | None) -> PipelinedModule:
-    """A pipelined plan was traced for one microbatch: trace the same, check, build."""
+def _named_mesh(ctx: DistContext, plan: Plan) -> DeviceMesh:
+    """The plan's mesh, its axes named: FSDP2 takes a 2-D mesh as HSDP's (replicate, shard)
+    only when they are named."""
+    return init_device_mesh(ctx.device_type, tuple(plan.mesh),
+                            mesh_dim_names=tuple(f"axis{i}" for i in range(len(plan.mesh))))
+
+
+def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph | None,
+               prefer_native: bool = True) -> PipelinedModule:
+    """A pipelined plan was traced for one microbatch: trace the same, check, build: one stage
+    accumulating microbatches natively where its microbatch is DDP, FSDP, HSDP or ZeRO-2
+    (:mod:`autoplan.codegen.native_accumulation`), else on torch's pipeline schedule."""
     from autoplan.codegen.pipeline_program import build_pipeline
 
     if graph is None:
@@ -315,6 +324,13 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
         graph = trace(one)
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
+    if prefer_native and len(plan.stages) == 1:
+        from autoplan.codegen.native import native_module
+        from autoplan.codegen.native_accumulation import AccumulatedProgram
+
+        native = native_module(spec, graph, plan, _named_mesh(ctx, plan))
+        if native is not None:
+            return PipelinedModule(AccumulatedProgram(native, graph, ctx.device_type), plan, spec)
     program = build_pipeline(graph, plan, _model_tensors(spec.module), ctx.device_type)
     _initialise_meta_model(spec, program)
     return PipelinedModule(program, plan, spec)

@@ -1,0 +1,121 @@
+"""Gradient accumulation on PyTorch's own data-parallel programs: a plan of one stage whose
+step runs its microbatches one after another (:attr:`~autoplan.plan_schema.Plan.microbatches`),
+recognised as DDP, FSDP, HSDP or ZeRO-2 on one microbatch
+(:func:`~autoplan.codegen.native_patterns.recognise`), runs the
+:class:`~autoplan.codegen.native.NativeProgram` of that microbatch once per microbatch, each
+microbatch's loss weighted by its share of the step's
+(:func:`~autoplan.codegen.loss_weights.microbatch_weights`), and tells DDP and FSDP2 which
+backward ends the step, so that each reduces and gathers as often as the plan says:
+
+- DDP: the plan all-reduces a replicated parameter's gradient once per step, after the last
+  microbatch; the microbatches before it run under ``no_sync()`` (the gradients accumulate on
+  every rank) and the last one's backward all-reduces the sums, bucket by bucket.
+- FSDP and HSDP (``reshard_after_forward=True``): the plan gathers every parameter before each
+  microbatch's forward and again before its backward, and reduce-scatters its gradient after
+  every microbatch, summing into the shard (no whole gradient outlives a microbatch): FSDP2's
+  own behaviour, nothing to tell.
+- ZeRO-2 (``reshard_after_forward=False``): the plan holds every parameter whole through the
+  step and reduce-scatters each microbatch's gradient into its shard; FSDP2 gathers a group
+  before the first forward and, told not to reshard after the backward of any microbatch but
+  the last (``set_reshard_after_backward``), holds it through the others, reduce-scattering
+  after each.
+
+Parameters held gathered with their gradients accumulated whole (FSDP2 under a pipeline,
+:attr:`~autoplan.plan_schema.ParamStorage.held`) and every other pattern run on the
+interpreter inside ``torch.distributed.pipelining``'s schedule.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from autoplan.codegen.loss_weights import microbatch_weights
+from autoplan.codegen.native import NativeProgram
+from autoplan.codegen.precision import compute_precision
+from autoplan.errors import AutoplanError
+from autoplan.plan_schema import CouplingHandling
+from autoplan.trace.batch_coupling import count_program
+from autoplan.trace.graph import TracedGraph
+
+
+class AccumulatedProgram(torch.nn.Module):
+    """``program`` (one microbatch's native program) run over a step's microbatches; offers
+    what :class:`~autoplan.codegen.runtime.PipelinedModule` calls (``train_step``)."""
+
+    def __init__(self, program: NativeProgram, graph: TracedGraph, device_type: str) -> None:
+        super().__init__()
+        self.program = program
+        self.kind = program.kind
+        self.plan = program.plan
+        self.microbatches = self.plan.microbatches
+        self.device_type = device_type
+        self.input_names = program.input_names
+        weighted = [c.node for c in self.plan.batch_coupling if c.handling == CouplingHandling.WEIGHTED_MICROBATCHES]
+        self._count = count_program(graph, weighted[0]) if weighted else None
+
+    @property
+    def mesh(self) -> Any:
+        return self.program.mesh
+
+    @property
+    def description(self) -> str:
+        return f"{self.program.description}, {self.microbatches} microbatches accumulated"
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return self.program.named_plan_parameters()
+
+    def _fsdp_modules(self) -> list[FSDPModule]:
+        return [m for m in self.program.module.modules() if isinstance(m, FSDPModule)]
+
+    def _backward_of(self, index: int) -> AbstractContextManager[Any]:
+        """How microbatch ``index``'s forward and backward run: DDP without its all-reduce but
+        for the last; ZeRO-2's groups held gathered after every backward but the last."""
+        last = index == self.microbatches - 1
+        if self.program.kind == "ddp":
+            return nullcontext() if last else self.program.module.no_sync()
+        if not self.program.reshard_after_forward:
+            for module in self._fsdp_modules():
+                module.set_reshard_after_backward(last, recurse=False)
+        return nullcontext()
+
+    def train_step(self, *inputs: Any) -> torch.Tensor:
+        """Forward and backward of every microbatch of the global batch ``inputs`` (the same on
+        every rank), gradients accumulated into the parameters; the step's loss (a 0-d
+        tensor, the same on every rank)."""
+        if len(inputs) != len(self.input_names):
+            raise AutoplanError(f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
+                                f"got {len(inputs)}")
+        m = self.microbatches
+        device = self.program.mesh.device_type
+        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
+        for x in inputs:
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % m:
+                raise AutoplanError(f"every input needs a batch dim divisible by {m} microbatches")
+        weights = microbatch_weights(inputs, m, 1.0 / m, self._count, device)
+        total = torch.zeros((), device=device)
+        for i, piece in enumerate(zip(*(x.chunk(m) for x in inputs))):
+            with self._backward_of(i):
+                with compute_precision(self.plan.precision, self.device_type):
+                    loss = self.program(*piece)[0]
+                local = loss.to_local() if isinstance(loss, DTensor) else loss
+                weighted = local * weights[i, 0].to(local.dtype)
+                weighted.backward()
+            total += weighted.detach().to(total.dtype)
+        return total.to(torch.float32)
+
+    def observable_collectives(self, phase: str) -> dict[str, int]:
+        """What ``CollectiveCounter`` should count in one step's ``phase`` (``"step"``: every
+        microbatch's forward and backward), as :meth:`NativeProgram.observable_collectives`
+        counts a step's."""
+        if phase == "optimizer":
+            return self.program.observable_collectives(phase)
+        counts: Counter[str] = Counter()
+        for part in ("forward", "backward"):
+            counts.update(self.program.observable_collectives(part))
+        return dict(counts)

@@ -1,0 +1,157 @@
+"""Step time of plans that accumulate microbatches on one stage, run natively (each microbatch
+through DDP or FSDP2) against the interpreter on torch's pipeline schedule and against the same
+loop written by hand.
+
+    .venv/bin/python benchmarks/accumulation_native.py        # launches 2 gloo processes itself
+
+A Hugging Face Llama (random weights) planned ``--manual dp=2,microbatches=M``,
+``fsdp=2,microbatches=M`` and ``dp=2,zero=2,microbatches=M``: autoplan's program with
+``prefer_native=False`` (the DTensor interpreter inside ``torch.distributed.pipelining``'s
+one-stage schedule) and natively (:mod:`autoplan.codegen.native_accumulation`), against the loop
+written by hand (DDP under ``no_sync`` but for the last microbatch; ``fully_shard`` per block and
+on the root, ``reshard_after_forward=False`` and held through the microbatches for ZeRO-2), each
+rank fed its half of every microbatch. One step = every microbatch's forward and backward + an
+SGD step; the variants take turns step by step; a step's time is the slower rank's
+(``step_time_vs_native.py``'s timing). On a 2-core machine the figures compare host overheads,
+they do not measure a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from step_time_vs_native import _report, _time_variants  # noqa: E402
+
+PLANS = {"DDP": "dp=2,microbatches={m}", "FSDP": "fsdp=2,microbatches={m}", "ZeRO-2": "dp=2,zero=2,microbatches={m}"}
+
+
+def _args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=1024)
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    return p.parse_args()
+
+
+def _planned_step(pm, inputs, lr: float = 1e-3) -> Callable[[], None]:
+    opt = torch.optim.SGD(list({id(p): p for p in pm.named_plan_parameters().values()}.values()), lr=lr)
+
+    def step() -> None:
+        pm.forward_backward(*inputs)
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def _by_hand(kind: str, model: torch.nn.Module, inputs: dict[str, torch.Tensor], m: int) -> Callable[[], None]:
+    """The accumulation loop as one writes it with DDP or FSDP2, each rank its half of each
+    microbatch."""
+    from contextlib import nullcontext
+
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank = dist.get_rank()
+    pieces = [{k: v.chunk(m, 0)[i].chunk(2, 0)[rank] for k, v in inputs.items()} for i in range(m)]
+    held = kind == "ZeRO-2"
+    if kind == "DDP":
+        model = DistributedDataParallel(model)
+    else:
+        for block in model.model.layers:
+            fully_shard(block, reshard_after_forward=not held)
+        fully_shard(model, reshard_after_forward=not held)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fsdp_modules = [mod for mod in model.modules() if hasattr(mod, "set_reshard_after_backward")]
+
+    def step() -> None:
+        for i, piece in enumerate(pieces):
+            last = i == m - 1
+            for mod in fsdp_modules if held else []:
+                mod.set_reshard_after_backward(last, recurse=False)
+            with model.no_sync() if kind == "DDP" and not last else nullcontext():
+                (model(**piece).loss / m).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return step
+
+
+def main() -> int:
+    args = _args()
+    if "RANK" not in os.environ:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                "2", __file__, *sys.argv[1:]], env=env)
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the loss is read out of place
+    import llama
+
+    from autoplan.codegen.native_accumulation import AccumulatedProgram
+    from autoplan.codegen.runtime import build_parallel_module, init_distributed
+    from autoplan.load import make_model_spec
+    from autoplan.planner.front_door import with_decisions
+    from autoplan.planner.manual import parse_manual, plan_manual
+    from autoplan.planner.options import PlanOptions
+    from autoplan.trace.microbatch import microbatch_inputs
+    from autoplan.trace.tracer import trace
+
+    ctx = init_distributed()
+    model, inputs = llama.build(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
+                                intermediate=2 * args.hidden, vocab=args.vocab, batch=args.batch, seq=args.seq)
+    model.config.use_cache = False
+    spec = make_model_spec(model, inputs)
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, args.microbatches)))
+    options = PlanOptions(2, "cpu", plan_only=True)
+    args_in = [inputs[name] for name in graph.input_names]
+    if ctx.rank == 0:
+        print(f"step time (every microbatch's forward + backward, SGD step), Llama hidden {args.hidden}, "
+              f"{args.layers} layers, batch {args.batch} x {args.seq} tokens in {args.microbatches} microbatches, "
+              f"vocab {args.vocab}, 2 gloo processes, 1 thread each, torch {torch.__version__}; median of "
+              f"{args.steps} steps after {args.warmup} warm-up")
+    for kind, text in PLANS.items():
+        manual = parse_manual(text.format(m=args.microbatches))
+        plan = with_decisions(plan_manual(spec, options.planner_options(), manual), options)
+        interp = build_parallel_module(spec, plan, graph=graph, prefer_native=False)
+        native = build_parallel_module(spec, plan, graph=graph)
+        if not isinstance(native.program, AccumulatedProgram):
+            raise SystemExit(f"{text}: not taken natively ({native.description})")
+        variants = {
+            "autoplan interpreter (pipeline schedule)": _planned_step(interp, args_in),
+            f"autoplan native ({native.program.kind})": _planned_step(native, args_in),
+            "by hand": _by_hand(kind, copy.deepcopy(model), inputs, args.microbatches),
+        }
+        results = _time_variants(variants, args.warmup, args.steps)
+        if ctx.rank == 0:
+            print(f"  {kind} ({text.format(m=args.microbatches)}): {native.description}")
+            print("\n".join(_report(results, "by hand")))
+    if ctx.rank == 0:
+        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+        print(f"machine load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
