@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -35,7 +34,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from step_time_vs_native import _report, _time_variants  # noqa: E402
+from step_time_vs_native import _report, _time_variants, launch_under_torchrun  # noqa: E402
 
 PLANS = {"DDP": "dp=2,microbatches={m}", "FSDP": "fsdp=2,microbatches={m}", "ZeRO-2": "dp=2,zero=2,microbatches={m}"}
 
@@ -100,9 +99,7 @@ def _by_hand(kind: str, model: torch.nn.Module, inputs: dict[str, torch.Tensor],
 def main() -> int:
     args = _args()
     if "RANK" not in os.environ:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                "2", __file__, *sys.argv[1:]], env=env)
+        return launch_under_torchrun(__file__, 2)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the loss is read out of place
     import llama

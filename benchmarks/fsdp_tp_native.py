@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -31,7 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from step_time_vs_native import _autoplan_step, _plain_step, _report, _time_variants  # noqa: E402
+from step_time_vs_native import (  # noqa: E402
+    _autoplan_step, _plain_step, _report, _time_variants, launch_under_torchrun)
 
 
 def _args() -> argparse.Namespace:
@@ -69,9 +69,7 @@ def _hand_written(model: torch.nn.Module, mesh) -> torch.nn.Module:
 def main() -> int:
     args = _args()
     if "RANK" not in os.environ:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                                "4", __file__, *sys.argv[1:]], env=env)
+        return launch_under_torchrun(__file__, 4)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the loss is read out of place
     import llama

@@ -56,9 +56,15 @@ def _args() -> argparse.Namespace:
 
 
 def _launch(args: argparse.Namespace) -> int:
+    return launch_under_torchrun(__file__, args.nproc)
+
+
+def launch_under_torchrun(script: str, nproc: int) -> int:
+    """Run ``script`` with this command line's arguments in ``nproc`` gloo processes under
+    torchrun, one thread each; its exit status."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.nproc),
-           __file__, *sys.argv[1:]]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           script, *sys.argv[1:]]
     return subprocess.call(cmd, env=env)
 
 
