@@ -148,6 +148,7 @@ HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "llama_fsdp_tp_checkpointed": ("llama", "fsdp=2,tp=2,ac=full", "fsdp_tp"),
     "llama_fsdp_tp_per_op_bf16": ("llama", "fsdp=2,tp=2,ac=op,precision=bf16", "fsdp_tp"),
     "llama_fsdp_tp_selective": ("llama", "fsdp=2,tp=2,ac=selective", "fsdp_tp"),
+    "llama_fsdp_tp_accumulated": ("llama", "fsdp=2,tp=2,microbatches=2", "fsdp_tp"),
     # ... with the norms and the residual stream sharded on the sequence (Megatron's sequence parallelism)
     "llama_fsdp_tp_sequence": ("llama_wide", "fsdp=2,tp=2", "fsdp_tp"),
 }

@@ -268,7 +268,8 @@ def test_fsdp_x_tp_checkpointing_runs_again_what_its_policy_recomputes(results):
 
 @pytest.mark.parametrize("name", ["blocks_fsdp_accumulated", "llama_ddp_accumulated",
                                   "llama_ddp_ignored_tokens_accumulated", "llama_zero2_accumulated",
-                                  "llama_fsdp_accumulated_checkpointed_bf16", "blocks_hsdp_accumulated"])
+                                  "llama_fsdp_accumulated_checkpointed_bf16", "blocks_hsdp_accumulated",
+                                  "llama_fsdp_tp_accumulated"])
 def test_accumulated_microbatches_run_one_after_another_through_the_native_program(results, name):
     """Each microbatch through DDP or FSDP2, which reduce and gather as often per step as the
     plan: DDP's buckets once (``no_sync`` before the last microbatch), FSDP's gathers and
@@ -283,6 +284,8 @@ def test_accumulated_microbatches_run_one_after_another_through_the_native_progr
     planned = res["planned_by_plan"]
     if res["program"] == "ddp":  # the per-parameter all-reduces of the step's gradients, in buckets once
         assert planned["backward"]["all_reduce"] > executed["all_reduce"] - planned["forward"]["all_reduce"] >= 1
+    elif res["program"] == "fsdp_tp":  # (its tensor axis's gathers and all-reduces every microbatch, as planned)
+        assert executed["reduce_scatter"] == m * groups and executed["all_gather"] > 2 * m * groups
     elif "ZeRO-2" in res["description"]:
         assert executed["all_gather"] == groups and executed["reduce_scatter"] == m * groups
         assert planned["optimizer"]["all_gather"] > groups  # the plan's, per parameter once per step

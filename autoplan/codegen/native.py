@@ -8,8 +8,8 @@ taken natively only when the native program does what the plan says (same placem
 collectives up to DDP's bucketing) and provably computes the same loss and gradients.
 
 Patterns (1-D meshes but for the 2-D ones of HSDP and FSDP x TP, one stage, one microbatch; DDP,
-FSDP, HSDP and ZeRO-2 also with microbatches accumulated, each microbatch through this program:
-:mod:`autoplan.codegen.native_accumulation`):
+FSDP, HSDP, ZeRO-2 and FSDP x TP also with microbatches accumulated, each microbatch through this
+program: :mod:`autoplan.codegen.native_accumulation`):
 
 ``"single"`` — a plan of one device: the user's module (a copy) itself.
 

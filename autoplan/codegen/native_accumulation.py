@@ -1,6 +1,6 @@
 """Gradient accumulation on PyTorch's own data-parallel programs: a plan of one stage whose
 step runs its microbatches one after another (:attr:`~autoplan.plan_schema.Plan.microbatches`),
-recognised as DDP, FSDP, HSDP or ZeRO-2 on one microbatch
+recognised as DDP, FSDP, HSDP, ZeRO-2 or FSDP x TP on one microbatch
 (:func:`~autoplan.codegen.native_patterns.recognise`), runs the
 :class:`~autoplan.codegen.native.NativeProgram` of that microbatch once per microbatch, each
 microbatch's loss weighted by its share of the step's
@@ -10,10 +10,11 @@ backward ends the step, so that each reduces and gathers as often as the plan sa
 - DDP: the plan all-reduces a replicated parameter's gradient once per step, after the last
   microbatch; the microbatches before it run under ``no_sync()`` (the gradients accumulate on
   every rank) and the last one's backward all-reduces the sums, bucket by bucket.
-- FSDP and HSDP (``reshard_after_forward=True``): the plan gathers every parameter before each
-  microbatch's forward and again before its backward, and reduce-scatters its gradient after
-  every microbatch, summing into the shard (no whole gradient outlives a microbatch): FSDP2's
-  own behaviour, nothing to tell.
+- FSDP, HSDP and FSDP x TP (``reshard_after_forward=True``): the plan gathers every parameter
+  before each microbatch's forward and again before its backward, and reduce-scatters its
+  gradient after every microbatch, summing into the shard (no whole gradient outlives a
+  microbatch): FSDP2's own behaviour, nothing to tell. (The tensor axis's collectives run in
+  every microbatch, as planned.)
 - ZeRO-2 (``reshard_after_forward=False``): the plan holds every parameter whole through the
   step and reduce-scatters each microbatch's gradient into its shard; FSDP2 gathers a group
   before the first forward and, told not to reshard after the backward of any microbatch but

@@ -433,7 +433,7 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"`` or ``"tensor_parallel"``, or ``"none"`` (then
     ``reason`` says why, for the pattern that came closest). A plan of one stage that
     accumulates microbatches is recognised on ``spec`` and ``graph`` of one microbatch, as
-    DDP, FSDP or HSDP only."""
+    DDP, FSDP, HSDP or FSDP x TP only."""
     if len(plan.mesh) > 2:
         return Recognised("none", {}, f"mesh {plan.mesh} has more than two axes")
     if len(plan.stages) > 1:
@@ -451,7 +451,7 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     found = _recognise_data_parallel(spec, graph, plan, n)
     if isinstance(found, Recognised):
         return found
-    if accumulated:
+    if accumulated and len(plan.mesh) == 1:
         return Recognised("none", {}, f"microbatches accumulated, not data parallel ({found})")
     if len(plan.mesh) != 1:
         from autoplan.codegen.native_fsdp_tp import recognise_fsdp_tp  # it reads this module's helpers
