@@ -32,7 +32,7 @@ from dataclasses import replace
 from autoplan.codegen.check import check_against_single_device
 from autoplan.codegen.precision import check_tolerances
 from autoplan.plan_schema import Plan
-from autoplan.planner.front_door import with_decisions
+from autoplan.planner.front_door import plan_model, with_decisions
 from autoplan.planner.manual import parse_manual, plan_manual
 from autoplan.planner.options import PlanOptions
 from autoplan.trace.microbatch import microbatch_inputs
@@ -69,6 +69,12 @@ def _residual_blocks():
     return (*residual_blocks.build(), residual_blocks.loss_fn)
 
 
+def _residual_blocks_wide():
+    import residual_blocks
+
+    return (*residual_blocks.build(hidden=256, batch=16, seq=64), residual_blocks.loss_fn)
+
+
 def _llama_ignored_tokens():
     """A Hugging Face Llama whose labels ignore (-100) most tokens of the first two sequences:
     the two ranks' halves of the batch hold different numbers of counted tokens."""
@@ -99,7 +105,7 @@ def _llama_wide():
 
 
 BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt,
-            "llama": _llama, "llama_wide": _llama_wide}
+            "llama": _llama, "llama_wide": _llama_wide, "residual_blocks_wide": _residual_blocks_wide}
 
 # name -> (builder, --manual plan, expected kind): written plans of the memory dimensions
 MANUAL_CASES: dict[str, tuple[str, str, str]] = {
@@ -135,6 +141,15 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     "llama_zero1": ("llama", "dp={world},zero=1", "none"),
     # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
     "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
+}
+# name -> (builder, pins, expected kind): the search's plans on H100s under pins: the blocks'
+# weights stored sharded and gathered at use, the rest (biases, norms, embedding, head) left
+# replicated by the planner, every op on the batch's shards
+_MIXED = ("x=[S(0)]", "blocks.*.up.weight=fsdp", "blocks.*.down.weight=fsdp", "linear*=[S(0)]", "sub=[S(0)]")
+PINNED_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "blocks_fsdp_mixed": ("residual_blocks_wide", _MIXED, "fsdp"),
+    "blocks_fsdp_mixed_checkpointed_bf16": ("residual_blocks_wide", (*_MIXED, "blocks.*=checkpoint"), "fsdp"),
+    "blocks_fsdp_mixed_accumulated": ("residual_blocks_wide", (*_MIXED, "stages=1", "microbatches=2"), "fsdp"),
 }
 # cases for 4 processes: HSDP on a 2x2 mesh (FSDP2's fully_shard on a 2-D mesh)
 HSDP_CASES: dict[str, tuple[str, str, str]] = {
@@ -209,6 +224,14 @@ def run_case(name: str, world: int) -> dict:
         model, inputs = module.build(**kwargs)
         spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
         plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
+    elif name in PINNED_CASES:
+        module_name, pins, expected = PINNED_CASES[name]
+        spec = make_model_spec(*BUILDERS[module_name]())
+        model, inputs = spec.module, spec.example_inputs
+        precision = "bf16" if name.endswith("bf16") else "fp32"
+        plan = plan_model(spec, PlanOptions(world, "h100", mesh=(world,), pipeline="stages=1" in pins, plan_only=True,
+                                            pins=pins, precision=precision))
+        graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
     else:
         module_name, text, expected = {**MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name]
         spec = make_model_spec(*BUILDERS[module_name]())
@@ -258,6 +281,8 @@ def run_case(name: str, world: int) -> dict:
         "matmuls_per_step": matmuls,
         "precision": plan.precision.name,
         "fsdp_groups": getattr(getattr(program, "program", program), "fsdp_groups", 0),
+        "replicate_groups": getattr(getattr(program, "program", program), "replicate_groups", 0),
+        "storage": {fqn: s.param for fqn, s in plan.storage.items()},
         "token_mean": getattr(program, "token_mean", False),
         "block_calls_per_step": block_calls,
         "block_output_dtype": block_dtype,
@@ -267,7 +292,7 @@ def run_case(name: str, world: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or [*CASES, *MANUAL_CASES]
+    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from native_worker import CASES, HSDP_CASES, MANUAL_CASES, SINGLE_CASES
+from native_worker import CASES, HSDP_CASES, MANUAL_CASES, PINNED_CASES, SINGLE_CASES
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -29,7 +29,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
     hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *HSDP_CASES, timeout=300)
-    return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in [*CASES, *MANUAL_CASES]},
+    return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in [*CASES, *MANUAL_CASES, *PINNED_CASES]},
             **{name: [single[0][name]] for name in SINGLE_CASES},
             **{name: [hsdp[r][name] for r in range(4)] for name in HSDP_CASES}}
 
@@ -38,7 +38,7 @@ def _case(results, name: str) -> list[dict]:
     return on_every_rank(results[name], name)
 
 
-@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *HSDP_CASES, *SINGLE_CASES])
+@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *PINNED_CASES, *HSDP_CASES, *SINGLE_CASES])
 def test_runs_the_expected_program_and_matches_single_device(results, name):
     for res in _case(results, name):
         assert res["recognised"] == res["expected"], res["reason"]
@@ -129,6 +129,33 @@ def test_zero2_plans_run_fully_shard_holding_the_gathered_parameters_through_the
     assert res["executed"] == res["observable"] == res["planned"]
     assert res["whole_after_forward"] == res["num_model_parameters"]
     assert _case(results, "llama_fsdp")[0]["whole_after_forward"] == 0  # FSDP frees them after the forward
+
+
+@pytest.mark.parametrize("name", [*PINNED_CASES])
+def test_plans_keeping_small_parameters_whole_beside_sharded_ones_run_fsdp2_and_replicate(results, name):
+    """The search's plan on H100s shards the blocks' weights and keeps their biases and norms,
+    the embedding and the head whole (their gathers would cost a latency each): FSDP2 shards
+    only the former (one group per block), and torch's FSDP2-based ``replicate`` all-reduces the
+    latter's gradients, one all-reduce per module holding them, once per step (accumulated
+    microbatches skip it but for the last)."""
+    res = _case(results, name)[0]
+    storage = res["storage"]
+    whole = [fqn for fqn, placement in storage.items() if placement == ["R"]]
+    assert {fqn for fqn, placement in storage.items() if placement == ["S(0)"]} == \
+        {f"blocks.{i}.{m}.weight" for i in range(3) for m in ("up", "down")}
+    assert "blocks.0.norm.weight" in whole and "embed.weight" in whole and "blocks.0.up.bias" in whole
+    assert res["program"] == "fsdp" and res["fsdp_groups"] == 3 and res["replicate_groups"] >= 5
+    assert f"replicate on {res['replicate_groups']} modules" in res["description"]
+    assert bool(res["recomputed_layers"]) == ("checkpointed" in name)
+    assert res["executed"] == res["planned"], res["report"]
+    step = res["executed"].get("step, rank 0") or \
+        {k: res["executed"]["forward"].get(k, 0) + res["executed"]["backward"].get(k, 0)
+         for k in ("all_gather", "all_reduce", "reduce_scatter")}
+    m = res["microbatches"]
+    assert step["all_gather"] == 2 * m * 3 and step["reduce_scatter"] == m * 3
+    assert step["all_reduce"] == res["replicate_groups"] + m  # and the loss's, every microbatch
+    # the plan lists one bucketed all-reduce per whole parameter's gradient; replicate runs one per module
+    assert res["planned_by_plan"]["backward"]["all_reduce"] >= len(whole) > res["replicate_groups"]
 
 
 @pytest.mark.parametrize("name", ["llama_zero1", "llama_zero1_accumulated"])
@@ -310,8 +337,9 @@ def test_a_token_mean_cross_entropy_divides_by_the_global_batchs_count(results, 
     assert res["executed"] == res["planned"]
 
 
-def test_fsdp_plans_fully_shard_cannot_store_run_on_the_interpreter(results):
-    """nanoGPT's FSDP plan stores its position table sharded on dim 1, which fully_shard does
-    not do: the interpreter runs it (and matches the single device, above)."""
+def test_fsdp_plans_that_read_a_parameter_sharded_run_on_the_interpreter(results):
+    """nanoGPT's FSDP plan stores its position table sharded on dim 1 and its embedding reads
+    it so, which FSDP2 (a parameter gathered whole at use) does not: the interpreter runs it
+    (and matches the single device, above)."""
     res = _case(results, "nanogpt_fsdp")[0]
-    assert res["program"] == "none" and "wpe.weight is S(1)" in res["reason"]
+    assert res["program"] == "none" and "reads wpe.weight as S(1)" in res["reason"]

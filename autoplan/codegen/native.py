@@ -37,8 +37,11 @@ the plan's layers that is a module holding parameters (the repeated blocks), the
 a group's parameters are all-gathered before its forward, freed after it, gathered again for
 its backward, and its gradients reduce-scattered (averaged over the ranks, as DDP averages).
 The plan gathers and reduce-scatters per parameter; FSDP2 does it per group: the same bytes in
-fewer calls. A parameter stored sharded on another dim (``S(1)``) is not what ``fully_shard``
-stores, and such plans run on the interpreter. Under a bf16 plan every group has the plan's
+fewer calls. A parameter stored sharded on another dim (``S(1)``: a tied table) is sharded there
+(``shard_placement_fn``, evenly), and the parameters a 1-D plan keeps whole beside the sharded
+ones (norm weights, biases: their gathers cost a latency each) are left out of the groups and
+``replicate``d on the modules holding them, their gradients all-reduced
+(:mod:`autoplan.codegen.native_fsdp`). Under a bf16 plan every group has the plan's
 ``MixedPrecisionPolicy``: parameters gathered and computed with in bf16, gradients reduced in
 fp32 into the fp32 shards (the optimizer's master weights), as the plan costs the gathers.
 
@@ -133,14 +136,15 @@ import torch.distributed as dist
 import torch.fx
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
-from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, inside_module, kept_modules, recognise
+from autoplan.codegen.native_fsdp import shard_modules
+from autoplan.codegen.native_patterns import (CollectiveMapping, batch_dim, inside_module, kept_modules, recognise,
+    shard_dims)
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -159,10 +163,11 @@ class NativeProgram(torch.nn.Module):
 
     def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
                  mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]], fsdp_groups: int = 0,
-                 token_mean: bool = False, reshard_after_forward: bool = True) -> None:
+                 token_mean: bool = False, reshard_after_forward: bool = True, replicate_groups: int = 0) -> None:
         super().__init__()
         self.token_mean = token_mean  # the cross-entropy divides by the global batch's token count
         self.fsdp_groups = fsdp_groups  # fully_shard units: one all-gather (and reduce-scatter) each
+        self.replicate_groups = replicate_groups  # replicate units beside them: one all-reduce each
         # False: ZeRO-2, a group's parameters gathered in the forward and held through the backward
         self.reshard_after_forward = reshard_after_forward
         self.kind = kind
@@ -234,8 +239,8 @@ class NativeProgram(torch.nn.Module):
                     local_loss = self.loss_fn(output, *local)
             if mean is not None:
                 check_one_loss(mean)
-            if not (self.reshard_after_forward or torch.is_grad_enabled()):
-                self._reshard()  # no backward frees what ZeRO-2 holds after a forward without gradients
+            if self.kind != "ddp" and not torch.is_grad_enabled():
+                self._reshard()  # no backward frees what ZeRO-2 and replicate's bf16 casts hold after it
             # The value of the global loss (the mean of equal shards' means); the gradient of
             # the local one, which DDP's all-reduce and FSDP's reduce-scatter average over ranks.
             total = local_loss.detach().clone()
@@ -272,7 +277,7 @@ class NativeProgram(torch.nn.Module):
         """What runs the plan, in a few words."""
         checkpointed = f", {len(self.plan.recompute)} checkpointed layer(s)" if self.plan.recompute else ""
         runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
-                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text})",
+                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text}{self._replicate_text})",
                 "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups{self._zero2_text})",
                 "fsdp_tp": f"parallelize_module on axis 1, then FSDP2 fully_shard on axis 0 ({self.fsdp_groups} "
                            "groups)",
@@ -286,6 +291,10 @@ class NativeProgram(torch.nn.Module):
         for m in self.module.modules():
             if isinstance(m, FSDPModule):
                 m.reshard()
+
+    @property
+    def _replicate_text(self) -> str:
+        return f"; replicate on {self.replicate_groups} modules" if self.replicate_groups else ""
 
     @property
     def _zero2_text(self) -> str:
@@ -359,6 +368,11 @@ class NativeProgram(torch.nn.Module):
                 "one reduce-scatter of the gradients in the backward (HSDP: and one all-reduce of the reduced "
                 "shard over axis 0), and the all-gather of the updated shards that the plan runs after the "
                 "optimizer step run before the next forward; the same bytes in fewer calls", False))
+        if self.replicate_groups:
+            out.append(CollectiveMapping(
+                "the gradient all-reduces of the parameters kept whole beside the sharded ones (bucketed)",
+                f"replicate (FSDP2's DDP): one all-reduce per module holding them ({self.replicate_groups}), "
+                "once per step", False))
         if grads and self.kind == "ddp":
             nbytes = sum(c.bytes * c.count for c in grads)
             out.append(CollectiveMapping(
@@ -389,6 +403,8 @@ class NativeProgram(torch.nn.Module):
                 counts["all_gather"] += self.fsdp_groups
             if phase == "backward":
                 counts["reduce_scatter"] += self.fsdp_groups * m
+                if self.replicate_groups:  # once per step: their gradients accumulate whole
+                    counts["all_reduce"] += self.replicate_groups
                 if self.kind == "hsdp":
                     counts["all_reduce"] += self.fsdp_groups * m
         for c in self.plan.collectives_in(phase):
@@ -513,19 +529,14 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         # the plan re-gathers every weight a backward reads
         if found.kind == "fsdp_tp":
             mesh = mesh[data]
-        blocks = sharded_blocks(module, plan)
-        policy = mixed_precision_policy(plan.precision)
         resharded = found.reshard_after_forward  # False: ZeRO-2, gathered once per step
-        for block in blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=resharded, mp_policy=policy)
-        in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        root_group = any(id(p) not in in_blocks for p in module.parameters())
-        fully_shard(module, mesh=mesh, reshard_after_forward=resharded, mp_policy=policy)
+        units = shard_modules(module, sharded_blocks(module, plan), mesh, mixed_precision_policy(plan.precision),
+                              resharded, shard_dims(one, plan) if found.kind == "fsdp" and resharded else None)
         if meta:
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
         return NativeProgram(found.kind, module, spec, graph, plan, whole_mesh, found.styles,
-                             fsdp_groups=len(blocks) + root_group, token_mean=found.token_mean,
-                             reshard_after_forward=resharded)
+                             fsdp_groups=units.sharded, replicate_groups=units.replicated,
+                             token_mean=found.token_mean, reshard_after_forward=resharded)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

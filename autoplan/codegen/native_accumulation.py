@@ -15,6 +15,9 @@ backward ends the step, so that each reduces and gathers as often as the plan sa
   gradient after every microbatch, summing into the shard (no whole gradient outlives a
   microbatch): FSDP2's own behaviour, nothing to tell. (The tensor axis's collectives run in
   every microbatch, as planned.)
+- Parameters a 1-D FSDP plan keeps whole beside the sharded ones (:mod:`autoplan.codegen.native_fsdp`):
+  their gradients are all-reduced once per step, as DDP's; their ``replicate`` modules are told
+  to skip the reduction (``set_requires_gradient_sync``) but for the last microbatch.
 - ZeRO-2 (``reshard_after_forward=False``): the plan holds every parameter whole through the
   step and reduce-scatters each microbatch's gradient into its shard; FSDP2 gathers a group
   before the first forward and, told not to reshard after the backward of any microbatch but
@@ -33,6 +36,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
+from torch.distributed._composable.replicate_with_fsdp import ReplicateModule
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
@@ -80,8 +84,10 @@ class AccumulatedProgram(torch.nn.Module):
         last = index == self.microbatches - 1
         if self.program.kind == "ddp":
             return nullcontext() if last else self.program.module.no_sync()
-        if not self.program.reshard_after_forward:
-            for module in self._fsdp_modules():
+        for module in self._fsdp_modules():
+            if isinstance(module, ReplicateModule):  # reduced once per step, as DDP's
+                module.set_requires_gradient_sync(last, recurse=False)
+            elif not self.program.reshard_after_forward:
                 module.set_reshard_after_backward(last, recurse=False)
         return nullcontext()
 

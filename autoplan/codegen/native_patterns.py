@@ -16,6 +16,7 @@ import torch.fx
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement as DPlacement
 
+from autoplan.codegen.native_fsdp import root_holds_replicated
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import ATTENTION_OPS, NodePlan, Plan, RecomputeMode, kept_outputs
 from autoplan.sharding import parse_placement
@@ -166,12 +167,23 @@ def zero_storage(spec: ModelSpec, plan: Plan) -> str | None:
     return "zero2"
 
 
+def shard_dims(spec: ModelSpec, plan: Plan) -> dict[str, int]:
+    """On a 1-D mesh, the parameters a data-parallel plan stores sharded (FQN -> the dim FSDP2
+    shards); the others it keeps replicated."""
+    parameters = dict(spec.module.named_parameters(remove_duplicate=False))
+    if len(plan.mesh) != 1:
+        return {}
+    return {fqn: d for fqn, specs in plan.params.items()
+            if fqn in parameters and (d := shard_dim(specs)) is not None}
+
+
 def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
     """``"replicated"`` when every parameter is whole on every device of a 1-D mesh,
     ``"zero2"`` when every one is whole, its gradient and optimizer state sharded
-    (:func:`zero_storage`), ``"sharded"`` when every one is stored sharded on its dim 0 (on a
-    2-D mesh: replicated over axis 0 and sharded on dim 0 over axis 1, HSDP) and every op reads
-    it whole (gathered at use: ZeRO-3 / FSDP), else a reason."""
+    (:func:`zero_storage`), ``"sharded"`` when every one is stored sharded on one dim, or on a
+    1-D mesh some are (:func:`shard_dims`) and the others replicated (on a 2-D mesh: every one
+    replicated over axis 0 and sharded on dim 0 over axis 1, HSDP), and every op reads it whole
+    (gathered at use: ZeRO-3 / FSDP), else a reason."""
     hybrid = len(plan.mesh) == 2
     zero = zero_storage(spec, plan)
     if zero == "zero2" and not all(is_whole(p) for p in plan.params.values()):
@@ -189,12 +201,18 @@ def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
             if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
                 return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 " \
                        "(HSDP)"
-        elif shard_dim(specs) != 0 or storage is None or shard_dim(storage.param) != 0:
-            return f"{fqn} is {spec_text(specs)}: neither replicated nor stored sharded on dim 0"
+        elif is_whole(specs) and (storage is None or is_whole(storage.param)):
+            continue  # replicated beside the sharded ones (``replicate`` on its module)
+        elif (d := shard_dim(specs)) is None or storage is None or list(storage.param) != list(specs):
+            return f"{fqn} is {spec_text(specs)}: neither replicated nor stored sharded on one dim"
+        elif d > 0 and fqn in parameters and parameters[fqn].shape[d] % plan.mesh[0]:
+            return f"{fqn} is {spec_text(specs)}, uneven: FSDP2 shards a dim other than 0 only evenly"
     for node, p in _planned_ops(graph, plan):
         for value, specs in zip(tensor_inputs(node), p.inputs):
             if value.name in graph.param_names and not is_whole(specs):
                 return f"{node.name} reads {graph.param_names[value.name]} as {spec_text(specs)}, not gathered whole"
+    if root_holds_replicated(spec.module, shard_dims(spec, plan)):
+        return "the root module holds a parameter kept whole beside sharded ones"
     return "sharded"
 
 

@@ -1,0 +1,75 @@
+"""FSDP2 units of a data-parallel plan: ``fully_shard`` per repeated block and on the root,
+and ``replicate`` on the modules that hold the parameters the plan keeps whole beside them.
+
+A plan on a GPU node often stores the large weights sharded and gathers them at use while it
+keeps the small ones (norm weights, biases) replicated, their gradients all-reduced: their
+gathers would cost a latency each in its cost model. FSDP2 carries that out with its own
+parts: every block and the root are ``fully_shard``ed with the replicated parameters left out
+(``ignored_params``) and each sharded one on the dim the plan shards
+(``shard_placement_fn``: a tied table stored on its dim 1), and every module that holds
+replicated parameters directly gets torch's FSDP2-based ``replicate``
+(``torch.distributed._composable.replicate_with_fsdp``: DDP's semantics in FSDP2's groups)
+over the others, whose gradients it all-reduces after the module's backward, one all-reduce
+per module. Under a bf16 plan both take the plan's ``MixedPrecisionPolicy``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.distributed._composable.replicate_with_fsdp import replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Shard
+
+
+@dataclass(frozen=True)
+class FsdpUnits:
+    """How many FSDP2 groups gather and reduce-scatter (``sharded``: blocks and the root that
+    hold sharded parameters) and how many ``replicate`` groups all-reduce (``replicated``)."""
+
+    sharded: int
+    replicated: int
+
+
+def root_holds_replicated(module: torch.nn.Module, shard_dims: dict[str, int]) -> bool:
+    """Whether the root module itself holds a parameter the plan keeps whole beside sharded
+    ones (``replicate`` and ``fully_shard`` cannot share the root)."""
+    return bool(shard_dims) and any(name not in shard_dims for name, _ in module.named_parameters(recurse=False))
+
+
+def shard_modules(module: torch.nn.Module, blocks: list[torch.nn.Module], mesh: DeviceMesh,
+                  policy: MixedPrecisionPolicy, reshard_after_forward: bool,
+                  shard_dims: dict[str, int] | None = None) -> FsdpUnits:
+    """``fully_shard`` each of ``blocks`` and then ``module`` (the root) on ``mesh``; with
+    ``shard_dims`` (FQN -> dim), only those parameters, each on its dim, and the others
+    ``replicate``d on the modules that hold them (see the module docstring). Every parameter
+    is sharded on dim 0 without it."""
+    named = dict(module.named_parameters(remove_duplicate=False))
+    options: dict = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+    dims = {id(p): 0 for p in named.values()}
+    kept_whole: dict[int, torch.nn.Parameter] = {}
+    if shard_dims:
+        dims = {id(named[fqn]): d for fqn, d in shard_dims.items()}
+        kept_whole = {id(p): p for p in named.values() if id(p) not in dims}
+        options.update(ignored_params=set(kept_whole.values()) or None,
+                       shard_placement_fn=lambda param: Shard(dims[id(param)]))
+    # (counted before sharding: fully_shard replaces a module's parameters)
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    sharded = sum(any(id(p) in dims for p in block.parameters()) for block in blocks)
+    sharded += any(id(p) in dims and id(p) not in in_blocks for p in module.parameters())
+    for block in blocks:
+        fully_shard(block, **options)
+    replicated = 0
+    for holder in module.modules():
+        own = {id(p) for p in holder.parameters(recurse=False) if id(p) in kept_whole}
+        if holder is module or not own:
+            continue
+        others = {p for p in holder.parameters() if id(p) not in own}
+        replicate(holder, mesh=mesh, mp_policy=policy, ignored_params=others or None)
+        for i in own:  # a tied parameter is replicated with its first holder
+            kept_whole.pop(i)
+        replicated += 1
+    fully_shard(module, **options)
+    return FsdpUnits(sharded, replicated)
