@@ -150,6 +150,9 @@ PINNED_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "blocks_fsdp_mixed": ("residual_blocks_wide", _MIXED, "fsdp"),
     "blocks_fsdp_mixed_checkpointed_bf16": ("residual_blocks_wide", (*_MIXED, "blocks.*=checkpoint"), "fsdp"),
     "blocks_fsdp_mixed_accumulated": ("residual_blocks_wide", (*_MIXED, "stages=1", "microbatches=2"), "fsdp"),
+    # the down projections stored sharded on dim 1 (FSDP2's shard_placement_fn), gathered at use
+    "blocks_fsdp_mixed_dim1": ("residual_blocks_wide", (*_MIXED[:2], "blocks.*.down.weight=[S(1)]", *_MIXED[3:]),
+                               "fsdp"),
 }
 # cases for 4 processes: HSDP on a 2x2 mesh (FSDP2's fully_shard on a 2-D mesh)
 HSDP_CASES: dict[str, tuple[str, str, str]] = {
@@ -283,6 +286,8 @@ def run_case(name: str, world: int) -> dict:
         "fsdp_groups": getattr(getattr(program, "program", program), "fsdp_groups", 0),
         "replicate_groups": getattr(getattr(program, "program", program), "replicate_groups", 0),
         "storage": {fqn: s.param for fqn, s in plan.storage.items()},
+        "program_placements": {fqn: [str(q) for q in p.placements] for fqn, p in pm.named_plan_parameters().items()
+                               if isinstance(p, DTensor)},
         "token_mean": getattr(program, "token_mean", False),
         "block_calls_per_step": block_calls,
         "block_output_dtype": block_dtype,

@@ -141,8 +141,12 @@ def test_plans_keeping_small_parameters_whole_beside_sharded_ones_run_fsdp2_and_
     res = _case(results, name)[0]
     storage = res["storage"]
     whole = [fqn for fqn, placement in storage.items() if placement == ["R"]]
-    assert {fqn for fqn, placement in storage.items() if placement == ["S(0)"]} == \
-        {f"blocks.{i}.{m}.weight" for i in range(3) for m in ("up", "down")}
+    down = ["S(1)"] if name.endswith("dim1") else ["S(0)"]
+    assert {fqn: placement for fqn, placement in storage.items() if placement != ["R"]} == \
+        {f"blocks.{i}.{m}.weight": down if m == "down" else ["S(0)"] for i in range(3) for m in ("up", "down")}
+    # FSDP2 stores each on the plan's dim (the others: replicate's whole DTensors)
+    assert res["program_placements"]["blocks.0.down.weight"] == down
+    assert res["program_placements"]["blocks.0.norm.weight"] == ["R"]
     assert "blocks.0.norm.weight" in whole and "embed.weight" in whole and "blocks.0.up.bias" in whole
     assert res["program"] == "fsdp" and res["fsdp_groups"] == 3 and res["replicate_groups"] >= 5
     assert f"replicate on {res['replicate_groups']} modules" in res["description"]
