@@ -220,7 +220,46 @@ def _whole_after_forward(pm, inputs) -> int:
     return whole
 
 
+# name -> (pins or --manual text, expected kind): a meta-device model's replicas must start equal
+META_CASES: dict[str, tuple[tuple[str, ...] | str, str]] = {
+    "blocks_fsdp_mixed_meta": (_MIXED, "fsdp"),  # 2 processes: replicate's whole parameters
+    "blocks_hsdp_meta": ("dp=2,fsdp=2", "hsdp"),  # 4 processes: HSDP's shards over its replicate axis
+}
+
+
+def run_meta_case(name: str, world: int) -> dict:
+    """Plan residual blocks built on the meta device, build the program (its shards allocated and
+    initialised by the model's own initialiser), and compare every parameter across the ranks:
+    each whole value (``full_tensor``) must be the same everywhere."""
+    import residual_blocks
+
+    how, expected = META_CASES[name]
+    _, inputs = residual_blocks.build(hidden=256, batch=16, seq=64)
+    torch.manual_seed(1000 + dist.get_rank())  # each rank's own generator, as a script's ranks may start
+    with torch.device("meta"):
+        model = residual_blocks.ResidualBlocks(16, 256, 3)
+    spec = make_model_spec(model, tuple(x.to("meta") for x in inputs), residual_blocks.loss_fn)
+    if isinstance(how, str):
+        plan = _manual_plan(spec, how, world)
+    else:
+        plan = plan_model(spec, PlanOptions(world, "h100", mesh=(world,), pipeline=False, plan_only=True, pins=how))
+    pm = build_parallel_module(spec, plan, graph=trace(spec))
+    differ = []
+    for fqn, param in sorted(pm.named_plan_parameters().items()):
+        whole = (param.full_tensor() if isinstance(param, DTensor) else param).detach().contiguous()
+        first = whole.clone()
+        dist.broadcast(first, src=0)
+        same = torch.tensor([float(torch.equal(first, whole))])
+        dist.all_reduce(same, op=dist.ReduceOp.MIN)
+        if not same.item():
+            differ.append(fqn)
+    return {"expected": expected, "program": getattr(pm.program, "kind", "none"), "description": pm.description,
+            "replicas_differ": differ, "num_parameters": len(pm.named_plan_parameters())}
+
+
 def run_case(name: str, world: int) -> dict:
+    if name in META_CASES:
+        return run_meta_case(name, world)
     if name in CASES:
         module_name, kwargs, memory, loss_override, expected = CASES[name]
         module = __import__(module_name)
@@ -297,7 +336,7 @@ def run_case(name: str, world: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES]
+    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, "blocks_fsdp_mixed_meta"]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}

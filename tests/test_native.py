@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from native_worker import CASES, HSDP_CASES, MANUAL_CASES, PINNED_CASES, SINGLE_CASES
+from native_worker import CASES, HSDP_CASES, MANUAL_CASES, META_CASES, PINNED_CASES, SINGLE_CASES
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -28,10 +28,12 @@ WORLD = 2
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
-    hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *HSDP_CASES, timeout=300)
-    return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in [*CASES, *MANUAL_CASES, *PINNED_CASES]},
+    hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *HSDP_CASES, "blocks_hsdp_meta",
+                         timeout=300)
+    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, "blocks_fsdp_mixed_meta"]
+    return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in two},
             **{name: [single[0][name]] for name in SINGLE_CASES},
-            **{name: [hsdp[r][name] for r in range(4)] for name in HSDP_CASES}}
+            **{name: [hsdp[r][name] for r in range(4)] for name in [*HSDP_CASES, "blocks_hsdp_meta"]}}
 
 
 def _case(results, name: str) -> list[dict]:
@@ -160,6 +162,16 @@ def test_plans_keeping_small_parameters_whole_beside_sharded_ones_run_fsdp2_and_
     assert step["all_reduce"] == res["replicate_groups"] + m  # and the loss's, every microbatch
     # the plan lists one bucketed all-reduce per whole parameter's gradient; replicate runs one per module
     assert res["planned_by_plan"]["backward"]["all_reduce"] >= len(whole) > res["replicate_groups"]
+
+
+@pytest.mark.parametrize("name", [*META_CASES])
+def test_a_meta_device_models_replicas_start_equal(results, name):
+    """Built on the meta device with each rank's generator apart, a model's parameters the plan
+    keeps whole (``replicate``) or replicates over an axis (HSDP's shards over its replicate
+    axis) start equal on every rank: the replicas are broadcast after initialisation."""
+    res = _case(results, name)[0]
+    assert res["program"] == res["expected"] and res["num_parameters"] > 10
+    assert res["replicas_differ"] == []
 
 
 @pytest.mark.parametrize("name", ["llama_zero1", "llama_zero1_accumulated"])

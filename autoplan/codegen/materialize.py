@@ -13,8 +13,10 @@ meta copy of the user's module whose parameters and buffers are replaced by the 
 3. else ``reset_parameters()`` of every submodule that has one.
 
 Initialisers write DTensors shard by shard (random ones through DTensor's offset-based
-generator, so the shards of one parameter are drawn as one tensor would be, and replicated
-ones equal on every rank); plain tensors they copy in count as replicated. A buffer no
+generator where it runs, so the shards of one parameter are drawn as one tensor would be);
+then every replica of a DTensor is made equal to the first along each axis it is replicated
+over (:func:`synchronise_replicas`: on CPU meshes each rank draws from its own generator);
+plain tensors they copy in count as replicated. A buffer no
 initialiser sets (one computed in ``__init__``) would be left uninitialised: a model with such
 buffers needs the ``init_weights`` hook. Under a pipeline, the tensors of other ranks' stages
 stay on the meta device (initialisers do nothing there). Data parallelism (DDP, one device)
@@ -25,10 +27,11 @@ initialised the same way.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import empty as dtensor_empty
@@ -90,6 +93,7 @@ def initialise(user_module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]
     except Exception as e:  # the model's initialiser cannot run on the sharded tensors
         raise AutoplanError(f"initialising the meta-device model shard by shard failed ({type(e).__name__}: "
                             f"{str(e).strip()[:160]}): define init_weights(module) in the model file") from e
+    synchronise_replicas(tensors[fqn] for fqn in sorted(tensors))
 
 
 def materialise_whole(module: torch.nn.Module, device: torch.device | str, init: Initialiser | None) -> None:
@@ -102,3 +106,23 @@ def materialise_whole(module: torch.nn.Module, device: torch.device | str, init:
     except Exception as e:
         raise AutoplanError(f"initialising the meta-device model failed ({type(e).__name__}: "
                             f"{str(e).strip()[:160]}): define init_weights(module) in the model file") from e
+    synchronise_replicas([*module.parameters(), *module.buffers()])
+
+
+def synchronise_replicas(tensors: Iterable[torch.Tensor]) -> None:
+    """Make every replica of each DTensor among ``tensors`` equal: over each mesh axis where it
+    is replicated, the first coordinate's values broadcast to the others. Random initialisers
+    draw a replicated DTensor from each rank's own generator where DTensor's offset-based
+    generator does not run (on CPU meshes), so the replicas of a bias, of an HSDP shard over
+    its replicate axis, would start apart and stay apart (their gradients are reduced alike).
+    The ranks of each axis's group visit the same tensors in the same order."""
+    seen: set[int] = set()
+    for tensor in tensors:
+        if not isinstance(tensor, DTensor) or tensor.is_meta or id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        local = tensor.to_local()
+        for axis, placement in enumerate(tensor.placements):
+            if placement.is_replicate() and tensor.device_mesh.size(axis) > 1:
+                with torch.no_grad():
+                    dist.broadcast(local, group=tensor.device_mesh.get_group(axis), group_src=0)
