@@ -137,6 +137,15 @@ def peak_moments(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]],
     parameters, and within a recomputed layer its recomputed values with each of its ops'
     gradients, gathered parameters and the outputs outside it. ``inputs`` are each op's tensor
     inputs, ``outputs`` the graph's model outputs (the loss left out)."""
+    return [sum(parts[1:], Counter(parts[0])) for parts in peak_moment_parts(nodes, inputs, needs_grad, outputs, ctx)]
+
+
+def peak_moment_parts(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]], needs_grad: Mapping[str, bool],
+                      outputs: Iterable[str], ctx: CostContext) -> list[tuple[Held, ...]]:
+    """:func:`peak_moments`, each moment as the parts it sums (every count positive), the parts
+    a recomputed layer's moments share being the same objects: a moment's bytes are its parts'
+    bytes added, each part's counted once (a layer of ``n`` ops has ``n`` moments that each hold
+    its recomputed values)."""
     ops = [name for name, info in nodes.items() if info.kind == "op"]
     own_reads, prefetched_reads = _gathered_reads(nodes, inputs, needs_grad, ops)
     gradients: dict[str, Held] = {}
@@ -156,12 +165,13 @@ def peak_moments(nodes: Mapping[str, NodeInfo], inputs: Mapping[str, list[str]],
         if region is not None:
             regions.setdefault(region, []).append(name)
     returned = Counter(name for name in outputs if name in nodes)
-    moments = [held + returned for name, held in gradients.items() if ctx.region_of(name) is None]
+    moments: list[tuple[Held, ...]] = [(held, returned) for name, held in gradients.items()
+                                       if ctx.region_of(name) is None]
     for members in regions.values():
         inside = set(members)
         values = Counter(name for name in members if moved_bytes(nodes[name]) > 0 and ctx.recomputes(name))
         alive = Counter({name: n for name, n in returned.items() if name not in inside})
-        moments += [values + gradients[name] + alive for name in members]
+        moments += [(values, gradients[name], alive) for name in members]
     return moments
 
 
@@ -188,5 +198,12 @@ def backward_transient(nodes: Mapping[str, NodeInfo], chosen: Mapping[str, Strat
                 sizes[key] = value_bytes(nodes[key], stored(key), ctx)
         return sizes[key]
 
-    moments = peak_moments(nodes, inputs, needs_grad, outputs, ctx)
-    return max((sum(n * out_bytes(name) for name, n in moment.items()) for moment in moments), default=0.0)
+    part_bytes: dict[int, float] = {}
+
+    def bytes_of(part: Held) -> float:
+        if id(part) not in part_bytes:
+            part_bytes[id(part)] = sum(n * out_bytes(name) for name, n in part.items())
+        return part_bytes[id(part)]
+
+    moments = peak_moment_parts(nodes, inputs, needs_grad, outputs, ctx)
+    return max((sum(map(bytes_of, parts)) for parts in moments), default=0.0)
