@@ -315,7 +315,8 @@ def _named_mesh(ctx: DistContext, plan: Plan) -> DeviceMesh:
 def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph | None,
                prefer_native: bool = True) -> PipelinedModule:
     """A pipelined plan was traced for one microbatch: trace the same, check, build: one stage
-    accumulating microbatches natively where its microbatch is DDP, FSDP, HSDP or ZeRO-2
+    accumulating microbatches natively where its microbatch is DDP, FSDP (whole parameters
+    beside sharded ones included), HSDP, ZeRO-2 or FSDP x TP
     (:mod:`autoplan.codegen.native_accumulation`), else on torch's pipeline schedule."""
     from autoplan.codegen.pipeline_program import build_pipeline
 
