@@ -154,6 +154,19 @@ PINNED_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "blocks_fsdp_mixed_dim1": ("residual_blocks_wide", (*_MIXED[:2], "blocks.*.down.weight=[S(1)]", *_MIXED[3:]),
                                "fsdp"),
 }
+# the form the search finds for Llama at real size on a node of H100s, pinned on a small one: the
+# blocks' weights FSDP, the embedding table read in place (hidden- or vocabulary-parallel, the ids
+# whole), the head and the last norm ZeRO-2, the blocks' norms whole
+_TABLE_HIDDEN = ("input_ids=[R]", "labels=[S(0)]", "model.embed_tokens.weight=[S(1)]", "embedding=[S(2)]",
+                 "to_6=[S(0)]", "model.layers.*.*_proj.weight=fsdp", "linear*=[S(0)]", "cross_entropy_loss=[P]",
+                 "lm_head.weight=zero2", "model.norm.weight=zero2")
+_TABLE_VOCABULARY = (*_TABLE_HIDDEN[:2], "model.embed_tokens.weight=[S(0)]", "embedding=[P]", *_TABLE_HIDDEN[4:])
+FOUND_FORM_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "llama_table_hidden_zero2_head": ("llama_wide", _TABLE_HIDDEN, "fsdp"),
+    "llama_table_vocabulary_checkpointed_bf16": ("llama_wide", (*_TABLE_VOCABULARY, "model.layers.*=checkpoint"),
+                                                 "fsdp"),
+    "llama_table_hidden_accumulated": ("llama_wide", (*_TABLE_HIDDEN, "stages=1", "microbatches=2"), "fsdp"),
+}
 # cases for 4 processes: HSDP on a 2x2 mesh (FSDP2's fully_shard on a 2-D mesh)
 HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_hsdp": ("residual_blocks", "dp=2,fsdp=2", "hsdp"),
@@ -266,8 +279,8 @@ def run_case(name: str, world: int) -> dict:
         model, inputs = module.build(**kwargs)
         spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
         plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
-    elif name in PINNED_CASES:
-        module_name, pins, expected = PINNED_CASES[name]
+    elif name in PINNED_CASES or name in FOUND_FORM_CASES:
+        module_name, pins, expected = {**PINNED_CASES, **FOUND_FORM_CASES}[name]
         spec = make_model_spec(*BUILDERS[module_name]())
         model, inputs = spec.module, spec.example_inputs
         precision = "bf16" if name.endswith("bf16") else "fp32"
@@ -324,6 +337,7 @@ def run_case(name: str, world: int) -> dict:
         "precision": plan.precision.name,
         "fsdp_groups": getattr(getattr(program, "program", program), "fsdp_groups", 0),
         "replicate_groups": getattr(getattr(program, "program", program), "replicate_groups", 0),
+        "held_groups": getattr(getattr(program, "program", program), "held_groups", 0),
         "storage": {fqn: s.param for fqn, s in plan.storage.items()},
         "program_placements": {fqn: [str(q) for q in p.placements] for fqn, p in pm.named_plan_parameters().items()
                                if isinstance(p, DTensor)},
@@ -336,7 +350,7 @@ def run_case(name: str, world: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, "blocks_fsdp_mixed_meta"]
+    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta"]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}

@@ -17,7 +17,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from native_worker import CASES, HSDP_CASES, MANUAL_CASES, META_CASES, PINNED_CASES, SINGLE_CASES
+from native_worker import CASES, FOUND_FORM_CASES, HSDP_CASES, MANUAL_CASES, META_CASES, PINNED_CASES, SINGLE_CASES
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -30,7 +30,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
     hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *HSDP_CASES, "blocks_hsdp_meta",
                          timeout=300)
-    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, "blocks_fsdp_mixed_meta"]
+    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta"]
     return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in two},
             **{name: [single[0][name]] for name in SINGLE_CASES},
             **{name: [hsdp[r][name] for r in range(4)] for name in [*HSDP_CASES, "blocks_hsdp_meta"]}}
@@ -40,7 +40,8 @@ def _case(results, name: str) -> list[dict]:
     return on_every_rank(results[name], name)
 
 
-@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *PINNED_CASES, *HSDP_CASES, *SINGLE_CASES])
+@pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, *HSDP_CASES,
+                                  *SINGLE_CASES])
 def test_runs_the_expected_program_and_matches_single_device(results, name):
     for res in _case(results, name):
         assert res["recognised"] == res["expected"], res["reason"]
@@ -162,6 +163,40 @@ def test_plans_keeping_small_parameters_whole_beside_sharded_ones_run_fsdp2_and_
     assert step["all_reduce"] == res["replicate_groups"] + m  # and the loss's, every microbatch
     # the plan lists one bucketed all-reduce per whole parameter's gradient; replicate runs one per module
     assert res["planned_by_plan"]["backward"]["all_reduce"] >= len(whole) > res["replicate_groups"]
+
+
+@pytest.mark.parametrize("name", [*FOUND_FORM_CASES])
+def test_the_searchs_real_size_form_runs_fsdp2_zero2_modules_and_an_embedding_read_in_place(results, name):
+    """The form the search finds for a Llama on a node of H100s (pinned here on a small one):
+    the blocks' weights FSDP, the head and the last norm ZeRO-2, the blocks' norms whole, and
+    the embedding table never gathered but read in place, the ids whole, its output moved onto
+    the batch shards (hidden slices all-to-all'd, vocabulary partial sums reduce-scattered).
+    FSDP2 groups the blocks, each ZeRO-2 module is a group of its own held through the
+    backward, ``replicate`` takes the norms, and torch's parallel style the table."""
+    res = _case(results, name)[0]
+    vocabulary = "vocabulary" in name
+    table = ["S(0)"] if vocabulary else ["S(1)"]
+    assert res["storage"]["model.embed_tokens.weight"] == table
+    assert res["program_placements"]["model.embed_tokens.weight"] == table  # the style's slice, never gathered
+    assert res["storage"]["lm_head.weight"] == ["R"]  # whole, its gradient and state sharded (ZeRO-2)
+    assert res["program"] == "fsdp" and res["fsdp_groups"] == 2 and res["held_groups"] == 2
+    assert res["replicate_groups"] == 4  # the blocks' two norms each
+    style = "RowwiseParallel" if vocabulary else "ColwiseParallel"
+    assert f"model.embed_tokens {style}" in res["description"] and "2 ZeRO-2 modules" in res["description"]
+    assert bool(res["recomputed_layers"]) == ("checkpointed" in name)
+    assert res["executed"] == res["planned"], res["report"]
+    m = res["microbatches"]
+    moved = "reduce_scatter" if vocabulary else "all_to_all"
+    assert res["planned_by_plan"]["forward"][moved] == m  # the embedding's output, every microbatch
+    step = res["executed"].get("step, rank 0") or \
+        {k: res["executed"]["forward"].get(k, 0) + res["executed"]["backward"].get(k, 0)
+         for k in ("all_gather", "all_reduce", "reduce_scatter")}
+    # gloo has no all-to-all: DTensor gathers and cuts instead, in the forward and the backward
+    lookups = {"all_gather": m if vocabulary else 2 * m, "reduce_scatter": m if vocabulary else 0}
+    # the blocks gather before the forward and again before the backward, every microbatch; the
+    # ZeRO-2 modules once per step; every group reduce-scatters every microbatch
+    assert step["all_gather"] == 2 * 2 * m + 2 + lookups["all_gather"]
+    assert step["reduce_scatter"] == (2 + 2) * m + lookups["reduce_scatter"]
 
 
 @pytest.mark.parametrize("name", [*META_CASES])

@@ -49,6 +49,7 @@ def test_every_kind_of_pin_is_read() -> None:
     assert parse_pin("model.layers.0-7=stage:0").number == 0
     assert parse_pin("model.layers.*=checkpoint").kind == PinKind.CHECKPOINT
     assert parse_pin("*.weight=fsdp").kind == PinKind.FSDP
+    assert parse_pin("lm_head.weight=zero2").kind == PinKind.ZERO2
     assert parse_pin("mesh=2x4").mesh == (2, 4)
     assert parse_pin("tp=8").number == 8 and parse_pin("microbatches=32").number == 32
     assert parse_pin("stages=2").kind == PinKind.STAGES
@@ -260,6 +261,16 @@ def test_tp_and_fsdp_pins() -> None:
                if name.endswith(("c_attn.weight", "c_fc.weight", "c_proj.weight")))
     sharded = _plan("*.weight=fsdp", "mesh=4")
     assert all(placement[0].startswith("S(") for name, placement in sharded.params.items() if name.endswith(".weight"))
+
+
+def test_zero2_pins_store_parameters_whole_and_their_gradients_and_states_sharded() -> None:
+    plan = _plan("*.weight=zero2", "mesh=4", pipeline=False)
+    weights = {fqn: s for fqn, s in plan.storage.items() if fqn.endswith(".weight")}
+    assert len(weights) > 10
+    for fqn, s in weights.items():
+        assert s.param == ["R"] and s.grad[0].startswith("S(") and s.optimizer_state == s.grad and not s.held, fqn
+    biases = [s for fqn, s in plan.storage.items() if fqn.endswith(".bias")]
+    assert biases  # the pin holds the weights only: the biases are the planner's to choose
 
 
 # ------------------------------------------------------------------------------------------

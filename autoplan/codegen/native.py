@@ -41,7 +41,14 @@ fewer calls. A parameter stored sharded on another dim (``S(1)``: a tied table) 
 (``shard_placement_fn``, evenly), and the parameters a 1-D plan keeps whole beside the sharded
 ones (norm weights, biases: their gathers cost a latency each) are left out of the groups and
 ``replicate``d on the modules holding them, their gradients all-reduced
-(:mod:`autoplan.codegen.native_fsdp`). Under a bf16 plan every group has the plan's
+(:mod:`autoplan.codegen.native_fsdp`). A 1-D plan's parameters may mix kinds, as the search's
+plans at real size do (:mod:`autoplan.codegen.native_storage`): a module holding only ZeRO-2
+parameters (a head) is a group of its own, ``fully_shard``ed first with
+``reshard_after_forward=False``; an embedding table the plan reads in place (sharded on the
+vocabulary or the hidden dim, the ids whole) runs under ``RowwiseParallel`` or
+``ColwiseParallel`` on the mesh, its output redistributed onto the batch shards as the plan
+moves it (a reduce-scatter, an all-to-all) and its gradient divided by the ranks as FSDP2
+averages the others'. Under a bf16 plan every group has the plan's
 ``MixedPrecisionPolicy``: parameters gathered and computed with in bf16, gradients reduced in
 fp32 into the fp32 shards (the optimizer's master weights), as the plan costs the gathers.
 
@@ -143,8 +150,8 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_fsdp import shard_modules
-from autoplan.codegen.native_patterns import (CollectiveMapping, batch_dim, inside_module, kept_modules, recognise,
-    shard_dims)
+from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, inside_module, kept_modules, recognise
+from autoplan.codegen.native_storage import ParameterStorage, parallelize_embeddings
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -163,11 +170,14 @@ class NativeProgram(torch.nn.Module):
 
     def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
                  mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]], fsdp_groups: int = 0,
-                 token_mean: bool = False, reshard_after_forward: bool = True, replicate_groups: int = 0) -> None:
+                 token_mean: bool = False, reshard_after_forward: bool = True, replicate_groups: int = 0,
+                 held_groups: int = 0, storage: ParameterStorage | None = None) -> None:
         super().__init__()
         self.token_mean = token_mean  # the cross-entropy divides by the global batch's token count
         self.fsdp_groups = fsdp_groups  # fully_shard units: one all-gather (and reduce-scatter) each
         self.replicate_groups = replicate_groups  # replicate units beside them: one all-reduce each
+        self.held_groups = held_groups  # ZeRO-2 units beside them: gathered once per step
+        self.storage = storage  # a 1-D FSDP plan's parameters by how they are held
         # False: ZeRO-2, a group's parameters gathered in the forward and held through the backward
         self.reshard_after_forward = reshard_after_forward
         self.kind = kind
@@ -277,12 +287,21 @@ class NativeProgram(torch.nn.Module):
         """What runs the plan, in a few words."""
         checkpointed = f", {len(self.plan.recompute)} checkpointed layer(s)" if self.plan.recompute else ""
         runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
-                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text}{self._replicate_text})",
+                "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text}{self._held_text}"
+                        f"{self._replicate_text}{self._embeddings_text})",
                 "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups{self._zero2_text})",
                 "fsdp_tp": f"parallelize_module on axis 1, then FSDP2 fully_shard on axis 0 ({self.fsdp_groups} "
                            "groups)",
                 "tensor_parallel": "parallelize_module (ColwiseParallel/RowwiseParallel)"}[self.kind]
         return f"native: {runs}{checkpointed}"
+
+    def held_modules(self) -> list[torch.nn.Module]:
+        """The modules of the ZeRO-2 parameters beside FSDP's groups, each a group held from its
+        forward through its backward."""
+        if self.storage is None:
+            return []
+        names = dict.fromkeys(fqn.rpartition(".")[0] for fqn in self.storage.zero2)
+        return [self.user_module.get_submodule(name) for name in names]
 
     def _reshard(self) -> None:
         """Free every FSDP2 group's gathered parameters, its shards the module's parameters again."""
@@ -295,6 +314,19 @@ class NativeProgram(torch.nn.Module):
     @property
     def _replicate_text(self) -> str:
         return f"; replicate on {self.replicate_groups} modules" if self.replicate_groups else ""
+
+    @property
+    def _held_text(self) -> str:
+        return f"; {self.held_groups} ZeRO-2 modules held through the backward" if self.held_groups else ""
+
+    @property
+    def _embeddings_text(self) -> str:
+        storage = self.storage
+        if storage is None or not storage.embeddings:
+            return ""
+        reads = ", ".join(f"{name} {'Colwise' if read.read.value == 'hidden' else 'Rowwise'}Parallel"
+                          for name, read in storage.embeddings.items())
+        return f"; tables read in place: {reads}"
 
     @property
     def _zero2_text(self) -> str:
@@ -335,6 +367,11 @@ class NativeProgram(torch.nn.Module):
             return False  # a sequence-parallel norm's weight gradient, all-reduced over the tensor axis
         return self.kind in ("fsdp", "hsdp", "fsdp_tp") and c.tensor in ("parameter", "gradient")
 
+    @property
+    def _lookups(self) -> set[str]:
+        """The embedding nodes whose tables are read in place."""
+        return {read.node for read in self.storage.embeddings.values()} if self.storage else set()
+
     def _collective_map(self) -> list[CollectiveMapping]:
         out = []
         grads = [c for c in self.plan.collectives if c.tensor == "gradient" and c.bucketed]
@@ -350,6 +387,10 @@ class NativeProgram(torch.nn.Module):
             elif c.where.endswith("-> output"):
                 native = "the loss's all-reduce (NativeProgram.forward)" if self.kind != "tensor_parallel" else \
                     "DTensor: the loss's redistribute to Replicate"
+            elif self.storage is not None and c.where.split(" -> ")[0] in self._lookups:
+                native = "DTensor inside the embedding's parallel style: its output redistributed onto the " \
+                         "batch shards (an all-to-all from hidden slices, a reduce-scatter of partial sums), " \
+                         "the gradient back in the backward"
             elif self.kind in ("tensor_parallel", "fsdp_tp"):
                 native = "DTensor inside a parallel style's redistribute: RowwiseParallel's output, " \
                          "ColwiseParallel's gathered output, the gradient of ColwiseParallel's input"
@@ -368,6 +409,12 @@ class NativeProgram(torch.nn.Module):
                 "one reduce-scatter of the gradients in the backward (HSDP: and one all-reduce of the reduced "
                 "shard over axis 0), and the all-gather of the updated shards that the plan runs after the "
                 "optimizer step run before the next forward; the same bytes in fewer calls", False))
+        if self.held_groups:
+            out.append(CollectiveMapping(
+                "the ZeRO-2 parameters' gradient reduce-scatters and the gathers of their updated shards",
+                f"FSDP2 without resharding after the forward, one group per module holding them "
+                f"({self.held_groups}): one all-gather before the forward, one reduce-scatter in the backward",
+                False))
         if self.replicate_groups:
             out.append(CollectiveMapping(
                 "the gradient all-reduces of the parameters kept whole beside the sharded ones (bucketed)",
@@ -401,8 +448,10 @@ class NativeProgram(torch.nn.Module):
                 counts["all_gather"] += self.fsdp_groups * m
             elif phase == "forward":  # ZeRO-2: once per step, held through the microbatches
                 counts["all_gather"] += self.fsdp_groups
+            if phase == "forward":  # ZeRO-2 modules beside FSDP's groups: likewise
+                counts["all_gather"] += self.held_groups
             if phase == "backward":
-                counts["reduce_scatter"] += self.fsdp_groups * m
+                counts["reduce_scatter"] += (self.fsdp_groups + self.held_groups) * m
                 if self.replicate_groups:  # once per step: their gradients accumulate whole
                     counts["all_reduce"] += self.replicate_groups
                 if self.kind == "hsdp":
@@ -513,6 +562,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     if found.kind == "fsdp_tp":  # tensor parallelism first, then checkpointing and FSDP, as torchtitan
         data, tensor = mesh.mesh_dim_names or ()
         _parallelize(module, mesh[tensor], found.styles, found.input_layouts)
+    if found.storage is not None and found.storage.embeddings:  # tables read in place, before FSDP
+        parallelize_embeddings(module, mesh, found.storage.embeddings)
     for layer in plan.recompute:
         selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else \
             {"context_fn": KeptModules(map(module.get_submodule, kept[layer.layer])).contexts} \
@@ -531,11 +582,12 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
             mesh = mesh[data]
         resharded = found.reshard_after_forward  # False: ZeRO-2, gathered once per step
         units = shard_modules(module, sharded_blocks(module, plan), mesh, mixed_precision_policy(plan.precision),
-                              resharded, shard_dims(one, plan) if found.kind == "fsdp" and resharded else None)
+                              resharded, found.storage)
         if meta:
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
         return NativeProgram(found.kind, module, spec, graph, plan, whole_mesh, found.styles,
-                             fsdp_groups=units.sharded, replicate_groups=units.replicated,
+                             fsdp_groups=units.sharded, replicate_groups=units.replicated, held_groups=units.held,
+                             storage=found.storage,
                              token_mean=found.token_mean, reshard_after_forward=resharded)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel

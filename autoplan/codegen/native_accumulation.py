@@ -84,10 +84,11 @@ class AccumulatedProgram(torch.nn.Module):
         last = index == self.microbatches - 1
         if self.program.kind == "ddp":
             return nullcontext() if last else self.program.module.no_sync()
+        held = {id(m) for m in self.program.held_modules()}
         for module in self._fsdp_modules():
             if isinstance(module, ReplicateModule):  # reduced once per step, as DDP's
                 module.set_requires_gradient_sync(last, recurse=False)
-            elif not self.program.reshard_after_forward:
+            elif not self.program.reshard_after_forward or id(module) in held:
                 module.set_reshard_after_backward(last, recurse=False)
         return nullcontext()
 

@@ -10,12 +10,18 @@ parts: every block and the root are ``fully_shard``ed with the replicated parame
 replicated parameters directly gets torch's FSDP2-based ``replicate``
 (``torch.distributed._composable.replicate_with_fsdp``: DDP's semantics in FSDP2's groups)
 over the others, whose gradients it all-reduces after the module's backward, one all-reduce
-per module. Under a bf16 plan both take the plan's ``MixedPrecisionPolicy``.
+per module. A parameter the plan keeps whole while its gradient and optimizer state are
+sharded (ZeRO-2: a head, whose second gather would cost more than holding it) makes its module a
+group of its own, ``fully_shard``ed first with ``reshard_after_forward=False``; an embedding
+table read in place (:mod:`autoplan.codegen.native_storage`) is left to its parallel style.
+Under a bf16 plan every group takes the plan's ``MixedPrecisionPolicy``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -23,42 +29,58 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard
 
+if TYPE_CHECKING:
+    from autoplan.codegen.native_storage import ParameterStorage
+
 
 @dataclass(frozen=True)
 class FsdpUnits:
     """How many FSDP2 groups gather and reduce-scatter (``sharded``: blocks and the root that
-    hold sharded parameters) and how many ``replicate`` groups all-reduce (``replicated``)."""
+    hold sharded parameters; ``held``: modules of ZeRO-2 parameters, gathered once per step) and
+    how many ``replicate`` groups all-reduce (``replicated``)."""
 
     sharded: int
     replicated: int
+    held: int = 0
 
 
-def root_holds_replicated(module: torch.nn.Module, shard_dims: dict[str, int]) -> bool:
-    """Whether the root module itself holds a parameter the plan keeps whole beside sharded
-    ones (``replicate`` and ``fully_shard`` cannot share the root)."""
-    return bool(shard_dims) and any(name not in shard_dims for name, _ in module.named_parameters(recurse=False))
+def root_holds_replicated(module: torch.nn.Module, managed: Collection[str]) -> bool:
+    """Whether the root module itself holds a parameter the plan keeps whole beside the
+    ``managed`` ones (FQNs: sharded, ZeRO-2, tables read in place): ``replicate`` and
+    ``fully_shard`` cannot share the root."""
+    return bool(managed) and any(name not in managed for name, _ in module.named_parameters(recurse=False))
 
 
 def shard_modules(module: torch.nn.Module, blocks: list[torch.nn.Module], mesh: DeviceMesh,
                   policy: MixedPrecisionPolicy, reshard_after_forward: bool,
-                  shard_dims: dict[str, int] | None = None) -> FsdpUnits:
+                  storage: ParameterStorage | None = None) -> FsdpUnits:
     """``fully_shard`` each of ``blocks`` and then ``module`` (the root) on ``mesh``; with
-    ``shard_dims`` (FQN -> dim), only those parameters, each on its dim, and the others
-    ``replicate``d on the modules that hold them (see the module docstring). Every parameter
-    is sharded on dim 0 without it."""
+    ``storage`` (a 1-D plan's: :class:`~autoplan.codegen.native_storage.ParameterStorage`), only
+    its sharded parameters, each on its dim, its ZeRO-2 parameters' modules first, each a group
+    of its own held from the forward through the backward, the tables its embeddings read in
+    place left out (their parallel style holds them), and the other parameters ``replicate``d
+    on the modules that hold them (see the module docstring). Every parameter is sharded on dim
+    0 without it."""
     named = dict(module.named_parameters(remove_duplicate=False))
     options: dict = dict(mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
     dims = {id(p): 0 for p in named.values()}
     kept_whole: dict[int, torch.nn.Parameter] = {}
-    if shard_dims:
-        dims = {id(named[fqn]): d for fqn, d in shard_dims.items()}
-        kept_whole = {id(p): p for p in named.values() if id(p) not in dims}
-        options.update(ignored_params=set(kept_whole.values()) or None,
+    holders: list[torch.nn.Module] = []
+    if storage is not None:
+        dims = {id(named[fqn]): d for fqn, d in storage.shard_dims.items()}
+        elsewhere = {id(named[fqn]) for fqn in (*storage.zero2, *storage.table_names())}
+        tables = {named[fqn] for fqn in storage.table_names()}
+        kept_whole = {id(p): p for p in named.values() if id(p) not in dims and id(p) not in elsewhere}
+        options.update(ignored_params=set(kept_whole.values()) | tables or None,
                        shard_placement_fn=lambda param: Shard(dims[id(param)]))
+        holders = list({id(h): h for h in (module.get_submodule(fqn.rpartition(".")[0]) for fqn in storage.zero2)
+                        }.values())
     # (counted before sharding: fully_shard replaces a module's parameters)
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     sharded = sum(any(id(p) in dims for p in block.parameters()) for block in blocks)
     sharded += any(id(p) in dims and id(p) not in in_blocks for p in module.parameters())
+    for holder in holders:  # ZeRO-2: gathered before the forward, held through the backward
+        fully_shard(holder, mesh=mesh, reshard_after_forward=False, mp_policy=policy)
     for block in blocks:
         fully_shard(block, **options)
     replicated = 0
@@ -72,4 +94,4 @@ def shard_modules(module: torch.nn.Module, blocks: list[torch.nn.Module], mesh: 
             kept_whole.pop(i)
         replicated += 1
     fully_shard(module, **options)
-    return FsdpUnits(sharded, replicated)
+    return FsdpUnits(sharded, replicated, len(holders))

@@ -10,6 +10,7 @@ import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -23,6 +24,9 @@ from autoplan.sharding import parse_placement
 from autoplan.strategies.letters import op_name
 from autoplan.trace.batch_coupling import op_argument
 from autoplan.trace.graph import TracedGraph
+
+if TYPE_CHECKING:
+    from autoplan.codegen.native_storage import ParameterStorage
 
 _LINEAR = "aten.linear.default"
 MEAN_OPS = ("aten.mean.default",)
@@ -57,6 +61,8 @@ class Recognised:
     # False for ZeRO-2 (parameters whole, gradients and optimizer state sharded): FSDP2 keeps a
     # group's gathered parameters from its forward through its backward
     reshard_after_forward: bool = True
+    # a 1-D FSDP plan's parameters by how FSDP2 and the parallel styles hold them
+    storage: ParameterStorage | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,52 +173,42 @@ def zero_storage(spec: ModelSpec, plan: Plan) -> str | None:
     return "zero2"
 
 
-def shard_dims(spec: ModelSpec, plan: Plan) -> dict[str, int]:
-    """On a 1-D mesh, the parameters a data-parallel plan stores sharded (FQN -> the dim FSDP2
-    shards); the others it keeps replicated."""
-    parameters = dict(spec.module.named_parameters(remove_duplicate=False))
-    if len(plan.mesh) != 1:
-        return {}
-    return {fqn: d for fqn, specs in plan.params.items()
-            if fqn in parameters and (d := shard_dim(specs)) is not None}
-
-
-def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
+def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str | ParameterStorage:
     """``"replicated"`` when every parameter is whole on every device of a 1-D mesh,
     ``"zero2"`` when every one is whole, its gradient and optimizer state sharded
-    (:func:`zero_storage`), ``"sharded"`` when every one is stored sharded on one dim, or on a
-    1-D mesh some are (:func:`shard_dims`) and the others replicated (on a 2-D mesh: every one
-    replicated over axis 0 and sharded on dim 0 over axis 1, HSDP), and every op reads it whole
-    (gathered at use: ZeRO-3 / FSDP), else a reason."""
-    hybrid = len(plan.mesh) == 2
+    (:func:`zero_storage`), on a 1-D mesh otherwise how FSDP2 and the parallel styles hold each
+    one (:func:`~autoplan.codegen.native_storage.parameter_storage`: sharded and gathered at use,
+    ZeRO-2, whole, or a table read in place), ``"sharded"`` on a 2-D mesh when every one is
+    replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP) and every op reads it
+    whole, else a reason."""
+    from autoplan.codegen.native_storage import parameter_storage  # it reads this module's helpers
+
     zero = zero_storage(spec, plan)
-    if zero == "zero2" and not all(is_whole(p) for p in plan.params.values()):
-        return "ZeRO-2 storage beside a parameter stored sharded"
-    if zero is not None:
+    if zero == "zero2" and all(is_whole(p) for p in plan.params.values()):
         return zero
-    if not hybrid and all(is_whole(p) for p in plan.params.values()):
-        return "replicated"
+    if len(plan.mesh) == 1:
+        found = parameter_storage(spec, graph, plan)
+        if isinstance(found, str):
+            return found
+        if not (found.shard_dims or found.zero2 or found.embeddings):
+            return "replicated"
+        managed = {*found.shard_dims, *found.zero2, *found.table_names()}
+        if root_holds_replicated(spec.module, managed):
+            return "the root module holds a parameter kept whole beside sharded ones"
+        return found
+    if zero is not None:
+        return zero if zero != "zero2" else "ZeRO-2 storage beside a parameter stored sharded"
     parameters = dict(spec.module.named_parameters(remove_duplicate=False))
     for fqn, specs in plan.params.items():
         storage = plan.storage.get(fqn)
         if fqn not in parameters and is_whole(specs):
             continue  # a buffer, kept whole on every rank as FSDP keeps it
-        if hybrid:
-            if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
-                return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 " \
-                       "(HSDP)"
-        elif is_whole(specs) and (storage is None or is_whole(storage.param)):
-            continue  # replicated beside the sharded ones (``replicate`` on its module)
-        elif (d := shard_dim(specs)) is None or storage is None or list(storage.param) != list(specs):
-            return f"{fqn} is {spec_text(specs)}: neither replicated nor stored sharded on one dim"
-        elif d > 0 and fqn in parameters and parameters[fqn].shape[d] % plan.mesh[0]:
-            return f"{fqn} is {spec_text(specs)}, uneven: FSDP2 shards a dim other than 0 only evenly"
+        if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
+            return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP)"
     for node, p in _planned_ops(graph, plan):
         for value, specs in zip(tensor_inputs(node), p.inputs):
             if value.name in graph.param_names and not is_whole(specs):
                 return f"{node.name} reads {graph.param_names[value.name]} as {spec_text(specs)}, not gathered whole"
-    if root_holds_replicated(spec.module, shard_dims(spec, plan)):
-        return "the root module holds a parameter kept whole beside sharded ones"
     return "sharded"
 
 
@@ -242,31 +238,36 @@ def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int) -> s
 
 
 def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | str:
-    """DDP (every parameter replicated) or FSDP (every parameter stored sharded and gathered at
-    use), the batch split over the ranks, the loss a mean."""
+    """DDP (every parameter replicated), FSDP (parameters stored sharded and gathered at use,
+    on a 1-D mesh beside ZeRO-2 ones, whole ones and embedding tables read in place), HSDP or
+    ZeRO-2 everywhere; the batch split over the ranks, the loss a mean."""
     storage = _storage_kind(spec, graph, plan)
-    if storage not in ("replicated", "zero2", "sharded"):
+    if isinstance(storage, str) and storage not in ("replicated", "zero2", "sharded"):
         return storage
+    held = None if isinstance(storage, str) else storage
     why = batch_split(spec, graph, plan, len(plan.mesh))
     if why:
         return why
     loss = loss_node(graph)
     token_mean = loss is not None and is_token_mean(graph, loss)
-    weights = ("parameter",) if storage == "sharded" else ()
+    weights = ("parameter",) if storage != "replicated" else ()
     counts = ("loss count",) if token_mean else ()
+    lookups = {read.node for read in held.embeddings.values()} if held else set()
     for c in plan.collectives:
+        if c.where.split(" -> ")[0] in lookups and c.tensor == "activation":
+            continue  # an embedding's output moved onto the batch shards, by its parallel style
         if c.phase == "forward" and not c.where.endswith("-> output") and c.tensor not in (*weights, *counts):
             return f"the plan has an activation collective ({c.kind} at {c.where})"
         if c.phase == "backward" and c.tensor not in ("gradient", *weights, *counts):
             return f"the plan has an activation collective in the backward ({c.kind} at {c.where})"
     for node, p in _planned_ops(graph, plan):
-        if any(_is_partial(s) for s in p.outputs):
+        if any(_is_partial(s) for s in p.outputs) and node.name not in lookups:
             if node is not loss:
                 return f"{node.name} makes partial sums and is not the loss"
             if target_name(node) not in MEAN_OPS and not token_mean:
                 return f"the loss is {target_name(node)}, not a mean: the ranks' gradient average would differ"
     kind = "ddp" if storage == "replicated" else "hsdp" if len(plan.mesh) == 2 else "fsdp"
-    return Recognised(kind, {}, token_mean=token_mean, reshard_after_forward=storage != "zero2")
+    return Recognised(kind, {}, token_mean=token_mean, reshard_after_forward=storage != "zero2", storage=held)
 
 
 def is_token_mean(graph: TracedGraph, loss: torch.fx.Node) -> bool:

@@ -40,7 +40,7 @@ from autoplan.cost_models.transient_memory import GatheredRead, gathered_bytes, 
 from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost, edge_cost, is_floating, op_cost,
     edge_steps, resharded_itemsize, step_reduction_spec, steps_seconds, storage_cost, value_itemsize)
 from autoplan.errors import AutoplanError
-from autoplan.planner.pins import PinSet
+from autoplan.planner.pins import PinKind, PinSet
 from autoplan.sharding import R, ShardingSpec, boundary_spec, spec_name, spec_to_json
 from autoplan.solvers import (ChoiceSum, Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow, evaluate,
     solve_intra_op, transient)
@@ -219,18 +219,25 @@ def _num_outputs(node: fx.Node) -> int:
 
 
 def pinned_strategies(info: NodeInfo, strategies: list[Strategy], mesh_shape: tuple[int, ...],
-                      pins: PinSet | None) -> list[Strategy]:
+                      pins: PinSet | None, storage: bool = True) -> list[Strategy]:
     """The strategies whose output the user's pins allow (all of them where none holds the
-    node); none allowed is refused in one line: a pin is a constraint, never dropped."""
+    node), with ``storage`` also how they store a parameter's gradient and optimizer state
+    (a zero2 pin's); none allowed is refused in one line: a pin is a constraint, never dropped."""
     if not pins or info.kind in ("output", "activation"):
         return strategies
     held = pins.value_pins(info)
     if not held:
         return strategies
-    kept = [s for s in strategies if all(p.allows(s.output_specs[0], mesh_shape) for p in held)]
+    kept = [s for s in strategies if all(p.allows_strategy(s, mesh_shape) if storage else
+                                         p.allows(s.output_specs[0], mesh_shape) for p in held)]
     if not kept:
-        offered = ", ".join(sorted({"[" + ", ".join(spec_to_json(s.output_specs[0])) + "]" for s in strategies}))
         what = info.fqn or info.name
+        zero2 = next((p for p in held if p.kind == PinKind.ZERO2), None)
+        if zero2 is not None and storage:
+            raise AutoplanError(f"pin {zero2.text!r} cannot hold on mesh {'x'.join(map(str, mesh_shape))}: {what} "
+                                f"is not offered ZeRO-2 storage there (a trained parameter whole, its gradient and "
+                                f"optimizer state sharded); pin it fsdp or a placement instead")
+        offered = ", ".join(sorted({"[" + ", ".join(spec_to_json(s.output_specs[0])) + "]" for s in strategies}))
         raise AutoplanError(f"pin {held[0].text!r} cannot hold on mesh {'x'.join(map(str, mesh_shape))}: "
                             f"{what} ({info.target}, shape {list(info.shape or ())}) may be {offered} there; "
                             f"pin one of those, or another mesh")
@@ -271,7 +278,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
                 [Strategy(spec_name(arrives), (), (arrives,), 1)]
         elif allow_storage is not None:
             strategies = [s for s in strategies if allow_storage(info, s.output_spec)] or strategies[:1]
-        strategies = pinned_strategies(info, strategies, mesh_shape, pins)
+        strategies = pinned_strategies(info, strategies, mesh_shape, pins, storage=False)
         if not view.users[name]:  # e.g. the unused name of a tied weight: it costs nothing
             return ClassStrategies("storage", strategies, [NodeCost() for _ in strategies])
         if _trained_parameter(view, name):  # ZeRO-1/2; held where microbatches run (under bf16, or
@@ -285,6 +292,7 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
                 strategies = strategies + variants
             else:  # a rule that names a sharded state (--manual zero=) requires it where it exists
                 strategies = [v for v in variants if required(v)] or strategies
+        strategies = pinned_strategies(info, strategies, mesh_shape, pins)  # a zero2 pin's storage
         costs = [storage_cost(info, s.output_spec, ctx, view.needs_grad[name], s.grad_spec, s.state_spec, s.held)
                  for s in strategies]
         return ClassStrategies("storage", strategies, costs)

@@ -15,7 +15,7 @@ from dataclasses import replace
 from autoplan.errors import AutoplanError
 from autoplan.planner.mesh_plan import GraphView, offered_output_specs
 from autoplan.planner.meshes import mesh_label
-from autoplan.planner.pins import Pin, PinKind, PinSet
+from autoplan.planner.pins import STORAGE_KINDS, Pin, PinKind, PinSet
 from autoplan.planner.pipeline.schedules import INTERLEAVED
 from autoplan.planner.recompute import recomputable
 from autoplan.sharding import spec_to_json
@@ -33,7 +33,7 @@ def _matched(graph: TracedGraph, pin: Pin) -> list[str]:
         return sorted({info.module for info in graph.nodes.values() if info.kind == "op" and pin.matches(info.module)})
     out = []
     for info in graph.nodes.values():
-        if pin.kind == PinKind.FSDP and info.kind != "parameter":
+        if pin.kind in STORAGE_KINDS and info.kind != "parameter":
             continue
         named = info.fqn if info.kind in ("parameter", "buffer") and info.fqn else info.name
         if info.kind in ("parameter", "buffer", "input", "op", "constant") and pin.matches(named):
@@ -58,7 +58,7 @@ def matched_names(graph: TracedGraph, pins: PinSet) -> dict[str, list[str]]:
         names = _matched(graph, pin)
         if not names:
             what = "module" if pin.kind in (PinKind.STAGE, PinKind.CHECKPOINT) else \
-                "trained parameter" if pin.kind == PinKind.FSDP else "parameter, input or graph node"
+                "trained parameter" if pin.kind in STORAGE_KINDS else "parameter, input or graph node"
             raise AutoplanError(f"pin {pin.text!r} matches no {what} of the model: names look like "
                                 f"{_examples(graph, pin)}")
         out[pin.text] = names

@@ -7,6 +7,8 @@ A pin is written ``PATTERN=VALUE``:
   user inputs or graph nodes (by node name);
 - ``*.weight=fsdp``: the matched parameters are stored sharded over every mesh axis, gathered
   where an op reads them whole (FSDP / ZeRO-3);
+- ``lm_head.weight=zero2``: the matched parameters are stored whole, their reduced gradients
+  and optimizer states sharded, the updated shards gathered once per step (ZeRO-2);
 - ``h.0-3=stage:0``: the layers holding the matched modules' ops lie in pipeline stage 0;
 - ``h.*=checkpoint``: the layers holding the matched modules' ops are recomputed in the
   backward (activation checkpointing);
@@ -43,6 +45,7 @@ from typing import Any
 
 from autoplan.errors import AutoplanError
 from autoplan.sharding import Placement, ShardingSpec, parse_placement
+from autoplan.strategies.candidates import Strategy
 from autoplan.trace.graph import NodeInfo, TracedGraph
 from autoplan.trace.layers import Layer
 
@@ -53,6 +56,7 @@ DEGREE_KEYS = ("tp", "dp", "fsdp", "stages", "microbatches")
 class PinKind(str, Enum):
     PLACEMENT = "placement"  # PATTERN=[S(0), R]
     FSDP = "fsdp"  # PATTERN=fsdp
+    ZERO2 = "zero2"  # PATTERN=zero2
     STAGE = "stage"  # PATTERN=stage:N
     CHECKPOINT = "checkpoint"  # PATTERN=checkpoint
     MESH = "mesh"  # mesh=2x4
@@ -65,6 +69,7 @@ class PinKind(str, Enum):
     ACTIVATION_CHECKPOINTING = "ac"  # ac=full
 
 
+STORAGE_KINDS = (PinKind.FSDP, PinKind.ZERO2)  # how a parameter is stored, pinned by its FQN
 STRUCTURE_KINDS = (PinKind.MESH, PinKind.TENSOR_PARALLEL, PinKind.STAGES, PinKind.MICROBATCHES, PinKind.DATA_PARALLEL,
                    PinKind.SHARDED_DATA_PARALLEL, PinKind.ZERO, PinKind.ACTIVATION_CHECKPOINTING)
 
@@ -100,6 +105,19 @@ class Pin:
                 want is None or want == have for want, have in zip(self.placement, spec))
         if self.kind == PinKind.FSDP:
             return all(p.is_shard for p, n in zip(spec, mesh_shape) if n > 1)
+        if self.kind == PinKind.ZERO2:
+            return all(p.is_replicate for p in spec)
+        return True
+
+    def allows_strategy(self, strategy: Strategy, mesh_shape: tuple[int, ...]) -> bool:
+        """Whether a value may be stored (or produced) by ``strategy`` under this pin: a ZeRO-2
+        pin also asks for the gradient and optimizer state sharded alike, not held."""
+        if not self.allows(strategy.output_specs[0], mesh_shape):
+            return False
+        if self.kind == PinKind.ZERO2:
+            grad = strategy.grad_spec
+            return grad is not None and grad != strategy.output_specs[0] and strategy.state_spec == grad \
+                and not strategy.held
         return True
 
 
@@ -149,7 +167,7 @@ def parse_pin(text: str) -> Pin:
     """Read one pin (see the module docstring); a bad one is named in one line."""
     if "=" not in text:
         raise AutoplanError(f"cannot read pin {text!r}: write PATTERN=PLACEMENT (h.*.mlp.c_fc.weight=[S(0)]), "
-                            f"PATTERN=stage:N, PATTERN=checkpoint, PATTERN=fsdp or one of "
+                            f"PATTERN=stage:N, PATTERN=checkpoint, PATTERN=fsdp, PATTERN=zero2 or one of "
                             f"{', '.join(k + '=N' for k in STRUCTURE_KEYS)}")
     pattern, value = (x.strip() for x in text.split("=", 1))
     if not pattern or not value:
@@ -180,10 +198,10 @@ def parse_pin(text: str) -> Pin:
     stage = re.fullmatch(r"stage\s*:\s*(\d+)", value)
     if stage:
         return Pin(text, PinKind.STAGE, pattern, number=int(stage.group(1)), regex=regex)
-    if value in ("fsdp", "checkpoint"):
+    if value in ("fsdp", "zero2", "checkpoint"):
         return Pin(text, PinKind(value), pattern, regex=regex)
     raise AutoplanError(f"cannot read the value of pin {text!r}: write a placement like [R, S(0)], stage:N, "
-                        f"checkpoint or fsdp")
+                        f"checkpoint, fsdp or zero2")
 
 
 def pin_file_texts(path: str | Path) -> list[str]:
@@ -272,13 +290,14 @@ class PinSet:
         return tuple(d for d in (dp or 1, fsdp or 1, self.degree(PinKind.TENSOR_PARALLEL) or 1) if d > 1) or (1,)
 
     def value_pins(self, info: NodeInfo) -> list[Pin]:
-        """The placement and fsdp pins that hold ``info``'s value: parameters and buffers by
-        FQN, user inputs and ops by node name (fsdp pins hold trained parameters only)."""
+        """The placement, fsdp and zero2 pins that hold ``info``'s value: parameters and buffers
+        by FQN, user inputs and ops by node name (fsdp and zero2 pins hold trained parameters
+        only)."""
         if not self.pins:
             return []
         named = info.fqn if info.kind in ("parameter", "buffer") and info.fqn else info.name
         names = [named, *(other for other, read in self.tied if read == named)]
-        return [p for p in self.pins if (p.kind == PinKind.PLACEMENT or (p.kind == PinKind.FSDP and
+        return [p for p in self.pins if (p.kind == PinKind.PLACEMENT or (p.kind in STORAGE_KINDS and
                                                                           info.kind == "parameter"))
                 and any(p.matches(name) for name in names)]
 
@@ -303,7 +322,7 @@ class PinSet:
     def sign_layers(self, graph: TracedGraph, layers: list[Layer]) -> list[Layer]:
         """``layers`` with the pins that hold their values (and the parameters they read) in
         their signatures: layers of equal ops share costs only where they are pinned alike."""
-        if not self.of_kind(PinKind.PLACEMENT, PinKind.FSDP):
+        if not self.of_kind(PinKind.PLACEMENT, *STORAGE_KINDS):
             return layers
         by_fqn = {info.fqn: info for info in graph.nodes.values() if info.fqn}
         signed = []
