@@ -34,21 +34,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from step_time_vs_native import _report, _time_variants, launch_under_torchrun  # noqa: E402
+from step_time_vs_native import (  # noqa: E402
+    _report, _time_variants, launch_under_torchrun, llama_arguments, load_line)
 
 PLANS = {"DDP": "dp=2,microbatches={m}", "FSDP": "fsdp=2,microbatches={m}", "ZeRO-2": "dp=2,zero=2,microbatches={m}"}
 
 
 def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=1024)
+    p = llama_arguments(__doc__.splitlines()[0], hidden=128, batch=8, vocab=1024)
     p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     return p.parse_args()
 
 
@@ -143,8 +137,7 @@ def main() -> int:
             print(f"  {kind} ({text.format(m=args.microbatches)}): {native.description}")
             print("\n".join(_report(results, "by hand")))
     if ctx.rank == 0:
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"machine load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores")
+        print(load_line())
     dist.barrier()
     dist.destroy_process_group()
     return 0

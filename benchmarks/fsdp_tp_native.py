@@ -31,18 +31,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from step_time_vs_native import (  # noqa: E402
-    _autoplan_step, _plain_step, _report, _time_variants, launch_under_torchrun)
+    _autoplan_step, _plain_step, _report, _time_variants, launch_under_torchrun, llama_arguments, load_line)
 
 
 def _args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=4096)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    p = llama_arguments(__doc__.splitlines()[0], hidden=128, batch=4, vocab=4096)
     return p.parse_args()
 
 
@@ -112,8 +105,7 @@ def main() -> int:
               f"batch {args.batch} x {args.seq} tokens, vocab {args.vocab}, fsdp=2,tp=2 on 4 gloo processes, "
               f"1 thread each, torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up")
         print("\n".join(_report(results, "by hand (parallelize_module + fully_shard)")))
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"machine load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores")
+        print(load_line())
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -55,6 +55,25 @@ def _args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def llama_arguments(description: str, hidden: int, batch: int, vocab: int) -> argparse.ArgumentParser:
+    """The model and timing options of the benchmarks that time a small Llama."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--hidden", type=int, default=hidden)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--batch", type=int, default=batch)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=vocab)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
+    return p
+
+
+def load_line() -> str:
+    """The machine's load when a benchmark ends, in one line."""
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return f"machine load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores"
+
+
 def _launch(args: argparse.Namespace) -> int:
     return launch_under_torchrun(__file__, args.nproc)
 
@@ -250,8 +269,7 @@ def main() -> int:
                   f"interpreter {tp_i:.3f} {'ok' if tp_i <= 1.05 else 'MISSED'}; "
                   f"DP <= 1.10: native {dp_n:.3f} {'ok' if dp_n <= 1.10 else 'MISSED'}, "
                   f"interpreter {dp_i:.3f} {'ok' if dp_i <= 1.10 else 'MISSED'}")
-        load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-        print(f"machine load average (1 min) at the end: {load:.2f} on {os.cpu_count()} cores")
+        print(load_line())
         for text in profiles:
             print(text)
     dist.barrier()
