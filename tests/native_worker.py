@@ -167,6 +167,16 @@ FOUND_FORM_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
                                                  "fsdp"),
     "llama_table_hidden_accumulated": ("llama_wide", (*_TABLE_HIDDEN, "stages=1", "microbatches=2"), "fsdp"),
 }
+# the same form on 2 nodes (2 devices each here), as the search finds it for Llama-7B's shape on 2
+# nodes of 8 H100s: HSDP blocks, the head and last norm ZeRO-2 under HSDP, the table stored over
+# both axes (gathered over the nodes, read in place within one), the ids whole within a node
+_NODES_TABLE = ("input_ids=[S(0), R]", "labels=[S(0), S(0)]", "model.embed_tokens.weight=[S(0), S(1)]",
+                "embedding=[S(0), S(2)]", "to_6=[S(0), S(0)]", "model.layers.*.*_proj.weight=[R, S(0)]",
+                "linear*=[S(0), S(0)]", "cross_entropy_loss=[P, P]", "lm_head.weight=zero2", "model.norm.weight=zero2")
+NODES_FOUND_FORM_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "llama_nodes_table_hidden": ("llama_wide", _NODES_TABLE, "hsdp"),
+    "llama_nodes_table_checkpointed_bf16": ("llama_wide", (*_NODES_TABLE, "model.layers.*=checkpoint"), "hsdp"),
+}
 # cases for 4 processes: HSDP on a 2x2 mesh (FSDP2's fully_shard on a 2-D mesh)
 HSDP_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_hsdp": ("residual_blocks", "dp=2,fsdp=2", "hsdp"),
@@ -279,13 +289,14 @@ def run_case(name: str, world: int) -> dict:
         model, inputs = module.build(**kwargs)
         spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
         plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
-    elif name in PINNED_CASES or name in FOUND_FORM_CASES:
-        module_name, pins, expected = {**PINNED_CASES, **FOUND_FORM_CASES}[name]
+    elif name in PINNED_CASES or name in FOUND_FORM_CASES or name in NODES_FOUND_FORM_CASES:
+        module_name, pins, expected = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES}[name]
         spec = make_model_spec(*BUILDERS[module_name]())
         model, inputs = spec.module, spec.example_inputs
         precision = "bf16" if name.endswith("bf16") else "fp32"
-        plan = plan_model(spec, PlanOptions(world, "h100", mesh=(world,), pipeline="stages=1" in pins, plan_only=True,
-                                            pins=pins, precision=precision))
+        nodes = dict(devices_per_node=2, mesh=(2, 2)) if name in NODES_FOUND_FORM_CASES else dict(mesh=(world,))
+        plan = plan_model(spec, PlanOptions(world, "h100", pipeline="stages=1" in pins, plan_only=True, pins=pins,
+                                            precision=precision, **nodes))
         graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
     else:
         module_name, text, expected = {**MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name]
@@ -338,6 +349,7 @@ def run_case(name: str, world: int) -> dict:
         "fsdp_groups": getattr(getattr(program, "program", program), "fsdp_groups", 0),
         "replicate_groups": getattr(getattr(program, "program", program), "replicate_groups", 0),
         "held_groups": getattr(getattr(program, "program", program), "held_groups", 0),
+        "table_groups": getattr(getattr(program, "program", program), "table_groups", 0),
         "storage": {fqn: s.param for fqn, s in plan.storage.items()},
         "program_placements": {fqn: [str(q) for q in p.placements] for fqn, p in pm.named_plan_parameters().items()
                                if isinstance(p, DTensor)},

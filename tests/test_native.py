@@ -17,7 +17,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
-from native_worker import CASES, FOUND_FORM_CASES, HSDP_CASES, MANUAL_CASES, META_CASES, PINNED_CASES, SINGLE_CASES
+from native_worker import (CASES, FOUND_FORM_CASES, HSDP_CASES, MANUAL_CASES, META_CASES, NODES_FOUND_FORM_CASES,
+    PINNED_CASES, SINGLE_CASES)
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -28,12 +29,12 @@ WORLD = 2
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
-    hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *HSDP_CASES, "blocks_hsdp_meta",
-                         timeout=300)
+    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, "blocks_hsdp_meta"]
+    hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *four, timeout=300)
     two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta"]
     return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in two},
             **{name: [single[0][name]] for name in SINGLE_CASES},
-            **{name: [hsdp[r][name] for r in range(4)] for name in [*HSDP_CASES, "blocks_hsdp_meta"]}}
+            **{name: [hsdp[r][name] for r in range(4)] for name in four}}
 
 
 def _case(results, name: str) -> list[dict]:
@@ -41,7 +42,7 @@ def _case(results, name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, *HSDP_CASES,
-                                  *SINGLE_CASES])
+                                  *NODES_FOUND_FORM_CASES, *SINGLE_CASES])
 def test_runs_the_expected_program_and_matches_single_device(results, name):
     for res in _case(results, name):
         assert res["recognised"] == res["expected"], res["reason"]
@@ -197,6 +198,36 @@ def test_the_searchs_real_size_form_runs_fsdp2_zero2_modules_and_an_embedding_re
     # ZeRO-2 modules once per step; every group reduce-scatters every microbatch
     assert step["all_gather"] == 2 * 2 * m + 2 + lookups["all_gather"]
     assert step["reduce_scatter"] == (2 + 2) * m + lookups["reduce_scatter"]
+
+
+@pytest.mark.parametrize("name", [*NODES_FOUND_FORM_CASES])
+def test_the_same_form_across_nodes_runs_hsdp_with_the_table_gathered_between_nodes(results, name):
+    """The search's plan of Llama-7B's shape on 2 nodes of 8 H100s, pinned on 2 nodes of 2: the
+    blocks HSDP (replicated between the nodes, sharded within one), the head and the last norm
+    ZeRO-2 under HSDP, the blocks' norms whole, and the table stored sharded over both axes:
+    gathered between the nodes for the lookup (FSDP2 over axis 0), read in place within one
+    (``ColwiseParallel`` over axis 1), the ids split between the nodes only."""
+    res = _case(results, name)[0]
+    assert res["storage"]["model.embed_tokens.weight"] == ["S(0)", "S(1)"]
+    assert res["inputs"]["input_ids"] == ["S(0)", "R"] and res["inputs"]["labels"] == ["S(0)", "S(0)"]
+    assert res["program_placements"]["model.embed_tokens.weight"] == ["S(0)", "S(1)"]  # FSDP2 over TP's slice
+    assert res["program"] == "hsdp" and res["fsdp_groups"] == 2 and res["held_groups"] == 2
+    assert res["table_groups"] == 1 and res["replicate_groups"] == 4
+    assert "model.embed_tokens ColwiseParallel" in res["description"] and "1 tables sharded over axis 0" in \
+        res["description"]
+    assert bool(res["recomputed_layers"]) == ("checkpointed" in name)
+    assert res["executed"] == res["planned"], res["report"]
+    m = res["microbatches"]
+    step = res["executed"].get("step, rank 0") or \
+        {k: res["executed"]["forward"].get(k, 0) + res["executed"]["backward"].get(k, 0)
+         for k in ("all_gather", "all_reduce", "reduce_scatter")}
+    # the blocks gather before the forward and the backward every microbatch, the ZeRO-2 modules
+    # and the table once per step; gloo has no all-to-all: DTensor gathers and cuts instead
+    assert step["all_gather"] == 2 * 2 * m + 2 + 1 + 2 * m
+    assert step["reduce_scatter"] == (2 + 2 + 1) * m
+    # HSDP's groups all-reduce over axis 0 every microbatch, replicate once per step, and the
+    # loss and its token count are all-reduced over each axis every microbatch
+    assert step["all_reduce"] == (2 + 2) * m + 4 + 2 * 2 * m
 
 
 @pytest.mark.parametrize("name", [*META_CASES])

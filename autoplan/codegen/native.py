@@ -66,8 +66,10 @@ the plan's reduce-scatter and all-gather, so such plans run on the interpreter.
 
 ``"hsdp"`` — FSDP on a 2-D ``dp × fsdp`` mesh: the batch split over both axes (each rank's
 slice is its mesh coordinate read row-major, as DTensor lays out ``[Shard(0), Shard(0)]``), every
-parameter replicated over axis 0 and stored sharded on dim 0 over axis 1 (``[R, S(0)]``), read
-whole. ``fully_shard`` on the named 2-D mesh is FSDP2's HSDP: per group an all-gather over axis
+parameter replicated over axis 0 and stored sharded over axis 1 (``[R, S(0)]``), read
+whole; beside them, as on a 1-D mesh, whole parameters (``replicate`` over every rank),
+ZeRO-2 modules and an embedding table read in place over axis 1 and gathered over axis 0, its
+ids split over axis 0 only (:mod:`autoplan.codegen.native_storage`). ``fully_shard`` on the named 2-D mesh is FSDP2's HSDP: per group an all-gather over axis
 1 before the forward and again before the backward, the gradient reduce-scattered over axis 1
 and its shard all-reduced over axis 0 (the order the plan costs:
 :func:`~autoplan.sharding.reduce_scatter_first`). The loss and a cross-entropy's token count are
@@ -150,7 +152,8 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_fsdp import shard_modules
-from autoplan.codegen.native_patterns import CollectiveMapping, batch_dim, inside_module, kept_modules, recognise
+from autoplan.codegen.native_patterns import (CollectiveMapping, Recognised, inside_module, kept_modules, recognise,
+    split_axes)
 from autoplan.codegen.native_storage import ParameterStorage, parallelize_embeddings
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
@@ -160,7 +163,7 @@ from autoplan.plan_schema import Plan, PlannedCollective, RecomputeMode
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
-__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "recognise", "sharded_blocks"]
+__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "native_pattern", "recognise", "sharded_blocks"]
 
 
 class NativeProgram(torch.nn.Module):
@@ -171,13 +174,14 @@ class NativeProgram(torch.nn.Module):
     def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
                  mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]], fsdp_groups: int = 0,
                  token_mean: bool = False, reshard_after_forward: bool = True, replicate_groups: int = 0,
-                 held_groups: int = 0, storage: ParameterStorage | None = None) -> None:
+                 held_groups: int = 0, storage: ParameterStorage | None = None, table_groups: int = 0) -> None:
         super().__init__()
         self.token_mean = token_mean  # the cross-entropy divides by the global batch's token count
         self.fsdp_groups = fsdp_groups  # fully_shard units: one all-gather (and reduce-scatter) each
         self.replicate_groups = replicate_groups  # replicate units beside them: one all-reduce each
         self.held_groups = held_groups  # ZeRO-2 units beside them: gathered once per step
-        self.storage = storage  # a 1-D FSDP plan's parameters by how they are held
+        self.storage = storage  # an FSDP plan's parameters by how they are held
+        self.table_groups = table_groups  # tables read in place, FSDP over axis 0 of a 2-D mesh
         # False: ZeRO-2, a group's parameters gathered in the forward and held through the backward
         self.reshard_after_forward = reshard_after_forward
         self.kind = kind
@@ -193,7 +197,9 @@ class NativeProgram(torch.nn.Module):
         self._data_axes = 1 if kind == "fsdp_tp" else mesh.ndim
         self._n = math.prod(mesh.shape[:self._data_axes])
         self._coord = _batch_slice(mesh, self._data_axes)
-        self._input_dims = [batch_dim(plan.inputs.get(name, ["R"])[:self._data_axes]) for name in self.input_names]
+        # each input's batch dim and the leading mesh axes it is split over (ids an embedding reads
+        # whole over the last axis: the first only)
+        self._input_splits = [split_axes(plan.inputs.get(name, ["R"])[:self._data_axes]) for name in self.input_names]
         self._output_placements = self._model_output_placements(graph, plan, self._data_axes)
         # the nodes the checkpointed modules run again in the backward
         self._rerun = {name for layer in plan.recompute for name in layer.nodes
@@ -220,9 +226,9 @@ class NativeProgram(torch.nn.Module):
 
     def _local_inputs(self, inputs: Sequence[Any]) -> list[Any]:
         out = []
-        for value, d in zip(inputs, self._input_dims):
+        for value, (d, axes) in zip(inputs, self._input_splits):
             if d is not None and isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                value = value.chunk(self._n, d)[self._coord]
+                value = value.chunk(math.prod(self.mesh.shape[:axes]), d)[_batch_slice(self.mesh, axes)]
             out.append(value)
         return out
 
@@ -289,19 +295,22 @@ class NativeProgram(torch.nn.Module):
         runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
                 "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text}{self._held_text}"
                         f"{self._replicate_text}{self._embeddings_text})",
-                "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups{self._zero2_text})",
+                "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups{self._zero2_text}"
+                        f"{self._held_text}{self._replicate_text}{self._embeddings_text})",
                 "fsdp_tp": f"parallelize_module on axis 1, then FSDP2 fully_shard on axis 0 ({self.fsdp_groups} "
                            "groups)",
                 "tensor_parallel": "parallelize_module (ColwiseParallel/RowwiseParallel)"}[self.kind]
         return f"native: {runs}{checkpointed}"
 
     def held_modules(self) -> list[torch.nn.Module]:
-        """The modules of the ZeRO-2 parameters beside FSDP's groups, each a group held from its
-        forward through its backward."""
+        """The modules of the ZeRO-2 parameters beside FSDP's groups, and the embeddings whose
+        tables FSDP2 gathers over axis 0 of a 2-D mesh: each a group held from its forward
+        through its backward."""
         if self.storage is None:
             return []
         names = dict.fromkeys(fqn.rpartition(".")[0] for fqn in self.storage.zero2)
-        return [self.user_module.get_submodule(name) for name in names]
+        tables = self.storage.embeddings if self.table_groups else {}
+        return [self.user_module.get_submodule(name) for name in (*names, *tables)]
 
     def _reshard(self) -> None:
         """Free every FSDP2 group's gathered parameters, its shards the module's parameters again."""
@@ -317,7 +326,8 @@ class NativeProgram(torch.nn.Module):
 
     @property
     def _held_text(self) -> str:
-        return f"; {self.held_groups} ZeRO-2 modules held through the backward" if self.held_groups else ""
+        held = f"; {self.held_groups} ZeRO-2 modules held through the backward" if self.held_groups else ""
+        return held + (f"; {self.table_groups} tables sharded over axis 0" if self.table_groups else "")
 
     @property
     def _embeddings_text(self) -> str:
@@ -413,8 +423,13 @@ class NativeProgram(torch.nn.Module):
             out.append(CollectiveMapping(
                 "the ZeRO-2 parameters' gradient reduce-scatters and the gathers of their updated shards",
                 f"FSDP2 without resharding after the forward, one group per module holding them "
-                f"({self.held_groups}): one all-gather before the forward, one reduce-scatter in the backward",
-                False))
+                f"({self.held_groups}): one all-gather before the forward, one reduce-scatter in the backward "
+                "(HSDP: and one all-reduce of the reduced shard over axis 0)", False))
+        if self.table_groups:
+            out.append(CollectiveMapping(
+                "the gathers over axis 0 of the tables read in place, and their gradients' reduce-scatters",
+                f"FSDP2 over axis 0 on each embedding ({self.table_groups}), not resharded after the forward: one "
+                "all-gather before the lookup, one reduce-scatter in the backward", False))
         if self.replicate_groups:
             out.append(CollectiveMapping(
                 "the gradient all-reduces of the parameters kept whole beside the sharded ones (bucketed)",
@@ -448,14 +463,14 @@ class NativeProgram(torch.nn.Module):
                 counts["all_gather"] += self.fsdp_groups * m
             elif phase == "forward":  # ZeRO-2: once per step, held through the microbatches
                 counts["all_gather"] += self.fsdp_groups
-            if phase == "forward":  # ZeRO-2 modules beside FSDP's groups: likewise
-                counts["all_gather"] += self.held_groups
+            if phase == "forward":  # ZeRO-2 modules and tables beside FSDP's groups: likewise
+                counts["all_gather"] += self.held_groups + self.table_groups
             if phase == "backward":
-                counts["reduce_scatter"] += (self.fsdp_groups + self.held_groups) * m
+                counts["reduce_scatter"] += (self.fsdp_groups + self.held_groups + self.table_groups) * m
                 if self.replicate_groups:  # once per step: their gradients accumulate whole
                     counts["all_reduce"] += self.replicate_groups
-                if self.kind == "hsdp":
-                    counts["all_reduce"] += self.fsdp_groups * m
+                if self.kind == "hsdp":  # HSDP's groups all-reduce their reduced shards over axis 0
+                    counts["all_reduce"] += (self.fsdp_groups + self.held_groups) * m
         for c in self.plan.collectives_in(phase):
             if self._grouped_by_fsdp(c) or self._not_run_again(c):
                 continue
@@ -540,18 +555,27 @@ def sharded_blocks(module: torch.nn.Module, plan: Plan) -> list[torch.nn.Module]
     return blocks
 
 
-def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceMesh) -> NativeProgram | None:
-    """The native program for ``plan`` (DDP or ``parallelize_module``), or ``None`` when the plan
-    is not one of the recognised patterns (see the module docstring). ``spec.module`` is not
-    modified: the program wraps a copy (on the mesh's device)."""
-    kept = kept_modules(graph, plan)
-    if isinstance(kept, str):
+def native_pattern(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | None:
+    """The native pattern ``plan`` reduces to (:func:`recognise` on ``spec`` as ``graph`` was
+    traced: one microbatch's inputs), or None where the interpreter runs it."""
+    if isinstance(kept_modules(graph, plan), str):
         return None  # a per-op layer's kept products are not module calls: the interpreter keeps them by node
     one = spec if plan.microbatches == 1 else \
-        spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))  # as ``graph`` was traced
+        spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
     found = recognise(one, graph, plan)
-    if found.kind == "none":
+    return None if found.kind == "none" else found
+
+
+def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceMesh,
+                  found: Recognised | None = None) -> NativeProgram | None:
+    """The native program for ``plan`` (DDP or ``parallelize_module``), or ``None`` when the plan
+    is not one of the recognised patterns (see the module docstring); ``found``: its
+    :func:`native_pattern`, where the caller has it. ``spec.module`` is not modified: the
+    program wraps a copy (on the mesh's device)."""
+    found = found or native_pattern(spec, graph, plan)
+    if found is None:
         return None
+    kept = kept_modules(graph, plan)
     whole_mesh = mesh
     meta = has_meta_tensors(spec.module)  # allocated below, shard by shard where the plan shards
     module = _without_cache(copy.deepcopy(spec.module))
@@ -562,8 +586,10 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     if found.kind == "fsdp_tp":  # tensor parallelism first, then checkpointing and FSDP, as torchtitan
         data, tensor = mesh.mesh_dim_names or ()
         _parallelize(module, mesh[tensor], found.styles, found.input_layouts)
+    tables = 0
     if found.storage is not None and found.storage.embeddings:  # tables read in place, before FSDP
-        parallelize_embeddings(module, mesh, found.storage.embeddings)
+        tables = parallelize_embeddings(module, mesh, found.storage.embeddings,
+                                        mixed_precision_policy(plan.precision))
     for layer in plan.recompute:
         selective = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else \
             {"context_fn": KeptModules(map(module.get_submodule, kept[layer.layer])).contexts} \
@@ -587,6 +613,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
             materialise_whole(module, mesh.device_type, spec.init_weights)  # to_empty allocates the shards
         return NativeProgram(found.kind, module, spec, graph, plan, whole_mesh, found.styles,
                              fsdp_groups=units.sharded, replicate_groups=units.replicated, held_groups=units.held,
+                             table_groups=tables,
                              storage=found.storage,
                              token_mean=found.token_mean, reshard_after_forward=resharded)
     if found.kind == "ddp":

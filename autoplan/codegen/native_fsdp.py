@@ -84,12 +84,15 @@ def shard_modules(module: torch.nn.Module, blocks: list[torch.nn.Module], mesh: 
     for block in blocks:
         fully_shard(block, **options)
     replicated = 0
+    # replicate takes a 1-D mesh: on HSDP's 2-D one, every rank (one all-reduce where the plan
+    # all-reduces over each axis in turn)
+    whole_mesh = mesh if mesh.ndim == 1 else mesh._flatten()
     for holder in module.modules():
         own = {id(p) for p in holder.parameters(recurse=False) if id(p) in kept_whole}
         if holder is module or not own:
             continue
         others = {p for p in holder.parameters() if id(p) not in own}
-        replicate(holder, mesh=mesh, mp_policy=policy, ignored_params=others or None)
+        replicate(holder, mesh=whole_mesh, mp_policy=policy, ignored_params=others or None)
         for i in own:  # a tied parameter is replicated with its first holder
             kept_whole.pop(i)
         replicated += 1

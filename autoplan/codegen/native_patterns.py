@@ -176,47 +176,43 @@ def zero_storage(spec: ModelSpec, plan: Plan) -> str | None:
 def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str | ParameterStorage:
     """``"replicated"`` when every parameter is whole on every device of a 1-D mesh,
     ``"zero2"`` when every one is whole, its gradient and optimizer state sharded
-    (:func:`zero_storage`), on a 1-D mesh otherwise how FSDP2 and the parallel styles hold each
-    one (:func:`~autoplan.codegen.native_storage.parameter_storage`: sharded and gathered at use,
-    ZeRO-2, whole, or a table read in place), ``"sharded"`` on a 2-D mesh when every one is
-    replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP) and every op reads it
-    whole, else a reason."""
+    (:func:`zero_storage`), otherwise how FSDP2 and the parallel styles hold each one
+    (:func:`~autoplan.codegen.native_storage.parameter_storage`: sharded over the last mesh axis
+    and gathered at use, ZeRO-2, whole, or a table read in place; on a 2-D mesh replicated over
+    axis 0, HSDP's), else a reason."""
     from autoplan.codegen.native_storage import parameter_storage  # it reads this module's helpers
 
     zero = zero_storage(spec, plan)
     if zero == "zero2" and all(is_whole(p) for p in plan.params.values()):
         return zero
-    if len(plan.mesh) == 1:
-        found = parameter_storage(spec, graph, plan)
-        if isinstance(found, str):
-            return found
-        if not (found.shard_dims or found.zero2 or found.embeddings):
-            return "replicated"
-        managed = {*found.shard_dims, *found.zero2, *found.table_names()}
-        if root_holds_replicated(spec.module, managed):
-            return "the root module holds a parameter kept whole beside sharded ones"
+    found = parameter_storage(spec, graph, plan)
+    if isinstance(found, str):
         return found
-    if zero is not None:
-        return zero if zero != "zero2" else "ZeRO-2 storage beside a parameter stored sharded"
-    parameters = dict(spec.module.named_parameters(remove_duplicate=False))
-    for fqn, specs in plan.params.items():
-        storage = plan.storage.get(fqn)
-        if fqn not in parameters and is_whole(specs):
-            continue  # a buffer, kept whole on every rank as FSDP keeps it
-        if list(specs) != _HYBRID or storage is None or list(storage.param) != _HYBRID:
-            return f"{fqn} is {spec_text(specs)}: not replicated over axis 0 and sharded on dim 0 over axis 1 (HSDP)"
-    for node, p in _planned_ops(graph, plan):
-        for value, specs in zip(tensor_inputs(node), p.inputs):
-            if value.name in graph.param_names and not is_whole(specs):
-                return f"{node.name} reads {graph.param_names[value.name]} as {spec_text(specs)}, not gathered whole"
-    return "sharded"
+    if len(plan.mesh) == 1 and not (found.shard_dims or found.zero2 or found.embeddings):
+        return "replicated"
+    if len(plan.mesh) == 2 and not found.shard_dims:
+        return "no parameter is stored sharded over axis 1 (HSDP)"
+    managed = {*found.shard_dims, *found.zero2, *found.table_names()}
+    if root_holds_replicated(spec.module, managed):
+        return "the root module holds a parameter kept whole beside sharded ones"
+    return found
 
 
-def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int) -> str | None:
+def split_axes(specs: Sequence[str]) -> tuple[int | None, int]:
+    """The batch dim an input is split on over the leading axes of ``specs`` and how many of
+    them split it (``[S(0), R]``: dim 0 over axis 0; whole: ``(None, 0)``)."""
+    k = len(specs)
+    while k and is_whole(specs[k - 1:k]):
+        k -= 1
+    return (batch_dim(specs[:k]), k) if k else (None, 0)
+
+
+def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int,
+                ids: frozenset[str] = frozenset()) -> str | None:
     """Why the plan does not split the batch over the mesh's first ``axes`` axes as a data-parallel
     program can (None: it does): every user input split on one batch dim over those axes, evenly,
-    or whole, and whole over the others; at least one split; no batch norm, no buffer written."""
-    ranks = math.prod(plan.mesh[:axes])
+    or whole, and whole over the others (an input in ``ids``, read by embeddings only, may be split
+    over the leading ones only); at least one split; no batch norm, no buffer written."""
     sharded_inputs = 0
     for name, value in zip(graph.input_names, spec.example_inputs):
         specs = plan.inputs.get(name, ["R"] * len(plan.mesh))
@@ -224,8 +220,10 @@ def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int) -> s
             return f"input {name} is {spec_text(specs)}: sharded over a tensor axis"
         if is_whole(specs[:axes]):
             continue
-        d = batch_dim(specs[:axes])
-        if d is None or not isinstance(value, torch.Tensor) or value.shape[d] % ranks:
+        d, k = split_axes(specs[:axes])
+        if k < axes and name not in ids:
+            return f"input {name} is {spec_text(specs)}: not batch-sharded over every data axis"
+        if d is None or not isinstance(value, torch.Tensor) or value.shape[d] % math.prod(plan.mesh[:k]):
             return f"input {name} is {spec_text(specs)}: not evenly batch-sharded"
         sharded_inputs += 1
     if not sharded_inputs:
@@ -245,7 +243,10 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
     if isinstance(storage, str) and storage not in ("replicated", "zero2", "sharded"):
         return storage
     held = None if isinstance(storage, str) else storage
-    why = batch_split(spec, graph, plan, len(plan.mesh))
+    ids = frozenset(n.name for read in (held.embeddings.values() if held else ())
+                    for n in tensor_inputs(graph.fx_nodes[read.node])[1:2] if n.op == "placeholder"
+                    and all(u.name == read.node for u in n.users))
+    why = batch_split(spec, graph, plan, len(plan.mesh), ids)
     if why:
         return why
     loss = loss_node(graph)

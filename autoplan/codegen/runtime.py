@@ -326,10 +326,11 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
     check_plan_fits(plan, graph, ctx.world_size)
     _agree_across_ranks(plan)
     if prefer_native and len(plan.stages) == 1:
-        from autoplan.codegen.native import native_module
+        from autoplan.codegen.native import native_module, native_pattern
         from autoplan.codegen.native_accumulation import AccumulatedProgram
 
-        native = native_module(spec, graph, plan, _named_mesh(ctx, plan))
+        found = native_pattern(spec, graph, plan)  # before the plan's mesh (process groups) is made for it
+        native = native_module(spec, graph, plan, _named_mesh(ctx, plan), found) if found else None
         if native is not None:
             return PipelinedModule(AccumulatedProgram(native, graph, ctx.device_type), plan, spec)
     program = build_pipeline(graph, plan, _model_tensors(spec.module), ctx.device_type)

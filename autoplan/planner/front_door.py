@@ -84,7 +84,12 @@ def checked_pins(spec: ModelSpec, options: PlanOptions, planner_options: Planner
     one line for a pin that cannot hold) and the rule of their degrees (:func:`degree_rule`);
     and what each pin holds."""
     graph = trace(spec)
-    pins, holds = check_pins(graph, options.pin_set, pin_meshes(options))
+    cluster = planner_options.cluster
+
+    def across_links(mesh: tuple[int, ...]) -> bool:
+        return len({link for link, n in zip(cluster.mesh_links(mesh), mesh) if n > 1}) > 1
+
+    pins, holds = check_pins(graph, options.pin_set, pin_meshes(options), across_links)
     if pins.of_kind(PinKind.STAGE, PinKind.CHECKPOINT):
         layers = make_layers(graph, find_classes(graph), options.layers)
         check_layer_pins(graph, layers, pins, options.stages, options.pipeline, options.schedule, options.recompute)

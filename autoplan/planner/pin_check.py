@@ -10,6 +10,7 @@ them hold, which the searches then keep to (:meth:`PinSet.mesh_allowed`).
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable
 from dataclasses import replace
 
 from autoplan.errors import AutoplanError
@@ -65,7 +66,7 @@ def matched_names(graph: TracedGraph, pins: PinSet) -> dict[str, list[str]]:
     return out
 
 
-def _mesh_problem(view: GraphView, pins: PinSet, mesh: tuple[int, ...]) -> str | None:
+def _mesh_problem(view: GraphView, pins: PinSet, mesh: tuple[int, ...], across_links: bool = False) -> str | None:
     """Why the placement and fsdp pins cannot all hold on ``mesh`` (None: they can)."""
     if not pins.mesh_allowed(mesh):
         ndim = pins.mesh_ndim
@@ -75,7 +76,9 @@ def _mesh_problem(view: GraphView, pins: PinSet, mesh: tuple[int, ...]) -> str |
         pin = pins.of_kind(PinKind.PLACEMENT)[0]
         return (f"pin {pin.text!r} names {ndim} mesh ax{'is' if ndim == 1 else 'es'}, and mesh {mesh_label(mesh)} "
                 f"has {len(mesh)}")
-    hybrid = (pins.degree(PinKind.DATA_PARALLEL) or 1) > 1 and (pins.degree(PinKind.SHARDED_DATA_PARALLEL) or 1) > 1
+    # a dim split over two axes: HSDP's pins, or a mesh across nodes (the ILP offers it there)
+    hybrid = across_links or \
+        (pins.degree(PinKind.DATA_PARALLEL) or 1) > 1 and (pins.degree(PinKind.SHARDED_DATA_PARALLEL) or 1) > 1
     for name, info in view.graph.nodes.items():  # HSDP's pins split the batch over two axes
         held = pins.value_pins(info)
         if not held:
@@ -121,11 +124,13 @@ def check_layer_pins(graph: TracedGraph, layers: list[Layer], pins: PinSet, stag
                                 f"(running statistics, say) that recomputing would write twice: unpin it")
 
 
-def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]
+def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]],
+               across_links: Callable[[tuple[int, ...]], bool] | None = None
                ) -> tuple[PinSet, dict[str, list[str]]]:
     """``pins`` checked on ``graph`` (see the module docstring), with the ``meshes`` (of
     those the search may use) on which they all hold; and what each pin holds
-    (:func:`matched_names`)."""
+    (:func:`matched_names`). ``across_links``: whether a mesh's axes communicate over
+    different links (a mesh across nodes), where a placement may split one dim over two axes."""
     holds = matched_names(graph, pins)
     pins = replace(pins, tied=tuple(sorted(graph.tied.items())))
     view = GraphView.of(graph)
@@ -134,7 +139,8 @@ def check_pins(graph: TracedGraph, pins: PinSet, meshes: list[tuple[int, ...]]
             if info.kind == "op" and view.fx_nodes[info.name].target is operator.getitem and pin.matches(info.name):
                 raise AutoplanError(f"pin {pin.text!r} names {info.name}, one output of a multi-output op: pin the "
                                     f"op that produces it, or the op that reads it")
-    problems = {mesh: _mesh_problem(view, pins, mesh) for mesh in meshes}
+    problems = {mesh: _mesh_problem(view, pins, mesh, across_links is not None and across_links(mesh))
+                for mesh in meshes}
     allowed = frozenset(mesh for mesh, problem in problems.items() if problem is None)
     if not allowed:
         if not meshes:
