@@ -1,7 +1,8 @@
 """Step time of the plan form the search finds for Hugging Face decoders on a node of H100s, run
 natively against the DTensor interpreter.
 
-    .venv/bin/python benchmarks/found_form_native.py        # launches 2 gloo processes itself
+    .venv/bin/python benchmarks/found_form_native.py            # launches 2 gloo processes itself
+    .venv/bin/python benchmarks/found_form_native.py --nodes    # the form across nodes: 4 processes
 
 A Hugging Face Llama (random weights) planned on 2 H100s under pins that give it the form of the
 search's real-size plans (Llama-7B's shape on 8 H100s finds it unpinned): the blocks' weights
@@ -13,6 +14,11 @@ shards). autoplan's program with ``prefer_native=False`` (the DTensor interprete
 backward and an SGD step; the variants take turns step by step; a step's time is the slower
 rank's (``step_time_vs_native.py``'s timing). On a 2-core machine the figures compare host
 overheads, they do not measure a GPU.
+
+With ``--nodes``, the form the search finds on 2 nodes (Llama-7B's shape on 2 nodes of 8 H100s),
+pinned on 2 nodes of 2 devices: the blocks HSDP, the head and the last norm ZeRO-2 under HSDP,
+the table gathered between the nodes and read in place within one, the ids split between the
+nodes only.
 """
 
 from __future__ import annotations
@@ -38,17 +44,21 @@ from step_time_vs_native import (  # noqa: E402
 PINS = ("input_ids=[R]", "labels=[S(0)]", "model.embed_tokens.weight=[S(1)]", "embedding=[S(2)]", "to_6=[S(0)]",
         "model.layers.*.*_proj.weight=fsdp", "linear*=[S(0)]", "cross_entropy_loss=[P]", "lm_head.weight=zero2",
         "model.norm.weight=zero2")
+NODES_PINS = ("input_ids=[S(0), R]", "labels=[S(0), S(0)]", "model.embed_tokens.weight=[S(0), S(1)]",
+              "embedding=[S(0), S(2)]", "to_6=[S(0), S(0)]", "model.layers.*.*_proj.weight=[R, S(0)]",
+              "linear*=[S(0), S(0)]", "cross_entropy_loss=[P, P]", "lm_head.weight=zero2", "model.norm.weight=zero2")
 
 
 def _args() -> argparse.Namespace:
     p = llama_arguments(__doc__.splitlines()[0], hidden=256, batch=4, vocab=4096)
+    p.add_argument("--nodes", action="store_true", help="the form across 2 nodes of 2 devices, 4 processes")
     return p.parse_args()
 
 
 def main() -> int:
     args = _args()
     if "RANK" not in os.environ:
-        return launch_under_torchrun(__file__, 2)
+        return launch_under_torchrun(__file__, 4 if args.nodes else 2)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore")  # gloo's all-to-all fallback; the loss read out of place
     import llama
@@ -65,7 +75,8 @@ def main() -> int:
                                 vocab=args.vocab, batch=args.batch, seq=args.seq)
     spec = make_model_spec(model, inputs)
     graph = trace(spec)
-    plan = plan_model(spec, PlanOptions(2, "h100", mesh=(2,), pipeline=False, plan_only=True, pins=PINS))
+    where = dict(devices_per_node=2, mesh=(2, 2), pins=NODES_PINS) if args.nodes else dict(mesh=(2,), pins=PINS)
+    plan = plan_model(spec, PlanOptions(ctx.world_size, "h100", pipeline=False, plan_only=True, **where))
     args_in = [inputs[name] for name in graph.input_names]
     interp = build_parallel_module(spec, plan, graph=graph, prefer_native=False)
     native = build_parallel_module(spec, plan, graph=graph)
@@ -76,8 +87,8 @@ def main() -> int:
     results = _time_variants(variants, args.warmup, args.steps)
     if ctx.rank == 0:
         print(f"step time (forward + backward + SGD step), Llama hidden {args.hidden}, {args.layers} layers, "
-              f"batch {args.batch} x {args.seq} tokens, vocab {args.vocab}, 2 gloo processes, 1 thread each, "
-              f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up")
+              f"batch {args.batch} x {args.seq} tokens, vocab {args.vocab}, {ctx.world_size} gloo processes, "
+              f"1 thread each, torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up")
         print(f"  {native.description}")
         print("\n".join(_report(results, f"autoplan native ({native.program.kind})")))
         print(load_line())

@@ -213,7 +213,7 @@ def test_the_same_form_across_nodes_runs_hsdp_with_the_table_gathered_between_no
     assert res["program_placements"]["model.embed_tokens.weight"] == ["S(0)", "S(1)"]  # FSDP2 over TP's slice
     assert res["program"] == "hsdp" and res["fsdp_groups"] == 2 and res["held_groups"] == 2
     assert res["table_groups"] == 1 and res["replicate_groups"] == 4
-    assert "model.embed_tokens ColwiseParallel" in res["description"] and "1 tables sharded over axis 0" in \
+    assert "model.embed_tokens ColwiseParallel" in res["description"] and "1 table sharded over axis 0" in \
         res["description"]
     assert bool(res["recomputed_layers"]) == ("checkpointed" in name)
     assert res["executed"] == res["planned"], res["report"]

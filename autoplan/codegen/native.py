@@ -69,8 +69,9 @@ slice is its mesh coordinate read row-major, as DTensor lays out ``[Shard(0), Sh
 parameter replicated over axis 0 and stored sharded over axis 1 (``[R, S(0)]``), read
 whole; beside them, as on a 1-D mesh, whole parameters (``replicate`` over every rank),
 ZeRO-2 modules and an embedding table read in place over axis 1 and gathered over axis 0, its
-ids split over axis 0 only (:mod:`autoplan.codegen.native_storage`). ``fully_shard`` on the named 2-D mesh is FSDP2's HSDP: per group an all-gather over axis
-1 before the forward and again before the backward, the gradient reduce-scattered over axis 1
+ids split over axis 0 only (:mod:`autoplan.codegen.native_storage`). ``fully_shard`` on the
+named 2-D mesh is FSDP2's HSDP: per group an all-gather over axis 1 before the forward and
+again before the backward, the gradient reduce-scattered over axis 1
 and its shard all-reduced over axis 0 (the order the plan costs:
 :func:`~autoplan.sharding.reduce_scatter_first`). The loss and a cross-entropy's token count are
 all-reduced over each axis in turn, as the plan reduces them.
@@ -327,7 +328,8 @@ class NativeProgram(torch.nn.Module):
     @property
     def _held_text(self) -> str:
         held = f"; {self.held_groups} ZeRO-2 modules held through the backward" if self.held_groups else ""
-        return held + (f"; {self.table_groups} tables sharded over axis 0" if self.table_groups else "")
+        n = self.table_groups
+        return held + (f"; {n} table{'s' if n > 1 else ''} sharded over axis 0" if n else "")
 
     @property
     def _embeddings_text(self) -> str:
