@@ -155,7 +155,7 @@ from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_fsdp import shard_modules
 from autoplan.codegen.native_patterns import (CollectiveMapping, Recognised, inside_module, kept_modules, recognise,
     split_axes)
-from autoplan.codegen.native_storage import ParameterStorage, parallelize_embeddings
+from autoplan.codegen.native_storage import ParameterStorage, TableRead, parallelize_embeddings
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
 from autoplan.codegen.token_mean import GlobalTokenMean, check_one_loss
@@ -197,7 +197,6 @@ class NativeProgram(torch.nn.Module):
         # the axes the batch is split over: every axis, but the tensor axis of FSDP x TP
         self._data_axes = 1 if kind == "fsdp_tp" else mesh.ndim
         self._n = math.prod(mesh.shape[:self._data_axes])
-        self._coord = _batch_slice(mesh, self._data_axes)
         # each input's batch dim and the leading mesh axes it is split over (ids an embedding reads
         # whole over the last axis: the first only)
         self._input_splits = [split_axes(plan.inputs.get(name, ["R"])[:self._data_axes]) for name in self.input_names]
@@ -336,7 +335,7 @@ class NativeProgram(torch.nn.Module):
         storage = self.storage
         if storage is None or not storage.embeddings:
             return ""
-        reads = ", ".join(f"{name} {'Colwise' if read.read.value == 'hidden' else 'Rowwise'}Parallel"
+        reads = ", ".join(f"{name} {'Colwise' if read.read == TableRead.HIDDEN else 'Rowwise'}Parallel"
                           for name, read in storage.embeddings.items())
         return f"; tables read in place: {reads}"
 

@@ -61,7 +61,7 @@ class Recognised:
     # False for ZeRO-2 (parameters whole, gradients and optimizer state sharded): FSDP2 keeps a
     # group's gathered parameters from its forward through its backward
     reshard_after_forward: bool = True
-    # a 1-D FSDP plan's parameters by how FSDP2 and the parallel styles hold them
+    # an FSDP or HSDP plan's parameters by how FSDP2 and the parallel styles hold them
     storage: ParameterStorage | None = None
 
 
@@ -150,9 +150,6 @@ def writes_buffers(graph: TracedGraph) -> bool:
     return bool(getattr(ep.graph_signature, "buffers_to_mutate", {}))
 
 
-_HYBRID = ["R", "S(0)"]  # HSDP's parameter on a (replicate, shard) mesh
-
-
 def zero_storage(spec: ModelSpec, plan: Plan) -> str | None:
     """How the plan stores the gradients and optimizer states of its parameters: None where
     every one is stored as its parameter, ``"zero2"`` where every parameter is whole and its
@@ -236,11 +233,11 @@ def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int,
 
 
 def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n: int) -> Recognised | str:
-    """DDP (every parameter replicated), FSDP (parameters stored sharded and gathered at use,
-    on a 1-D mesh beside ZeRO-2 ones, whole ones and embedding tables read in place), HSDP or
-    ZeRO-2 everywhere; the batch split over the ranks, the loss a mean."""
+    """DDP (every parameter replicated), FSDP or HSDP (parameters stored sharded and gathered at
+    use, beside ZeRO-2 ones, whole ones and embedding tables read in place), or ZeRO-2
+    everywhere; the batch split over the ranks, the loss a mean."""
     storage = _storage_kind(spec, graph, plan)
-    if isinstance(storage, str) and storage not in ("replicated", "zero2", "sharded"):
+    if isinstance(storage, str) and storage not in ("replicated", "zero2"):
         return storage
     held = None if isinstance(storage, str) else storage
     ids = frozenset(n.name for read in (held.embeddings.values() if held else ())

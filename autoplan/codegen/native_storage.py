@@ -27,6 +27,7 @@ then ``fully_shard``ed over axis 0); every module holding only ZeRO-2 parameters
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -227,7 +228,7 @@ class _ScaledGradient(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
-def _averaged(ranks: int):
+def _averaged(ranks: int) -> Callable[[torch.nn.Module, tuple, torch.Tensor], torch.Tensor]:
     """A forward hook whose output's gradient is divided by ``ranks``."""
     def hook(module: torch.nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
         return _ScaledGradient.apply(output, 1.0 / ranks)
