@@ -247,6 +247,8 @@ def _whole_after_forward(pm, inputs) -> int:
 META_CASES: dict[str, tuple[tuple[str, ...] | str, str]] = {
     "blocks_fsdp_mixed_meta": (_MIXED, "fsdp"),  # 2 processes: replicate's whole parameters
     "blocks_hsdp_meta": ("dp=2,fsdp=2", "hsdp"),  # 4 processes: HSDP's shards over its replicate axis
+    # 2 processes: the search's real-size form, its table read in place a DTensor from the start
+    "llama_table_hidden_meta": (_TABLE_HIDDEN, "fsdp"),
 }
 
 
@@ -257,11 +259,17 @@ def run_meta_case(name: str, world: int) -> dict:
     import residual_blocks
 
     how, expected = META_CASES[name]
-    _, inputs = residual_blocks.build(hidden=256, batch=16, seq=64)
+    if name.startswith("llama"):
+        import llama
+
+        model, inputs = llama.build(hidden=256, intermediate=512, batch=4, seq=64, vocab=4096, device="meta")
+        spec = make_model_spec(model, inputs)
+    else:
+        _, inputs = residual_blocks.build(hidden=256, batch=16, seq=64)
+        with torch.device("meta"):
+            model = residual_blocks.ResidualBlocks(16, 256, 3)
+        spec = make_model_spec(model, tuple(x.to("meta") for x in inputs), residual_blocks.loss_fn)
     torch.manual_seed(1000 + dist.get_rank())  # each rank's own generator, as a script's ranks may start
-    with torch.device("meta"):
-        model = residual_blocks.ResidualBlocks(16, 256, 3)
-    spec = make_model_spec(model, tuple(x.to("meta") for x in inputs), residual_blocks.loss_fn)
     if isinstance(how, str):
         plan = _manual_plan(spec, how, world)
     else:
@@ -362,7 +370,8 @@ def run_case(name: str, world: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta"]
+    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta",
+                             "llama_table_hidden_meta"]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}

@@ -31,7 +31,7 @@ def results(tmp_path_factory) -> dict[str, list[dict]]:
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
     four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, "blocks_hsdp_meta"]
     hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *four, timeout=300)
-    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta"]
+    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta", "llama_table_hidden_meta"]
     return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in two},
             **{name: [single[0][name]] for name in SINGLE_CASES},
             **{name: [hsdp[r][name] for r in range(4)] for name in four}}

@@ -116,8 +116,11 @@ def _storage_of(fqn: str, specs: list[str], plan: Plan, parameter: torch.Tensor)
         if d > 0 and parameter.shape[d] % plan.mesh[-1]:
             return f"{fqn} is {spec_text(specs)}, uneven: FSDP2 shards a dim other than 0 only evenly"
         return d
-    if len(specs) == 2 and shard_dim(specs[:1]) is not None and d is not None:
-        return _Table(shard_dim(specs[:1]), d)
+    if len(specs) == 2 and (a := shard_dim(specs[:1])) is not None and d is not None:
+        local = parameter.shape[a] // plan.mesh[1] if a == d else parameter.shape[a]  # the style's slice
+        if a > 0 and local % plan.mesh[0]:
+            return f"{fqn} is {spec_text(specs)}, uneven over axis 0: FSDP2 shards a dim other than 0 only evenly"
+        return _Table(a, d)
     return f"{fqn} is {spec_text(specs)}: neither replicated nor stored sharded on one dim over the last mesh axis"
 
 
@@ -129,12 +132,13 @@ def _embedding_read(spec: ModelSpec, graph: TracedGraph, plan: Plan, node: torch
     plans = {p.name: p for p in plan.nodes}
     fqn = graph.param_names[table.name]
     inputs = plans[node.name].inputs
-    read, ids = inputs[0], inputs[1]
+    read = inputs[tensor_inputs(node).index(table)]
     where = f"{node.name} reads {fqn} as {spec_text(read)}"
     dim = stored.read_dim if isinstance(stored, _Table) else stored
-    if str(node.target) != _EMBEDDING or dim not in (0, 1) or tensor_inputs(node)[0] is not table \
-            or not is_whole(read[:-1]) or shard_dim(read[-1:]) != dim:
+    if str(node.target) != _EMBEDDING or len(inputs) != 2 or tensor_inputs(node)[0] is not table \
+            or dim not in (0, 1) or not is_whole(read[:-1]) or shard_dim(read[-1:]) != dim:
         return f"{where}, not gathered whole"
+    ids = inputs[1]
     module_name = fqn.rsplit(".", 1)[0] if "." in fqn else ""
     module = spec.module.get_submodule(module_name)
     if not isinstance(module, torch.nn.Embedding) or fqn in graph.tied or fqn in graph.tied.values():
