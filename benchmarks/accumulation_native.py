@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from step_time_vs_native import (  # noqa: E402
-    _report, _time_variants, launch_under_torchrun, llama_arguments, load_line)
+    _report, _time_variants, finish, launch_under_torchrun, llama_arguments)
 
 PLANS = {"DDP": "dp=2,microbatches={m}", "FSDP": "fsdp=2,microbatches={m}", "ZeRO-2": "dp=2,zero=2,microbatches={m}"}
 
@@ -136,11 +136,7 @@ def main() -> int:
         if ctx.rank == 0:
             print(f"  {kind} ({text.format(m=args.microbatches)}): {native.description}")
             print("\n".join(_report(results, "by hand")))
-    if ctx.rank == 0:
-        print(load_line())
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(ctx.rank)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,10 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from accumulation_native import _planned_step  # noqa: E402
 from step_time_vs_native import (  # noqa: E402
-    _report, _time_variants, launch_under_torchrun, llama_arguments, load_line)
+    _report, _time_variants, finish, launch_under_torchrun, llama_arguments)
 
 PINS = ("input_ids=[R]", "labels=[S(0)]", "model.embed_tokens.weight=[S(1)]", "embedding=[S(2)]", "to_6=[S(0)]",
         "model.layers.*.*_proj.weight=fsdp", "linear*=[S(0)]", "cross_entropy_loss=[P]", "lm_head.weight=zero2",
@@ -91,10 +90,7 @@ def main() -> int:
               f"1 thread each, torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up")
         print(f"  {native.description}")
         print("\n".join(_report(results, f"autoplan native ({native.program.kind})")))
-        print(load_line())
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(ctx.rank)
 
 
 if __name__ == "__main__":

@@ -28,10 +28,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from step_time_vs_native import (  # noqa: E402
-    _autoplan_step, _plain_step, _report, _time_variants, launch_under_torchrun, llama_arguments, load_line)
+    _autoplan_step, _plain_step, _report, _time_variants, finish, launch_under_torchrun, llama_arguments)
 
 
 def _args() -> argparse.Namespace:
@@ -105,10 +104,7 @@ def main() -> int:
               f"batch {args.batch} x {args.seq} tokens, vocab {args.vocab}, fsdp=2,tp=2 on 4 gloo processes, "
               f"1 thread each, torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up")
         print("\n".join(_report(results, "by hand (parallelize_module + fully_shard)")))
-        print(load_line())
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
+    return finish(ctx.rank)
 
 
 if __name__ == "__main__":

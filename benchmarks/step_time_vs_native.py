@@ -68,6 +68,15 @@ def llama_arguments(description: str, hidden: int, batch: int, vocab: int) -> ar
     return p
 
 
+def finish(rank: int) -> int:
+    """The machine's load printed on rank 0, then the process group left together; exit status 0."""
+    if rank == 0:
+        print(load_line())
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
 def load_line() -> str:
     """The machine's load when a benchmark ends, in one line."""
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
