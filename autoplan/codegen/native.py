@@ -134,6 +134,7 @@ FSDP's per-group gathers and reduce-scatters are in ``"fsdp"`` above):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import warnings
 from collections import Counter
@@ -559,16 +560,13 @@ def sharded_blocks(module: torch.nn.Module, plan: Plan) -> list[torch.nn.Module]
 def native_pattern(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | None:
     """The native pattern ``plan`` reduces to (:func:`recognise` on ``spec`` as ``graph`` was
     traced: one microbatch's inputs), or None where the interpreter runs it."""
-    if isinstance(kept_modules(graph, plan), str):
+    kept = kept_modules(graph, plan)
+    if isinstance(kept, str):
         return None  # a per-op layer's kept products are not module calls: the interpreter keeps them by node
-    return _recognised(spec, graph, plan)
-
-
-def _recognised(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | None:
     one = spec if plan.microbatches == 1 else \
         spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
     found = recognise(one, graph, plan)
-    return None if found.kind == "none" else found
+    return None if found.kind == "none" else dataclasses.replace(found, kept_modules=kept)
 
 
 def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceMesh,
@@ -577,12 +575,10 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     is not one of the recognised patterns (see the module docstring); ``found``: its
     :func:`native_pattern`, where the caller has it. ``spec.module`` is not modified: the
     program wraps a copy (on the mesh's device)."""
-    kept = kept_modules(graph, plan)
-    if isinstance(kept, str):
-        return None  # (see native_pattern)
-    found = found or _recognised(spec, graph, plan)
+    found = found or native_pattern(spec, graph, plan)
     if found is None:
         return None
+    kept = found.kept_modules
     whole_mesh = mesh
     meta = has_meta_tensors(spec.module)  # allocated below, shard by shard where the plan shards
     module = _without_cache(copy.deepcopy(spec.module))

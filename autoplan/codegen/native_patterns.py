@@ -63,6 +63,8 @@ class Recognised:
     reshard_after_forward: bool = True
     # an FSDP or HSDP plan's parameters by how FSDP2 and the parallel styles hold them
     storage: ParameterStorage | None = None
+    # per layer recomputed by the per-op policy, the submodules whose products it keeps (:func:`kept_modules`)
+    kept_modules: dict[str, list[str]] = field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,10 +242,7 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
     if isinstance(storage, str) and storage not in ("replicated", "zero2"):
         return storage
     held = None if isinstance(storage, str) else storage
-    ids = frozenset(n.name for read in (held.embeddings.values() if held else ())
-                    for n in tensor_inputs(graph.fx_nodes[read.node])[1:2] if n.op == "placeholder"
-                    and all(u.name == read.node for u in n.users))
-    why = batch_split(spec, graph, plan, len(plan.mesh), ids)
+    why = batch_split(spec, graph, plan, len(plan.mesh), held.lookup_ids() if held else frozenset())
     if why:
         return why
     loss = loss_node(graph)

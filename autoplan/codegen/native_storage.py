@@ -57,12 +57,15 @@ class EmbeddingRead:
     """An ``nn.Embedding`` whose table the plan reads where it lies over the mesh's last axis:
     by ``read``, the ids whole there, the output moved onto the batch shards (dim
     ``batch_dim``) at ``node``; on a 2-D mesh the table also stored sharded on dim
-    ``gathered_dim`` over axis 0 and gathered there at use (FSDP over the nodes)."""
+    ``gathered_dim`` over axis 0 and gathered there at use (FSDP over the nodes). ``ids``: the
+    user input the lookup reads, where no other op reads it (it may then be split over the
+    leading mesh axes only)."""
 
     node: str
     read: TableRead
     batch_dim: int
     gathered_dim: int | None = None
+    ids: str | None = None
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,10 @@ class ParameterStorage:
     def table_names(self) -> set[str]:
         """The FQNs of the tables the embeddings read in place."""
         return {f"{module}.weight" for module in self.embeddings}
+
+    def lookup_ids(self) -> frozenset[str]:
+        """The user inputs only the embeddings read (their ids)."""
+        return frozenset(read.ids for read in self.embeddings.values() if read.ids is not None)
 
 
 @dataclass(frozen=True)
@@ -166,8 +173,11 @@ def _embedding_read(spec: ModelSpec, graph: TracedGraph, plan: Plan, node: torch
     if any(shard_dim([x]) not in (None, batch) for x in ids[:-1]):
         return f"{where} with its ids {spec_text(ids)}: split off their batch dim"
     read_kind = TableRead.VOCABULARY if dim == 0 else TableRead.HIDDEN
+    given = tensor_inputs(node)[1]
+    only_reader = given.op == "placeholder" and all(user.name == node.name for user in given.users)
     return module_name, EmbeddingRead(node.name, read_kind, batch,
-                                      stored.gathered_dim if isinstance(stored, _Table) else None)
+                                      stored.gathered_dim if isinstance(stored, _Table) else None,
+                                      given.name if only_reader else None)
 
 
 def parameter_storage(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> ParameterStorage | str:
