@@ -288,9 +288,92 @@ def run_meta_case(name: str, world: int) -> dict:
             "replicas_differ": differ, "num_parameters": len(pm.named_plan_parameters())}
 
 
+def _pinned_plan(name: str, world: int) -> tuple:
+    """The spec, plan and traced microbatch of a pinned case."""
+    module_name, pins, _ = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES}[name]
+    spec = make_model_spec(*BUILDERS[module_name]())
+    precision = "bf16" if name.endswith("bf16") else "fp32"
+    nodes = dict(devices_per_node=2, mesh=(2, 2)) if name in NODES_FOUND_FORM_CASES else dict(mesh=(world,))
+    plan = plan_model(spec, PlanOptions(world, "h100", pipeline="stages=1" in pins, plan_only=True, pins=pins,
+                                        precision=precision, **nodes))
+    return spec, plan, trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
+
+
+# a checkpoint written by the native program of a found-form case, resumed by the interpreter
+# running the same plan (and the other way round): name -> the case
+RESUMED_CASES: dict[str, str] = {
+    "llama_table_hidden_resumed": "llama_table_hidden_zero2_head",
+    "llama_nodes_table_resumed": "llama_nodes_table_hidden",
+}
+
+
+def _step(pm, feed) -> float:
+    loss = pm.forward_backward(*feed.next_batch())
+    pm.optimizer_step()
+    return float(loss)
+
+
+def _whole_parameters(pm) -> dict[str, torch.Tensor]:
+    return {fqn: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+            for fqn, p in pm.named_plan_parameters().items()}
+
+
+def run_resumed_case(name: str, world: int) -> dict:
+    """Two steps natively, a checkpoint after the first (DCP) resumed by the DTensor interpreter
+    under the same plan, then a checkpoint of the interpreter after its second step resumed by a
+    fresh native program: each resumed program's next step must equal the one it continues
+    (loss, every parameter), so parameters and optimizer states travel between the native form
+    (FSDP2 shards, ZeRO-2 groups, ``replicate``, the style's table) and the plan's placements."""
+    import tempfile
+
+    from autoplan.codegen.runtime import build_parallel_module
+    from autoplan.codegen.training_checkpoint import TrainingCheckpoints
+    from autoplan.data import BatchFeed
+
+    spec, plan, graph = _pinned_plan(RESUMED_CASES[name], world)
+    folders = [tempfile.mkdtemp(prefix="resumed-") if dist.get_rank() == 0 else ""]
+    dist.broadcast_object_list(folders, src=0)
+    first, second = Path(folders[0]) / "native", Path(folders[0]) / "interpreter"
+
+    def program(native: bool, folder: Path, resume: bool):
+        pm = build_parallel_module(spec, plan, graph=graph, prefer_native=native)
+        feed = BatchFeed(spec, None)
+        checkpoints = TrainingCheckpoints(folder, pm, spec.module)
+        info = checkpoints.resume(feed) if resume else None
+        return pm, feed, checkpoints, info
+
+    native, feed, checkpoints, _ = program(True, first, False)
+    losses = [_step(native, feed)]
+    checkpoints.save(1, feed)
+    losses.append(_step(native, feed))
+    after_native = _whole_parameters(native)
+    resumed, resumed_feed, _, info = program(False, first, True)
+    resumed_losses = [_step(resumed, resumed_feed)]
+    after_resumed = _whole_parameters(resumed)
+    TrainingCheckpoints(second, resumed, spec.module).save(2, resumed_feed)
+    losses.append(_step(resumed, resumed_feed))
+    after_interpreter = _whole_parameters(resumed)
+    again, again_feed, _, again_info = program(True, second, True)
+    resumed_losses.append(_step(again, again_feed))
+    after_again = _whole_parameters(again)
+
+    def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+        assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+        return max(float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-12)) for k in a)
+
+    return {"programs": [getattr(p.program, "kind", "none") for p in (native, resumed, again)],
+            "resumed_steps": [info.step if info else None, again_info.step if again_info else None],
+            "losses": losses, "resumed_losses": resumed_losses,
+            "worst_after_native": worst(after_resumed, after_native),
+            "worst_after_interpreter": worst(after_again, after_interpreter),
+            "num_parameters": len(after_native)}
+
+
 def run_case(name: str, world: int) -> dict:
     if name in META_CASES:
         return run_meta_case(name, world)
+    if name in RESUMED_CASES:
+        return run_resumed_case(name, world)
     if name in CASES:
         module_name, kwargs, memory, loss_override, expected = CASES[name]
         module = __import__(module_name)
@@ -299,13 +382,8 @@ def run_case(name: str, world: int) -> dict:
         plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
     elif name in PINNED_CASES or name in FOUND_FORM_CASES or name in NODES_FOUND_FORM_CASES:
         module_name, pins, expected = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES}[name]
-        spec = make_model_spec(*BUILDERS[module_name]())
+        spec, plan, graph = _pinned_plan(name, world)
         model, inputs = spec.module, spec.example_inputs
-        precision = "bf16" if name.endswith("bf16") else "fp32"
-        nodes = dict(devices_per_node=2, mesh=(2, 2)) if name in NODES_FOUND_FORM_CASES else dict(mesh=(world,))
-        plan = plan_model(spec, PlanOptions(world, "h100", pipeline="stages=1" in pins, plan_only=True, pins=pins,
-                                            precision=precision, **nodes))
-        graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
     else:
         module_name, text, expected = {**MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name]
         spec = make_model_spec(*BUILDERS[module_name]())
@@ -371,7 +449,7 @@ def run_case(name: str, world: int) -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta",
-                             "llama_table_hidden_meta"]
+                             "llama_table_hidden_meta", "llama_table_hidden_resumed"]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}

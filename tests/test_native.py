@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
 from native_worker import (CASES, FOUND_FORM_CASES, HSDP_CASES, MANUAL_CASES, META_CASES, NODES_FOUND_FORM_CASES,
-    PINNED_CASES, SINGLE_CASES)
+    PINNED_CASES, RESUMED_CASES, SINGLE_CASES)
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -29,9 +29,10 @@ WORLD = 2
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
-    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, "blocks_hsdp_meta"]
+    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, "blocks_hsdp_meta", "llama_nodes_table_resumed"]
     hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *four, timeout=300)
-    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta", "llama_table_hidden_meta"]
+    two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta", "llama_table_hidden_meta",
+           "llama_table_hidden_resumed"]
     return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in two},
             **{name: [single[0][name]] for name in SINGLE_CASES},
             **{name: [hsdp[r][name] for r in range(4)] for name in four}}
@@ -228,6 +229,22 @@ def test_the_same_form_across_nodes_runs_hsdp_with_the_table_gathered_between_no
     # HSDP's groups all-reduce over axis 0 every microbatch, replicate once per step, and the
     # loss and its token count are all-reduced over each axis every microbatch
     assert step["all_reduce"] == (2 + 2) * m + 4 + 2 * 2 * m
+
+
+@pytest.mark.parametrize("name", [*RESUMED_CASES])
+def test_a_checkpoint_of_the_searchs_form_resumes_on_the_interpreter_and_back(results, name):
+    """A DCP checkpoint written by the native program of the search's real-size form (FSDP2
+    shards, ZeRO-2 groups, ``replicate``'s norms, the style's table; HSDP across nodes) resumes
+    under the same plan on the DTensor interpreter, and the interpreter's resumes natively: each
+    resumed step equals the step it continues (loss, every parameter: the Adam moments came
+    along)."""
+    native = "hsdp" if name.startswith("llama_nodes") else "fsdp"
+    for res in _case(results, name):
+        assert res["programs"] == [native, "none", native]
+        assert res["resumed_steps"] == [1, 2]
+        assert res["resumed_losses"] == pytest.approx(res["losses"][1:], rel=1e-5)
+        assert res["worst_after_native"] < 1e-5 and res["worst_after_interpreter"] < 1e-5
+        assert res["num_parameters"] > 10
 
 
 @pytest.mark.parametrize("name", [*META_CASES])
