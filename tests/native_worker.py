@@ -98,14 +98,16 @@ def _llama():
     return (*llama.build(batch=4, seq=64, vocab=1024), None)  # logits worth sharding the loss over
 
 
-def _llama_wide():
+def _llama_wide(batch: int = 4):
     import llama
 
-    return (*llama.build(hidden=256, intermediate=512, batch=4, seq=64, vocab=4096), None)
+    return (*llama.build(hidden=256, intermediate=512, batch=batch, seq=64, vocab=4096), None)
 
 
 BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt,
-            "llama": _llama, "llama_wide": _llama_wide, "residual_blocks_wide": _residual_blocks_wide}
+            "llama": _llama, "llama_wide": _llama_wide, "residual_blocks_wide": _residual_blocks_wide,
+            # microbatches of 4 sequences, each split over both axes of a 2x2 mesh
+            "llama_wide_batch8": lambda: _llama_wide(batch=8)}
 
 # name -> (builder, --manual plan, expected kind): written plans of the memory dimensions
 MANUAL_CASES: dict[str, tuple[str, str, str]] = {
@@ -176,6 +178,12 @@ _NODES_TABLE = ("input_ids=[S(0), R]", "labels=[S(0), S(0)]", "model.embed_token
 NODES_FOUND_FORM_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
     "llama_nodes_table_hidden": ("llama_wide", _NODES_TABLE, "hsdp"),
     "llama_nodes_table_checkpointed_bf16": ("llama_wide", (*_NODES_TABLE, "model.layers.*=checkpoint"), "hsdp"),
+}
+# ... with 2 microbatches accumulated: the planner then stores the blocks' gradients sharded over
+# both axes (ZeRO-2 over the nodes on top of HSDP: reduce-scattered within a node and all-reduced
+# between the nodes after every microbatch), which has no FSDP2 form: the interpreter runs it
+NODES_INTERPRETED_CASES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "llama_nodes_table_accumulated": ("llama_wide_batch8", (*_NODES_TABLE, "stages=1", "microbatches=2"), "none"),
 }
 # cases for 4 processes: HSDP on a 2x2 mesh (FSDP2's fully_shard on a 2-D mesh)
 HSDP_CASES: dict[str, tuple[str, str, str]] = {
@@ -288,12 +296,16 @@ def run_meta_case(name: str, world: int) -> dict:
             "replicas_differ": differ, "num_parameters": len(pm.named_plan_parameters())}
 
 
+PINNED_PLANS = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES, **NODES_INTERPRETED_CASES}
+
+
 def _pinned_plan(name: str, world: int) -> tuple:
     """The spec, plan and traced microbatch of a pinned case."""
-    module_name, pins, _ = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES}[name]
+    module_name, pins, _ = PINNED_PLANS[name]
     spec = make_model_spec(*BUILDERS[module_name]())
     precision = "bf16" if name.endswith("bf16") else "fp32"
-    nodes = dict(devices_per_node=2, mesh=(2, 2)) if name in NODES_FOUND_FORM_CASES else dict(mesh=(world,))
+    across = name in NODES_FOUND_FORM_CASES or name in NODES_INTERPRETED_CASES
+    nodes = dict(devices_per_node=2, mesh=(2, 2)) if across else dict(mesh=(world,))
     plan = plan_model(spec, PlanOptions(world, "h100", pipeline="stages=1" in pins, plan_only=True, pins=pins,
                                         precision=precision, **nodes))
     return spec, plan, trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
@@ -380,8 +392,8 @@ def run_case(name: str, world: int) -> dict:
         model, inputs = module.build(**kwargs)
         spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
         plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
-    elif name in PINNED_CASES or name in FOUND_FORM_CASES or name in NODES_FOUND_FORM_CASES:
-        module_name, pins, expected = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES}[name]
+    elif name in PINNED_PLANS:
+        module_name, pins, expected = PINNED_PLANS[name]
         spec, plan, graph = _pinned_plan(name, world)
         model, inputs = spec.module, spec.example_inputs
     else:
@@ -440,6 +452,11 @@ def run_case(name: str, world: int) -> dict:
         "program_placements": {fqn: [str(q) for q in p.placements] for fqn, p in pm.named_plan_parameters().items()
                                if isinstance(p, DTensor)},
         "token_mean": getattr(program, "token_mean", False),
+        # the gradient all-reduces of parameters whose gradient is stored sharded unlike them (ZeRO-2)
+        "zero2_all_reduces": [{"where": c.where, "count": c.count, "bucketed": c.bucketed} for c in plan.collectives
+                              if c.kind == "all_reduce" and c.tensor == "gradient"
+                              and plan.storage[c.where.split(" -> ")[0]].grad
+                              != plan.storage[c.where.split(" -> ")[0]].param],
         "block_calls_per_step": block_calls,
         "block_output_dtype": block_dtype,
         "report": report.text(),

@@ -18,7 +18,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
 from native_worker import (CASES, FOUND_FORM_CASES, HSDP_CASES, MANUAL_CASES, META_CASES, NODES_FOUND_FORM_CASES,
-    PINNED_CASES, RESUMED_CASES, SINGLE_CASES)
+    NODES_INTERPRETED_CASES, PINNED_CASES, RESUMED_CASES, SINGLE_CASES)
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
@@ -29,7 +29,8 @@ WORLD = 2
 def results(tmp_path_factory) -> dict[str, list[dict]]:
     per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
     single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
-    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, "blocks_hsdp_meta", "llama_nodes_table_resumed"]
+    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, *NODES_INTERPRETED_CASES, "blocks_hsdp_meta",
+            "llama_nodes_table_resumed"]
     hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *four, timeout=300)
     two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta", "llama_table_hidden_meta",
            "llama_table_hidden_resumed"]
@@ -43,7 +44,7 @@ def _case(results, name: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("name", [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, *HSDP_CASES,
-                                  *NODES_FOUND_FORM_CASES, *SINGLE_CASES])
+                                  *NODES_FOUND_FORM_CASES, *NODES_INTERPRETED_CASES, *SINGLE_CASES])
 def test_runs_the_expected_program_and_matches_single_device(results, name):
     for res in _case(results, name):
         assert res["recognised"] == res["expected"], res["reason"]
@@ -229,6 +230,19 @@ def test_the_same_form_across_nodes_runs_hsdp_with_the_table_gathered_between_no
     # HSDP's groups all-reduce over axis 0 every microbatch, replicate once per step, and the
     # loss and its token count are all-reduced over each axis every microbatch
     assert step["all_reduce"] == (2 + 2) * m + 4 + 2 * 2 * m
+
+
+def test_zero2_over_the_nodes_under_hsdp_reduces_every_microbatch_as_planned(results):
+    """Accumulated on 2 nodes of 2, the planner stores the blocks' gradients sharded over both
+    axes: after every microbatch each is reduce-scattered within the node and all-reduced
+    between the nodes on its own edge, as the interpreter runs it, so the plan lists (and
+    costs) those all-reduces one per parameter and microbatch, not in the step's buckets."""
+    res = _case(results, "llama_nodes_table_accumulated")[0]
+    assert res["program"] == "none" and res["microbatches"] == 2
+    assert res["storage"]["model.layers.0.mlp.up_proj.weight"] == ["R", "S(0)"]
+    assert res["executed"] == res["planned"], res["report"]
+    per_microbatch = [c for c in res["zero2_all_reduces"] if c["count"] == 2]
+    assert per_microbatch and not any(c["bucketed"] for c in res["zero2_all_reduces"])
 
 
 @pytest.mark.parametrize("name", [*RESUMED_CASES])
