@@ -455,8 +455,8 @@ def run_case(name: str, world: int) -> dict:
         # the gradient all-reduces of parameters whose gradient is stored sharded unlike them (ZeRO-2)
         "zero2_all_reduces": [{"where": c.where, "count": c.count, "bucketed": c.bucketed} for c in plan.collectives
                               if c.kind == "all_reduce" and c.tensor == "gradient"
-                              and plan.storage[c.where.split(" -> ")[0]].grad
-                              != plan.storage[c.where.split(" -> ")[0]].param],
+                              and (s := plan.storage.get(c.where.split(" -> ")[0])) is not None
+                              and s.grad != s.param],
         "block_calls_per_step": block_calls,
         "block_output_dtype": block_dtype,
         "report": report.text(),
