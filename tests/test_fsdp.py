@@ -152,7 +152,8 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
     cases = {
         2: {"llama fsdp": ("llama", "fsdp=2"), "gpt2 fsdp checkpointed": ("gpt2", "fsdp=2,ac=full"),
             "llama fsdp per-op checkpointed": ("llama", "fsdp=2,ac=op"),
-            "nanogpt fsdp 2 microbatches": ("nanogpt", "fsdp=2,microbatches=2")},
+            "nanogpt fsdp 2 microbatches": ("nanogpt", "fsdp=2,microbatches=2"),
+            "nanogpt fsdp bf16 2 microbatches": ("nanogpt", "fsdp=2,microbatches=2,precision=bf16")},
         4: {"gpt2 fsdp x tp": ("gpt2", "fsdp=2,tp=2"), "nanogpt fsdp 4": ("nanogpt", "fsdp=4"),
             "llama 2 stages x fsdp checkpointed": ("llama", "fsdp=2,pp=2,microbatches=2,ac=full"),
             "nanogpt hsdp": ("nanogpt", "dp=2,fsdp=2"), "llama hsdp checkpointed": ("llama", "dp=2,fsdp=2,ac=full")},
@@ -162,12 +163,22 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
         plans["nanogpt4 pipeline fsdp prefetched"] = ("nanogpt4", _stage_prefetching(_pipelined_fsdp("none")))
         plans["nanogpt4 pipeline fsdp checkpointed prefetched"] = ("nanogpt4",
                                                                   _stage_prefetching(_pipelined_fsdp("all")))
+    if world == 2:  # bf16 on GPUs: a small batch computed whole, the weights gathered for it (the linears
+        # then run on local tensors, whose autocast casts of the gathered weights are re-gathered too)
+        for label, pins in (("nanogpt weights gathered for replicated compute bf16", ("*.weight=fsdp",)),
+                            ("nanogpt weights gathered for replicated compute bf16 accumulated",
+                             ("*.weight=fsdp", "stages=1", "microbatches=2"))):
+            plans[label] = ("nanogpt", plan_model(_spec("nanogpt"), PlanOptions(
+                2, "h100", mesh=(2,), pipeline="stages=1" in pins, pins=pins, precision="bf16")))
     if world == 2:  # planned for GPUs: each block's gathers issued when the block before starts
         plans["llama fsdp prefetched"] = ("llama", _prefetching(_manual("llama", "fsdp=2", world, "h100")))
         plans["gpt2 fsdp checkpointed prefetched"] = ("gpt2", _prefetching(_manual("gpt2", "fsdp=2,ac=full", world,
                                                                                     "h100")))
     for label, (model_name, plan) in plans.items():
-        assert (_held(plan) if "stages" in label else _sharded_and_gathered(plan)), label
+        if "replicated compute" in label:  # each rank computes every gradient whole: sliced, not reduced
+            assert _regathered(plan) and plan.inputs["idx"] == ["R"], label
+        else:
+            assert (_held(plan) if "stages" in label else _sharded_and_gathered(plan)), label
         if "hsdp" in label:
             _assert_hsdp(plan, frozenset(name for name, _ in _spec(model_name).module.named_buffers()))
     assert "gathered at use" in summary_text(next(iter(plans.values()))[1])
@@ -178,6 +189,11 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
         early = [found[label]["prefetched_regathers"] for found in results.values()]
         regathered = any(c.where.endswith(("(re-gathered)", "(recomputed)")) for c in plan.collectives)
         assert (min(early) > 0) == (plan.prefetch_regathers and regathered), (label, early)
+
+
+def _regathered(plan: Plan) -> bool:
+    """Whether the plan gathers parameters at use and again in the backward."""
+    return any(c.where.endswith("(re-gathered)") for c in plan.collectives if c.tensor == "parameter")
 
 
 def _pipelined_fsdp(recompute: str) -> Plan:

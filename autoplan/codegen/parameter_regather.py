@@ -187,15 +187,20 @@ class GatheredParameters:
 
     def _cast_of_gathered(self, t: torch.Tensor) -> _Source | None:
         """The gathered parameter ``t`` is a dtype cast of (or a view of such a cast: autocast's
-        ``linear`` saves the transposed cast), if it is one. The cast keeps the gathered
-        parameter's layout, so ``t``'s place in the cast's storage is its place in the gathered
-        one's."""
+        ``linear`` saves the transposed cast), if it is one, the cast made of the gathered
+        DTensor or of its local tensor. The cast keeps the gathered parameter's layout, so
+        ``t``'s place in the cast's storage is its place in the gathered one's."""
         node = t.grad_fn
         while node is not None and type(node).__name__ in _VIEW_BACKWARDS and node.next_functions:
             node = node.next_functions[0][0]
         if node is None or type(node).__name__ != "ToCopyBackward0" or not node.next_functions:
             return None
-        return self._by_grad_fn.get(node.next_functions[0][0])
+        source = node.next_functions[0][0]
+        # an op run on local tensors (:mod:`autoplan.codegen.op_calls`) casts the gathered
+        # DTensor's local tensor: the same storage and layout
+        while source is not None and type(source).__name__ == "_ToTorchTensorBackward" and source.next_functions:
+            source = source.next_functions[0][0]
+        return self._by_grad_fn.get(source)
 
     def _pack(self, t: torch.Tensor) -> Any:
         if not self._gathered:
