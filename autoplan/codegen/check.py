@@ -31,6 +31,7 @@ from autoplan.codegen.precision import check_tolerances, compute_precision
 from autoplan.codegen.runtime import ParallelModule, PipelinedModule
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec
+from autoplan.plan_schema import Plan, PlannedCollective
 
 
 def _full(t: Any) -> torch.Tensor:
@@ -266,12 +267,23 @@ def expected_pipeline_collectives(pm: PipelinedModule, phase: str = "step") -> d
     for c in pm.plan.collectives:
         if (c.phase == "optimizer") != (phase == "optimizer"):
             continue
-        bucket_member = c.bucketed and c.kind == "all_reduce"  # counted per bucket below
+        # counted per bucket below, but for a ZeRO-2 gradient's, which runs on its edge every microbatch
+        bucket_member = c.bucketed and c.kind == "all_reduce" and not _reduced_on_edge(c, pm.plan)
         if c.kind != "send_recv" and not bucket_member and (not c.stages or mine & set(c.stages)):
             counts[c.kind] += c.count
     if phase != "optimizer":
         counts["all_reduce"] += pm.program.gradient_buckets_launched
     return {kind: n for kind, n in _as_backend_runs(dict(counts)).items() if n}
+
+
+def _reduced_on_edge(c: PlannedCollective, plan: Plan) -> bool:
+    """Whether ``c`` reduces the gradient of a parameter whose gradient is stored sharded unlike
+    it (ZeRO-2): the pipeline program reduces it on the parameter's edge after every microbatch
+    (:func:`~autoplan.codegen.redistribution.reduce_gradient_on_edge`), one collective each
+    (``c.count`` of them), not in the step's buckets; the cost model counts such reductions as
+    bucketed (FSDP2 runs a group's at once)."""
+    storage = plan.storage.get(c.where.split(" -> ")[0])
+    return c.tensor == "gradient" and storage is not None and storage.grad != storage.param
 
 
 def _zero_gradients(reference: torch.nn.Module, atol: float) -> set[str]:

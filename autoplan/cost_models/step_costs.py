@@ -41,9 +41,9 @@ optimizer phase). The gradient's edges reduce into ``g`` instead of ``p``: a red
 where the parameter's reduction is an all-reduce, the same bytes on a ring. Where microbatches
 accumulate, a ZeRO-2 gradient is reduce-scattered after every microbatch's backward and summed
 into its shard (as DeepSpeed's ZeRO-2 does), so that no whole gradient outlives a microbatch:
-``microbatches`` reduce-scatters per step (and, on a mesh whose other axes replicate the shard,
-as many all-reduces over them), each on the parameter's edge as its gradient is ready, a
-latency each, not in the step's buckets (:func:`reduced_per_microbatch`). A ZeRO-1 gradient (``g = p``) accumulates whole, as
+``microbatches`` reduce-scatters per step (and on a 2-D mesh as many all-reduces over the axis
+that replicates the shard), costed as bucketed, as FSDP2 reduces a group's gradients at once;
+the DTensor interpreter reduces them parameter by parameter, a latency each. A ZeRO-1 gradient (``g = p``) accumulates whole, as
 partial sums, and is reduced once per step, before the optimizer step, straight into ``s``
 (the shard the optimizer steps): a reduce-scatter where plain storage all-reduces, parameter by
 parameter (a latency each, not bucketed), so that ZeRO-1 moves the bytes of plain data
@@ -398,14 +398,7 @@ def step_reduction_spec(spec: ShardingSpec, grad_spec: ShardingSpec | None, stat
 def gradient_reductions(grad_spec: ShardingSpec | None, spec: ShardingSpec, ctx: CostContext) -> int:
     """How many times a step reduces the gradient of a parameter stored in ``spec`` and read so:
     once, or, where its gradient is stored sharded unlike it (ZeRO-2), after every microbatch."""
-    return ctx.microbatches if reduced_per_microbatch(grad_spec, spec) else 1
-
-
-def reduced_per_microbatch(grad_spec: ShardingSpec | None, spec: ShardingSpec) -> bool:
-    """Whether the gradient of a parameter stored in ``spec`` and read so is stored sharded
-    unlike it (ZeRO-2): reduced on its edge after every microbatch's backward, parameter by
-    parameter (a latency each), not in the step's buckets."""
-    return grad_spec is not None and grad_spec != spec
+    return ctx.microbatches if grad_spec is not None and grad_spec != spec else 1
 
 
 def regather_runs(from_parameter: bool, recomputed: bool, kept: bool) -> int:
@@ -440,8 +433,7 @@ def edge_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[int, ...], item
         backward, forward_s, backward_s = _memoised_steps(src, dst, shape, itemsize, carries_grad, ctx, partial_axes,
                                                           whole_axes, grad_src, forward_itemsize, step_src)
         if from_parameter and src == dst:  # reduced once per step; a ZeRO-2 gradient every microbatch
-            bucketed = step_src is None and not reduced_per_microbatch(grad_src, src)
-            cached = steps_seconds(backward, ctx, bucketed=bucketed) * gradient_reductions(grad_src, src, ctx)
+            cached = steps_seconds(backward, ctx, bucketed=step_src is None) * gradient_reductions(grad_src, src, ctx)
         else:
             runs = 1.0 + regather_runs(from_parameter, recomputed, kept)
             cached = (runs * forward_s + backward_s) * ctx.microbatches
@@ -482,6 +474,5 @@ def gradient_reduction_cost(src: ShardingSpec, dst: ShardingSpec, shape: tuple[i
     backward, _, backward_s = _memoised_steps(src, dst, shape, itemsize, True, ctx, partial_axes, whole_axes,
                                               grad_src, forward_itemsize, step_src)
     if src == dst:
-        bucketed = not reduced_per_microbatch(grad_src, src)
-        return steps_seconds(backward, ctx, bucketed=bucketed) * gradient_reductions(grad_src, src, ctx)
+        return steps_seconds(backward, ctx, bucketed=True) * gradient_reductions(grad_src, src, ctx)
     return backward_s * ctx.microbatches

@@ -7,10 +7,9 @@ import math
 
 from autoplan.cost_models import CollectiveStep
 from autoplan.cost_models.step_costs import (CostContext, MemoryParts, count_reduction_steps,
-                                             edge_steps, gradient_reductions, model_flops_utilization,
-                                             reduced_per_microbatch, regather_runs, resharded_itemsize,
-                                             sharded_state_steps, state_gather_itemsize, step_reduction_spec,
-                                             steps_seconds, value_itemsize)
+                                             edge_steps, gradient_reductions, model_flops_utilization, regather_runs,
+                                             resharded_itemsize, sharded_state_steps, state_gather_itemsize,
+                                             step_reduction_spec, steps_seconds, value_itemsize)
 from autoplan.cost_models.gather_overlap import HiddenGathers, hidden_gathers
 from autoplan.cost_models.backward_overlap import backward_windows, hidden_in_backward
 from autoplan.cost_models.transient_memory import backward_transient
@@ -125,11 +124,10 @@ def planned_collectives(graph: TracedGraph, classes: NodeClasses, result: IntraO
                              "gradient")
             elif moved == "parameter" and src_strategy.output_spec == dst:  # read as stored: reduced once per
                 times = gradient_reductions(src_strategy.grad_spec, dst, ctx)  # step in buckets (ZeRO-2: per
-                bucketed = not reduced_per_microbatch(src_strategy.grad_spec, dst)  # microbatch, on its edge)
-                seconds += steps_seconds(backward, ctx, bucketed=bucketed) * times
+                seconds += steps_seconds(backward, ctx, bucketed=True) * times  # microbatch)
                 for step in backward:
-                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "gradient",
-                         bucketed=bucketed, times=times)
+                    _add(bucket, step.kind, "backward", step.mesh_axis, step.nbytes, where, "gradient", bucketed=True,
+                         times=times)
             else:  # through the edge's resharding, every microbatch
                 seconds += steps_seconds(backward, ctx) * ctx.microbatches
                 for step in backward:
