@@ -167,3 +167,15 @@ def test_every_op_family_is_in_the_table() -> None:
     for op in ("linear", "mm", "einsum", "add", "sum", "softmax", "view", "squeeze", "cat", "layer_norm",
                "scaled_dot_product_attention", "cross_entropy_loss", "max_pool2d", "embedding"):
         assert op in known, op
+
+
+def test_partial_sums_pass_through_a_sum_of_tensors_but_not_a_number_added_to_them() -> None:
+    """``x + y`` of partial sums is the partial sums of the sum; ``x + eps`` (an RMSNorm's
+    variance) would add ``eps`` once per rank: partial sums must be reduced before it."""
+    add_tensors = op_node(lambda x, y: x + y, torch.randn(8, 4), torch.randn(8, 4), target="add")
+    add_number = op_node(lambda x: x + 1e-6, torch.randn(8, 4), target="add")
+    scaled = op_node(lambda x: x * 0.5, torch.randn(8, 4), target="mul")
+    assert index_map_for(add_tensors).linear and index_map_for(scaled).linear
+    assert not index_map_for(add_number).linear
+    assert not any(P in s.output_specs[0] for s in _strategies(add_number, (2,)))
+    assert any(s.output_specs[0] == (P,) for s in _strategies(add_tensors, (2,)))

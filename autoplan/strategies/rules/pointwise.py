@@ -1,8 +1,9 @@
 """Rules for element-wise ops (they follow their inputs), creation ops, reductions, and ops
 that keep one dim whole (softmax, cumsum).
 
-Element-wise inputs broadcast against the output right-aligned; ``add``/``sub`` and scaling
-by a constant are linear (partial sums pass through). A ``sum``/``mean`` over a sharded dim
+Element-wise inputs broadcast against the output right-aligned; ``add``/``sub`` of two
+tensors and scaling by a constant are linear (partial sums pass through); a number added to
+partial sums is not (it would be added once per rank). A ``sum``/``mean`` over a sharded dim
 leaves partial sums; other reductions (``amax``, ``var``, …) keep their reduced dims whole.
 """
 
@@ -64,7 +65,10 @@ def elementwise(node: fx.Node, maker: LetterMaker) -> IndexMap:
     tensor_args = [a for a in node.args if isinstance(a, fx.Node)]
     # div with a rounding mode (floor / trunc) is not linear: floor(a/2) + floor(b/2) != floor((a+b)/2)
     rounded = node.kwargs.get("rounding_mode") is not None
-    linear = op in _LINEAR_ELEMENTWISE or (op in _LINEAR_WITH_SCALAR and len(tensor_args) == 1 and not rounded)
+    # a number added to partial sums would be added once per rank (x + eps: an RMSNorm's variance)
+    adds_number = op != "neg" and len(tensor_args) < 2
+    linear = (op in _LINEAR_ELEMENTWISE and not adds_number) or \
+        (op in _LINEAR_WITH_SCALAR and len(tensor_args) == 1 and not rounded)
     return IndexMap(inputs, (out_letters,), fixed=frozenset(fixed), linear=linear)
 
 
