@@ -43,12 +43,12 @@ accumulate, a ZeRO-2 gradient is reduce-scattered after every microbatch's backw
 into its shard (as DeepSpeed's ZeRO-2 does), so that no whole gradient outlives a microbatch:
 ``microbatches`` reduce-scatters per step (and on a 2-D mesh as many all-reduces over the axis
 that replicates the shard), costed as bucketed, as FSDP2 reduces a group's gradients at once;
-the DTensor interpreter reduces them parameter by parameter, a latency each. A ZeRO-1 gradient (``g = p``) accumulates whole, as
-partial sums, and is reduced once per step, before the optimizer step, straight into ``s``
-(the shard the optimizer steps): a reduce-scatter where plain storage all-reduces, parameter by
-parameter (a latency each, not bucketed), so that ZeRO-1 moves the bytes of plain data
-parallelism (a reduce-scatter and an all-gather make one all-reduce) and keeps a shard of the
-optimizer state (:func:`edge_steps`' ``step_src``).
+the DTensor interpreter reduces them parameter by parameter, a latency each. A ZeRO-1 gradient
+(``g = p``) accumulates whole, as partial sums, and is reduced once per step, before the
+optimizer step, straight into ``s`` (the shard the optimizer steps): a reduce-scatter where
+plain storage all-reduces, parameter by parameter (a latency each, not bucketed), so that
+ZeRO-1 moves the bytes of plain data parallelism (a reduce-scatter and an all-gather make one
+all-reduce) and keeps a shard of the optimizer state (:func:`edge_steps`' ``step_src``).
 
 Parameters gathered once per step and held (FSDP under a pipeline, ``reshard_after_forward=False``,
 :attr:`Strategy.held`). Where microbatches run, a parameter may be stored sharded as its
