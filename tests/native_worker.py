@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from autoplan.codegen.dtensor_program import planned_collectives
 from dataclasses import replace
 
-from autoplan.codegen.check import check_against_single_device
+from autoplan.codegen.check import check_against_single_device, reduced_on_edge
 from autoplan.codegen.precision import check_tolerances
 from autoplan.plan_schema import Plan
 from autoplan.planner.front_door import plan_model, with_decisions
@@ -336,6 +336,7 @@ def run_resumed_case(name: str, world: int) -> dict:
     fresh native program: each resumed program's next step must equal the one it continues
     (loss, every parameter), so parameters and optimizer states travel between the native form
     (FSDP2 shards, ZeRO-2 groups, ``replicate``, the style's table) and the plan's placements."""
+    import shutil
     import tempfile
 
     from autoplan.codegen.runtime import build_parallel_module
@@ -368,6 +369,9 @@ def run_resumed_case(name: str, world: int) -> dict:
     again, again_feed, _, again_info = program(True, second, True)
     resumed_losses.append(_step(again, again_feed))
     after_again = _whole_parameters(again)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folders[0], ignore_errors=True)
 
     def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
         assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
@@ -454,9 +458,7 @@ def run_case(name: str, world: int) -> dict:
         "token_mean": getattr(program, "token_mean", False),
         # the gradient all-reduces of parameters whose gradient is stored sharded unlike them (ZeRO-2)
         "zero2_all_reduces": [{"where": c.where, "count": c.count, "bucketed": c.bucketed} for c in plan.collectives
-                              if c.kind == "all_reduce" and c.tensor == "gradient"
-                              and (s := plan.storage.get(c.where.split(" -> ")[0])) is not None
-                              and s.grad != s.param],
+                              if c.kind == "all_reduce" and reduced_on_edge(c, plan)],
         "block_calls_per_step": block_calls,
         "block_output_dtype": block_dtype,
         "report": report.text(),

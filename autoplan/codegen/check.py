@@ -268,7 +268,7 @@ def expected_pipeline_collectives(pm: PipelinedModule, phase: str = "step") -> d
         if (c.phase == "optimizer") != (phase == "optimizer"):
             continue
         # counted per bucket below, but for a ZeRO-2 gradient's, which runs on its edge every microbatch
-        bucket_member = c.bucketed and c.kind == "all_reduce" and not _reduced_on_edge(c, pm.plan)
+        bucket_member = c.bucketed and c.kind == "all_reduce" and not reduced_on_edge(c, pm.plan)
         if c.kind != "send_recv" and not bucket_member and (not c.stages or mine & set(c.stages)):
             counts[c.kind] += c.count
     if phase != "optimizer":
@@ -276,7 +276,7 @@ def expected_pipeline_collectives(pm: PipelinedModule, phase: str = "step") -> d
     return {kind: n for kind, n in _as_backend_runs(dict(counts)).items() if n}
 
 
-def _reduced_on_edge(c: PlannedCollective, plan: Plan) -> bool:
+def reduced_on_edge(c: PlannedCollective, plan: Plan) -> bool:
     """Whether ``c`` reduces the gradient of a parameter whose gradient is stored sharded unlike
     it (ZeRO-2): the pipeline program reduces it on the parameter's edge after every microbatch
     (:func:`~autoplan.codegen.redistribution.reduce_gradient_on_edge`), one collective each
