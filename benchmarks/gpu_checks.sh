@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The checks only a GPU can show, in one run on a one-GPU machine (CUDA, NCCL), from the
-# repository root; every log and result goes to the folder given (default gpu_results):
-#   1. `autoplan calibrate --devices 1` on the GPU (h100-calibrated.toml; CALIBRATED=FILE uses that
+# repository root; every log and result goes to the folder given (default gpu_results).
+# CLUSTER names the preset of the GPU it runs on (default h100; h200 on an H200):
+#   1. the emitted program's CUDA path: `--run --check` of a small Llama in bf16, recomputed;
+#   2. `autoplan calibrate --devices 1` on the GPU (calibrated.toml; CALIBRATED=FILE uses that
 #      file instead);
-#   2. a bf16, checkpointed plan of Llama 3.2 1B's shape (batch 4 x 2048 tokens): measured step
-#      time beside its prediction under the h100 preset and the calibrated file, and the model
-#      run eagerly by hand (gpu_step_time.py); the same plan on the DTensor interpreter;
-#   3. GPT-2 124M fp32 the same way;
-#   4. the emitted program's CUDA path: `--run --check` of a small Llama in bf16, recomputed.
+#   3. a bf16, checkpointed plan of Llama 3.2 1B's shape (batch 4 x 2048 tokens): checked against
+#      the model on the GPU, then its measured step time beside its prediction under the preset and
+#      the calibrated file, and the model run eagerly by hand (gpu_step_time.py);
+#   4. GPT-2 124M fp32 the same way;
+#   5. the Llama plan on the DTensor interpreter, checked and timed.
 # Each step has its own time limit, so one failure leaves the others' figures.
 set -u
 out=${1:-gpu_results}
@@ -21,16 +23,19 @@ run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print its tail and
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
   echo "== $name: exit $rc in $((SECONDS - start)) s"
-  grep -v -e '^\s*$' -e 'Warning' -e 'warnings.warn' "$out/$name.log" | tail -n 12
+  grep -v -e '^\s*$' -e 'Warning' -e 'warnings.warn' "$out/$name.log" | tail -n 25
 }
 nvidia-smi -L
 $py -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-calibrated=${CALIBRATED:-$out/h100-calibrated.toml}
+cluster=${CLUSTER:-h100}
+run check 110 $py -m autoplan examples/llama.py --devices 1 --cluster "$cluster" --precision bf16 --recompute all \
+  --no-pipeline --run --check --steps 3 --out "${TMPDIR:-/tmp}/autoplan_gpu_check"
+calibrated=${CALIBRATED:-$out/calibrated.toml}
 [ -n "${CALIBRATED:-}" ] || run calibrate 90 $py -m autoplan calibrate --devices 1 -o "$calibrated"
-llama=(--model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 --cluster h100 --cluster "$calibrated")
+clusters=(--cluster "$cluster")
+[ -f "$calibrated" ] && clusters+=(--cluster "$calibrated")
+llama=(--model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 "${clusters[@]}")
 step_time=($py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py)
-run llama1b 200 "${step_time[@]}" "${llama[@]}" --eager --json "$out/llama1b.json"
-run check 110 $py -m autoplan examples/llama.py --devices 1 --precision bf16 --recompute all --no-pipeline \
-  --run --check --steps 3 --out "${TMPDIR:-/tmp}/autoplan_gpu_check"
-run llama1b-interpreter 150 "${step_time[@]}" "${llama[@]}" --interpreter --json "$out/llama1b-interpreter.json"
-run gpt2 110 "${step_time[@]}" --model gpt2 --cluster h100 --cluster "$calibrated" --eager --json "$out/gpt2.json"
+run llama1b 150 "${step_time[@]}" "${llama[@]}" --check --eager --json "$out/llama1b.json"
+run gpt2 100 "${step_time[@]}" --model gpt2 "${clusters[@]}" --check --eager --json "$out/gpt2.json"
+run llama1b-interpreter 120 "${step_time[@]}" "${llama[@]}" --interpreter --check --json "$out/llama1b-interpreter.json"

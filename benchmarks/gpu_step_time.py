@@ -97,6 +97,19 @@ def _eager_step(spec: ModelSpec, plan: Plan) -> Callable[[], torch.Tensor]:
     return step
 
 
+def _check(spec: ModelSpec, plan: Plan, args: argparse.Namespace) -> bool:
+    """``--check`` of a freshly built program against the model on this GPU; prints the report."""
+    from autoplan.codegen.check import check_against_single_device
+
+    pm = build_parallel_module(spec, plan, prefer_native=not args.interpreter)
+    report = check_against_single_device(spec, pm, steps=args.check_steps)
+    if dist.get_rank() == 0:
+        print(report.text(), flush=True)
+    del pm
+    torch.cuda.empty_cache()
+    return report.ok
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("gpt2", "llama-1b"), default="gpt2")
@@ -110,6 +123,10 @@ def main() -> int:
     parser.add_argument("--interpreter", action="store_true",
                         help="run the plan on the DTensor interpreter even where a native program matches it")
     parser.add_argument("--eager", action="store_true", help="also time the model run eagerly by hand")
+    parser.add_argument("--check", action="store_true",
+                        help="first check the program against the model on the GPU (outputs, loss, every gradient, "
+                             "the parameters after --check-steps steps, the executed collectives)")
+    parser.add_argument("--check-steps", type=int, default=2)
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -125,6 +142,7 @@ def main() -> int:
                               recompute=args.recompute)
         plans.append((cluster, plan_model(spec, options), time.perf_counter() - start))
     plan = plans[0][1]
+    checked = _check(spec, plan, args) if args.check else None
     pm = build_parallel_module(spec, plan, prefer_native=not args.interpreter)
     program = getattr(pm.program, "kind", "interpreter")
     times, peak, loss = _time_steps(lambda: pm.train_step(*spec.example_inputs), args.warmup, args.steps)
@@ -133,7 +151,8 @@ def main() -> int:
                             "recompute": args.recompute, "devices": ctx.world_size,
                             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "program": program,
                             "measured_step_s": measured, "measured_min_s": min(times), "measured_max_s": max(times),
-                            "measured_peak_bytes": peak, "loss": float(loss.item()), "predicted": {}}
+                            "measured_peak_bytes": peak, "loss": float(loss.item()), "predicted": {},
+                            "check_passed": checked}
     for cluster, each, seconds in plans:
         rows["predicted"][cluster] = {"step_s": each.predicted.step_time_s, "peak_bytes": each.predicted.memory_bytes.peak,
                                       "peak_with_transient_bytes": each.predicted.memory_bytes.peak_with_transient,
