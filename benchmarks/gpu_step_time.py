@@ -1,11 +1,11 @@
 """Predicted against measured step time and memory on one GPU (CUDA, NCCL).
 
-    torchrun --nproc-per-node 1 benchmarks/gpu_step_time.py [--model gpt2|llama-1b]
+    torchrun --nproc-per-node 1 benchmarks/gpu_step_time.py [--model gpt2|llama-1b|llama-3b]
         [--precision fp32|bf16] [--recompute all|none] [--batch B] [--seq S]
         [--cluster h100 [--cluster FILE.toml ...]] [--interpreter] [--eager] [--json OUT.json]
 
 Plans the model (Hugging Face classes, random weights; ``gpt2``: GPT-2 124M, ``llama-1b``:
-Llama 3.2 1B's shape, ``examples/llama.py``) through the front door for the running job's
+Llama 3.2 1B's shape, ``llama-3b``: 3B's, ``examples/llama.py``) through the front door for the running job's
 devices under each ``--cluster`` (no pipeline; ``--recompute all`` recomputes every layer in
 the backward, ``--precision bf16`` trains under torch.autocast with fp32 master weights),
 builds the program of the first cluster's plan (the native program where the plan is one of
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 import time
@@ -55,8 +56,9 @@ def _build(args: argparse.Namespace) -> ModelSpec:
         return make_model_spec(model, inputs, gpt2.loss_fn, name="GPT-2 124M")
     import llama
 
-    model, inputs = llama.build(**llama.LLAMA_1B, batch=args.batch, seq=args.seq, device="cuda")
-    return make_model_spec(model, inputs, None, name="Llama 3.2 1B shape")
+    shape, name = (llama.LLAMA_3B, "3B") if args.model == "llama-3b" else (llama.LLAMA_1B, "1B")
+    model, inputs = llama.build(**shape, batch=args.batch, seq=args.seq, device="cuda")
+    return make_model_spec(model, inputs, None, name=f"Llama 3.2 {name} shape")
 
 
 def _time_steps(step: Callable[[], Any], warmup: int, steps: int) -> tuple[list[float], float, Any]:
@@ -97,6 +99,39 @@ def _eager_step(spec: ModelSpec, plan: Plan) -> Callable[[], torch.Tensor]:
     return step
 
 
+#: Kinds of GPU kernel, by a pattern of their names (the first that matches), for ``--profile``.
+KERNEL_KINDS = (("matmul", re.compile(r"gemm|nvjet|cutlass|xmma|cublas|sm90_", re.I)),
+                ("attention", re.compile(r"flash|fmha|attention|cudnn", re.I)),
+                ("collective", re.compile(r"nccl", re.I)),
+                ("copy", re.compile(r"memcpy|memset|copy", re.I)),
+                ("optimizer", re.compile(r"multi_tensor|adam|foreach", re.I)),
+                ("softmax / loss", re.compile(r"softmax|nll|cross_entropy|logsumexp", re.I)),
+                ("reduction", re.compile(r"reduce|norm|mean|sum", re.I)),
+                ("element-wise", re.compile(r"elementwise|vectorized|unrolled|pointwise|cat", re.I)))
+
+
+def _kernel_seconds(step: Callable[[], Any], steps: int = 3) -> dict[str, float]:
+    """GPU kernel seconds per step of ``step`` by kind (:data:`KERNEL_KINDS`; "other" for the
+    rest, "total" for all), from torch.profiler over ``steps`` steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    seconds: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type != DeviceType.CUDA:
+            continue
+        kind = next((k for k, pattern in KERNEL_KINDS if pattern.search(event.name)), "other")
+        elapsed = event.time_range.elapsed_us() * 1e-6 / steps
+        seconds[kind] = seconds.get(kind, 0.0) + elapsed
+        seconds["total"] = seconds.get("total", 0.0) + elapsed
+    return seconds
+
+
 def _check(spec: ModelSpec, plan: Plan, args: argparse.Namespace) -> bool:
     """``--check`` of a freshly built program against the model on this GPU; prints the report."""
     from autoplan.codegen.check import check_against_single_device
@@ -112,7 +147,7 @@ def _check(spec: ModelSpec, plan: Plan, args: argparse.Namespace) -> bool:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("gpt2", "llama-1b"), default="gpt2")
+    parser.add_argument("--model", choices=("gpt2", "llama-1b", "llama-3b"), default="gpt2")
     parser.add_argument("--cluster", action="append", help="a preset or cluster file (repeatable; default h100)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--recompute", choices=("all", "none"), default="none")
@@ -127,6 +162,8 @@ def main() -> int:
                         help="first check the program against the model on the GPU (outputs, loss, every gradient, "
                              "the parameters after --check-steps steps, the executed collectives)")
     parser.add_argument("--check-steps", type=int, default=2)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile 3 steps of the program: GPU kernel time per step by kind of kernel")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -147,12 +184,13 @@ def main() -> int:
     program = getattr(pm.program, "kind", "interpreter")
     times, peak, loss = _time_steps(lambda: pm.train_step(*spec.example_inputs), args.warmup, args.steps)
     measured = statistics.median(times)
+    kernels = _kernel_seconds(lambda: pm.train_step(*spec.example_inputs)) if args.profile else None
     rows: dict[str, Any] = {"model": spec.name, "batch": args.batch, "seq": args.seq, "precision": args.precision,
                             "recompute": args.recompute, "devices": ctx.world_size,
                             "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "program": program,
                             "measured_step_s": measured, "measured_min_s": min(times), "measured_max_s": max(times),
                             "measured_peak_bytes": peak, "loss": float(loss.item()), "predicted": {},
-                            "check_passed": checked}
+                            "check_passed": checked, "kernel_s_per_step": kernels}
     for cluster, each, seconds in plans:
         rows["predicted"][cluster] = {"step_s": each.predicted.step_time_s, "peak_bytes": each.predicted.memory_bytes.peak,
                                       "peak_with_transient_bytes": each.predicted.memory_bytes.peak_with_transient,
@@ -182,6 +220,10 @@ def _print(rows: dict[str, Any], plan: Plan) -> None:
     print(f"measured: median {format_seconds(measured)} a step (min {format_seconds(rows['measured_min_s'])}, "
           f"max {format_seconds(rows['measured_max_s'])}), {tokens / measured:,.0f} tokens/s, max allocated "
           f"{format_bytes(rows['measured_peak_bytes'])}; last loss {rows['loss']:.4f}")
+    if rows.get("kernel_s_per_step"):
+        kernels = rows["kernel_s_per_step"]
+        print("GPU kernels per step (torch.profiler, 3 steps): " + ", ".join(
+            f"{kind} {format_seconds(sec)}" for kind, sec in sorted(kernels.items(), key=lambda kv: -kv[1])))
     if "eager_step_s" in rows:
         print(f"eager by hand: median {format_seconds(rows['eager_step_s'])} a step, max allocated "
               f"{format_bytes(rows['eager_peak_bytes'])}; program / eager = {measured / rows['eager_step_s']:.2f}")

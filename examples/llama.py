@@ -14,6 +14,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 #: Llama 3.2 1B's shape (1.24B parameters).
 LLAMA_1B = {"hidden": 2048, "layers": 16, "heads": 32, "kv_heads": 8, "intermediate": 8192, "vocab": 128256,
             "tied": True}
+#: Llama 3.2 3B's shape (3.21B parameters).
+LLAMA_3B = {"hidden": 3072, "layers": 28, "heads": 24, "kv_heads": 8, "intermediate": 8192, "vocab": 128256,
+            "tied": True}
 
 
 def build(hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 128,

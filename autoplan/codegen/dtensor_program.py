@@ -57,6 +57,7 @@ from autoplan.errors import AutoplanError
 from autoplan.plan_schema import NodePlan, Plan
 from autoplan.trace.graph import NodeKind, TracedGraph
 from autoplan.trace.saved_inputs import regathers_for
+from autoplan.trace.wrapped_regions import autocast_region
 
 # Ops with no DTensor rule that only check metadata: skipped.
 SKIPPED_OPS = {
@@ -133,6 +134,13 @@ class _PlanInterpreter(torch.fx.Interpreter):
         return out
 
     def _value_of(self, n: torch.fx.Node) -> Any:
+        region = autocast_region(n)
+        if region is None:
+            return self._value_in_plan_precision(n)
+        with region.context(self.program.mesh.device_type):  # the model's own autocast region
+            return self._value_in_plan_precision(n)
+
+    def _value_in_plan_precision(self, n: torch.fx.Node) -> Any:
         if n.op == "placeholder":
             return self._placeholder_values[n.name]
         if n.op == "call_function":

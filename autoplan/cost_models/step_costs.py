@@ -186,8 +186,10 @@ def value_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
     from them follow (a value mixing a bf16 result with an fp32 one, such as a residual sum,
     stays fp32 in the program: the cost model's approximation). A parameter keeps its own
     size: it is the float32 master, and its gradients are reduced in float32 (its forward
-    resharding moves bf16: :func:`resharded_itemsize`)."""
-    if mixed_precision and info.kind != "parameter" and info.dtype.replace("torch.", "") == "float32":
+    resharding moves bf16: :func:`resharded_itemsize`). An op the model computes with autocast
+    off keeps its own size too (:attr:`NodeInfo.full_precision`)."""
+    if mixed_precision and info.kind != "parameter" and not info.full_precision \
+            and info.dtype.replace("torch.", "") == "float32":
         return 2
     return info.itemsize
 
@@ -203,9 +205,11 @@ def resharded_itemsize(info: NodeInfo, mixed_precision: bool) -> int:
 
 
 def compute_dtype(info: NodeInfo, mixed_precision: bool) -> str:
-    """The dtype an op's FLOPs run at: bfloat16 for a float32 op under mixed precision."""
+    """The dtype an op's FLOPs run at: bfloat16 for a float32 op under mixed precision, unless
+    the model turned autocast off around it."""
     dtype = info.dtype or "float32"
-    return HALF_PRECISION if mixed_precision and dtype.replace("torch.", "") == "float32" else dtype
+    lowered = mixed_precision and not info.full_precision and dtype.replace("torch.", "") == "float32"
+    return HALF_PRECISION if lowered else dtype
 
 
 def model_flops_utilization(graph_nodes: Iterable[NodeInfo], passes: int, step_time_s: float, devices: int,

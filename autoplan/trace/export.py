@@ -3,8 +3,9 @@
 The user's module and loss are wrapped into one module whose forward returns
 ``(loss, *model_outputs)``, exported with ``torch.export.export(..., strict=False)`` in
 training mode. Afterwards ``aten._assert_tensor_metadata`` nodes (no effect, no DTensor rule)
-are dropped with the code that only fed them, and ``torch.no_grad()`` regions that read no
-trainable value are inlined as plain ATen ops.
+are dropped with the code that only fed them, the model's ``torch.autocast`` regions are
+inlined with each op marked (:mod:`autoplan.trace.wrapped_regions`), and ``torch.no_grad()``
+regions that read no trainable value are inlined as plain ATen ops.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import keyword
-import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +24,7 @@ from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, _first_line
 from autoplan.trace.experts import experts_as_one_op
 from autoplan.trace.values import fake_value, tensor_leaves
+from autoplan.trace.wrapped_regions import inline_autocast_regions, inline_wrapped, visible_autocast_helpers
 
 __all__ = ["WRAPPER_PREFIX", "export_model", "tidy_graph"]
 
@@ -146,7 +147,8 @@ def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:
     """The exported ``(loss, *model_outputs)`` of ``spec``; an :class:`AutoplanError` naming
     the cause when export fails."""
     wrapper = _make_wrapper(spec)
-    with _export_mode(spec.module), _no_stack_traces(), experts_as_one_op(spec.module):
+    with _export_mode(spec.module), _no_stack_traces(), experts_as_one_op(spec.module), \
+            visible_autocast_helpers():
         try:
             return torch.export.export(wrapper, tuple(spec.example_inputs), strict=False)
         except AutoplanError:
@@ -165,7 +167,9 @@ def export_model(spec: ModelSpec) -> torch.export.ExportedProgram:
 
 
 def tidy_graph(gm: torch.fx.GraphModule) -> None:
-    """Inline no-grad regions, drop metadata asserts, check and recompile ``gm`` in place."""
+    """Inline autocast and no-grad regions (:mod:`autoplan.trace.wrapped_regions`), drop
+    metadata asserts, check and recompile ``gm`` in place."""
+    inline_autocast_regions(gm)
     _inline_no_grad_regions(gm)
     _drop_assert_metadata(gm)
     gm.graph.lint()
@@ -185,8 +189,7 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
     ``torch.no_grad()`` region, e.g. the rotary embedding of Llama — when none of its inputs
     requires grad: then no gradient could flow through it anyway, and plain ATen ops are what
     sharding strategies and DTensor understand. Regions that read parameters stay wrapped."""
-    graph = gm.graph
-    for node in list(graph.nodes):
+    for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not wrap_with_set_grad_enabled:
             continue
         enabled, sub_node, *operands = node.args
@@ -194,39 +197,4 @@ def _inline_no_grad_regions(gm: torch.fx.GraphModule) -> None:
             continue
         if any(getattr(fake_value(a), "requires_grad", False) for a in node.all_input_nodes):
             continue
-        sub = getattr(gm, sub_node.target)
-        if any(n.op not in ("placeholder", "call_function", "output") for n in sub.graph.nodes):
-            continue  # nested regions: leave them
-        env: dict[torch.fx.Node, Any] = {}
-        sub_placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        if len(sub_placeholders) != len(operands):
-            continue
-        env.update(zip(sub_placeholders, operands))
-        result: Any = None
-        with graph.inserting_before(node):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    result = torch.fx.node.map_arg(n.args[0], lambda a: env[a])
-                    continue
-                new = graph.node_copy(n, lambda a: env[a])
-                # the region's ops belong to the module that opened it
-                for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-                    if key in node.meta and key not in n.meta:
-                        new.meta[key] = node.meta[key]
-                env[n] = new
-        if isinstance(result, (tuple, list)):
-            for user in list(node.users):
-                if user.op == "call_function" and user.target is operator.getitem:
-                    user.replace_all_uses_with(result[user.args[1]])
-                    graph.erase_node(user)
-            if node.users:  # used otherwise than through getitem: keep the region
-                continue
-        else:
-            node.replace_all_uses_with(result)
-        graph.erase_node(node)
-        if not sub_node.users:
-            graph.erase_node(sub_node)
-            if not any(n.op == "get_attr" and n.target == sub_node.target for n in graph.nodes):
-                delattr(gm, sub_node.target)
+        inline_wrapped(gm, node, sub_node, operands)

@@ -37,7 +37,9 @@ class NodeInfo:
     the bytes it reads plus writes. ``module`` is the qualified name of the innermost
     nn.Module the op came from (``""`` for the root), ``module_type`` its class name.
     ``params`` are the FQNs of parameters (and buffers) among the op's direct inputs;
-    ``fqn`` is the FQN of a parameter/buffer placeholder itself.
+    ``fqn`` is the FQN of a parameter/buffer placeholder itself. ``full_precision``: the model
+    turned ``torch.autocast`` off around the op (:mod:`autoplan.trace.wrapped_regions`), so it
+    computes in its traced dtype whatever the plan's precision.
     """
 
     name: str
@@ -55,6 +57,7 @@ class NodeInfo:
     # an "activation" (a value from an earlier pipeline stage): whether the model's graph
     # computes it from trained parameters, so that its gradient goes back to that stage
     carries_grad: bool = True
+    full_precision: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", NodeKind(self.kind))  # a bad kind fails here, named

@@ -24,6 +24,7 @@ from autoplan.trace.naming import (PlaceholderNames, module_of_op, owner_module,
     tied_parameters)
 from autoplan.trace.node_costs import node_bytes, node_flops
 from autoplan.trace.values import dtype_name, first_tensor, int_shape, tensor_leaves
+from autoplan.trace.wrapped_regions import autocast_region
 
 __all__ = ["WRAPPER_PREFIX", "describe", "tensor_leaves", "trace"]
 
@@ -88,4 +89,11 @@ def _node_info(node: torch.fx.Node, names: PlaceholderNames, root: torch.nn.Modu
         module_type=module_type,
         params=params,
         fqn=fqn,
+        full_precision=_autocast_off(node),
     )
+
+
+def _autocast_off(node: torch.fx.Node) -> bool:
+    """Whether the model computes ``node`` with autocast off (its own fp32 region)."""
+    region = autocast_region(node)
+    return region is not None and not region.enabled
