@@ -41,9 +41,22 @@ class RotaryBlock(nn.Module):
         return self.out(rotated)
 
 
+class RotaryModel(nn.Module):
+    """Two :class:`RotaryBlock` s in a row (two layers a pipeline can split)."""
+
+    def __init__(self, helper: bool) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([RotaryBlock(helper) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
 def _case(helper: bool):
     torch.manual_seed(0)
-    model = RotaryBlock(helper)
+    model = RotaryModel(helper)
     return model, (torch.randn(BATCH, SEQ, HIDDEN),), _loss
 
 
@@ -57,3 +70,15 @@ def rotary_autocast_off():
 
 def rotary_hf_helper():
     return _case(helper=True)
+
+
+def gpt2_upcast_attention():
+    """transformers' GPT-2 with ``reorder_and_upcast_attn``: its attention scores computed in
+    fp32 inside ``maybe_autocast(enabled=False)`` (eager attention)."""
+    import transformers as tf
+    import zoo  # noqa: F401 (imports zoo_hf in its order)
+    from zoo_hf import HEADS, HIDDEN, LAYERS, VOCAB, _lm_case
+
+    return _lm_case("gpt2", "decoder", tf.GPT2Config, tf.GPT2LMHeadModel, vocab_size=VOCAB, n_embd=HIDDEN,
+                    n_layer=LAYERS, n_head=HEADS, n_positions=64, bos_token_id=1, eos_token_id=2,
+                    reorder_and_upcast_attn=True, attn_implementation="eager")

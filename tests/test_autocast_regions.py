@@ -28,7 +28,10 @@ BUILDERS = ("rotary_autocast_off", "rotary_hf_helper")
 
 
 def _spec(builder: str):
-    return make_model_spec(*getattr(autocast_cases, builder)(), name=builder)
+    built = getattr(autocast_cases, builder)()
+    if isinstance(built, tuple):
+        return make_model_spec(*built, name=builder)
+    return make_model_spec(built.model, built.example_inputs, built.loss_fn, name=builder)
 
 
 @pytest.mark.parametrize("builder", BUILDERS)
@@ -47,13 +50,26 @@ def test_a_models_fp32_region_is_traced_as_plain_ops_marked_and_costed_in_fp32(b
     assert compute_dtype(linear_info, mixed_precision=True) == "bfloat16" and value_itemsize(linear_info, True) == 2
 
 
+def test_gpt2s_upcast_attention_is_marked_fp32() -> None:
+    """transformers' own model: GPT-2's ``reorder_and_upcast_attn`` scores, through the helper."""
+    graph = trace(_spec("gpt2_upcast_attention"))
+    scores = [n for n in graph.graph_module.graph.nodes if n.target is torch.ops.aten.baddbmm.default]
+    assert scores  # one per layer
+    assert all(graph.nodes[n.name].full_precision for n in scores)
+    assert not any(graph.nodes[n.name].full_precision for n in graph.graph_module.graph.nodes
+                   if n.target is torch.ops.aten.addmm.default)  # the projections follow the plan
+
+
 def test_the_program_computes_a_models_fp32_region_in_fp32_under_a_bf16_plan(tmp_path) -> None:
     options = PlanOptions(2, "cpu", precision="bf16")
     plans = {}
-    for builder in BUILDERS:
-        plan = with_decisions(plan_manual(_spec(builder), options.planner_options(), parse_manual("tp=2")), options)
+    cases = [(builder, "tp=2") for builder in (*BUILDERS, "gpt2_upcast_attention")]
+    cases.append(("rotary_autocast_off", "pp=2,microbatches=2"))  # the pipeline's stage programs too
+    for builder, manual in cases:
+        plan = with_decisions(plan_manual(_spec(builder), options.planner_options(), parse_manual(manual)), options)
         assert plan.precision.name == "bf16"
-        plans[f"{builder} tp bf16"] = (builder, plan)
-    write_check_cases(tmp_path, plans, {builder: "autocast_cases.py" for builder in BUILDERS})
+        plans[f"{builder} {manual} bf16"] = (builder, plan)
+    assert len(plans["rotary_autocast_off pp=2,microbatches=2 bf16"][1].stages) == 2
+    write_check_cases(tmp_path, plans, {builder: "autocast_cases.py" for builder, _ in plans.values()})
     results = launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=300)
     assert_checks_passed(results, plans)

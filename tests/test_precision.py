@@ -107,3 +107,30 @@ def test_bf16_programs_pass_check(world: int, tmp_path) -> None:
         moved = results[0]["nanogpt fsdp bf16"]["moved"]
         assert "bfloat16" in moved["forward"]["all_gather"] and moved["backward"]["all_gather"] == ["bfloat16"]
         assert moved["backward"]["reduce_scatter"] == ["float32"]
+
+
+def test_adam_steps_of_gradients_zero_within_tolerance_are_compared_within_the_learning_rate() -> None:
+    """AdamW's first step moves each element by about ``lr`` whatever its gradient's size, so a
+    gradient within tolerance of zero that another kernel sums to the other sign (measured on an
+    H200: Llama 1B fp32 on the interpreter, 0.0013 apart after one step) steps the other way.
+    Those elements are compared within ``2 · lr · steps``; every other element strictly."""
+    from types import SimpleNamespace
+
+    from autoplan.codegen.check import _compare_parameters, _noise_gradients
+
+    reference = torch.nn.Linear(4, 1, bias=False)
+    reference.weight.grad = torch.tensor([[1.0, 1e-9, -1e-9, 0.5]])
+    masks = _noise_gradients(reference, 1e-4, 1e-5)
+    assert masks["weight"].tolist() == [[False, True, True, False]]
+    stepped = reference.weight.detach().clone()
+    program = SimpleNamespace(named_plan_parameters=lambda: {"weight": stepped},
+                              plan=SimpleNamespace(optimizer=SimpleNamespace(name="adamw", lr=1e-3)))
+
+    def passes() -> bool:
+        return all(c.ok for c in _compare_parameters(reference, program, "after 1 adamw steps", 1e-3, 1e-4,
+                                                      masks, 1))
+
+    stepped[0, 1] -= 2e-3  # the near-zero gradient's step, the other way
+    assert passes()
+    stepped[0, 0] -= 2e-3  # a real gradient's element may not move that far
+    assert not passes()

@@ -179,3 +179,28 @@ def test_partial_sums_pass_through_a_sum_of_tensors_but_not_a_number_added_to_th
     assert not index_map_for(add_number).linear
     assert not any(P in s.output_specs[0] for s in _strategies(add_number, (2,)))
     assert any(s.output_specs[0] == (P,) for s in _strategies(add_tensors, (2,)))
+
+
+def test_partial_sums_pass_through_views_and_casts_but_not_through_a_copy() -> None:
+    """DTensor all-reduces partial sums before it copies them (``clone``, a ``contiguous`` of
+    a transposed value, a ``reshape`` that cannot view its input: GQA's expanded key/value
+    heads), and lets them through views and casts; the planner's rules say the same, so a plan
+    never counts on a partial sum a program would have reduced already."""
+    x = torch.randn(2, 3, 4)
+    passes = {
+        "view": op_node(lambda t: t.reshape(6, 4), x, target="reshape"),
+        "cast": op_node(lambda t: t.to(torch.float64), x, target="to"),
+    }
+    copies = {
+        "clone": op_node(lambda t: t.clone(), x, target="clone"),
+        "reshape of a transposed value": op_node(lambda t: t.transpose(1, 2).reshape(2, 12), x, target="reshape"),
+        "contiguous of a transposed value": op_node(lambda t: t.transpose(1, 2).contiguous(), x, target="contiguous"),
+        "reshape of expanded heads": op_node(lambda t: t[:, None].expand(2, 2, 3, 4).reshape(4, 3, 4), x,
+                                             target="reshape"),
+    }
+    for name, node in passes.items():
+        assert index_map_for(node).linear, name
+        assert any(s.output_specs[0] == (P,) for s in _strategies(node, (2,))), name
+    for name, node in copies.items():
+        assert not index_map_for(node).linear, name
+        assert not any(P in s.output_specs[0] for s in _strategies(node, (2,))), name

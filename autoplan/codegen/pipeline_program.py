@@ -109,6 +109,7 @@ from autoplan.plan_schema import CouplingHandling, NodePlan, Plan, PrefetchedGat
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import NodeKind, TracedGraph
 from autoplan.trace.saved_inputs import regathers_for
+from autoplan.trace.wrapped_regions import autocast_region
 
 __all__ = [
     "PipelineProgram",
@@ -295,6 +296,13 @@ class _StageModule(torch.nn.Module):
         return out
 
     def _value_of(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+        region = autocast_region(n)
+        if region is None:
+            return self._value_in_plan_precision(n, env)
+        with region.context(self.mesh.device_type):  # the model's own autocast region
+            return self._value_in_plan_precision(n, env)
+
+    def _value_in_plan_precision(self, n: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
         if n.op == "get_attr":
             target = self.graph_module
             for part in str(n.target).split("."):

@@ -112,6 +112,24 @@ def output_shapes(node: fx.Node) -> list[tuple[int, ...]]:
     return []
 
 
+def copies_its_input(node: fx.Node, shape: tuple[int, ...] | None = None) -> bool:
+    """Whether the traced input of ``node`` cannot be viewed as ``shape`` (default: as it is,
+    contiguous), so that a ``reshape``/``contiguous`` of it copies. DTensor reduces partial sums
+    before any copy (``clone``), so such an op is not linear for the planner either. A value
+    without traced strides counts as viewable."""
+    src = next(iter(tensor_inputs(node)), None)
+    val = src.meta.get("val") if src is not None else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    if shape is None:
+        return not val.is_contiguous()
+    try:
+        torch.empty_strided(tuple(val.shape), tuple(val.stride()), device="meta").view(shape)
+    except RuntimeError:
+        return True
+    return False
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """The node's inputs whose value is one tensor, in first-use order."""
     return [n for n in node.all_input_nodes if tensor_shape(n) is not None]

@@ -5,6 +5,8 @@ Element-wise inputs broadcast against the output right-aligned; ``add``/``sub`` 
 tensors and scaling by a constant are linear (partial sums pass through); a number added to
 partial sums is not (it would be added once per rank). A ``sum``/``mean`` over a sharded dim
 leaves partial sums; other reductions (``amax``, ``var``, …) keep their reduced dims whole.
+Casts, aliases and a ``contiguous`` of a contiguous value pass partial sums; a ``clone`` and a
+``contiguous`` that copies do not: DTensor reduces partial sums before it copies.
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ from types import MappingProxyType
 
 from torch import fx
 
-from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, broadcast_letters, dims_arg,
-    normalize_dim, op_name, output_shapes, replicated_map, rule_table, tensor_inputs, tensor_shape)
+from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, broadcast_letters, copies_its_input,
+    dims_arg, normalize_dim, op_name, output_shapes, replicated_map, rule_table, tensor_inputs, tensor_shape)
 
 ELEMENTWISE = frozenset(
     """add sub mul div true_divide pow tanh gelu relu silu sigmoid exp log log1p neg rsqrt sqrt
@@ -87,7 +89,9 @@ def broadcast_tensors(node: fx.Node, maker: LetterMaker) -> IndexMap:
 def identity(node: fx.Node, maker: LetterMaker) -> IndexMap:
     inputs = tensor_inputs(node)
     letters = maker.many(len(output_shapes(node)[0]))
-    return IndexMap({inputs[0].name: letters}, (letters,), linear=True)
+    op = op_name(node)
+    linear = op != "clone" and not (op == "contiguous" and copies_its_input(node))
+    return IndexMap({inputs[0].name: letters}, (letters,), linear=linear)
 
 
 def creation(node: fx.Node, maker: LetterMaker) -> IndexMap:

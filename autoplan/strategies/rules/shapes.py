@@ -1,5 +1,7 @@
 """Rules for ops that move dims around without arithmetic: views and reshapes, permutations,
-slices, splits and concatenations, padding. All are linear (partial sums pass through).
+slices, splits and concatenations, padding. All are linear (partial sums pass through), except
+a ``reshape`` (or ``flatten``) that must copy its input (a transposed or expanded one): DTensor
+reduces partial sums before it copies.
 
 A view pairs runs of input dims with runs of output dims of equal product; the leading dim of
 each run keeps its letter and the others stay whole. The dim an op slices, splits, pads or
@@ -12,10 +14,12 @@ from types import MappingProxyType
 
 from torch import fx
 
-from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, normalize_dim, op_name, output_shapes,
-    replicated_map, rule_table, tensor_inputs, tensor_shape)
+from autoplan.strategies.letters import (IndexMap, LetterMaker, Letters, Rule, copies_its_input, normalize_dim, op_name,
+    output_shapes, replicated_map, rule_table, tensor_inputs, tensor_shape)
 
 VIEWS = frozenset("view _unsafe_view reshape flatten unflatten expand_as view_as squeeze unsqueeze".split())
+#: views that copy an input they cannot view
+_COPYING_VIEWS = frozenset({"reshape", "flatten"})
 PERMUTES = frozenset("transpose permute t swapaxes numpy_T".split())
 SLICES = frozenset("slice select narrow".split())
 CONCATENATIONS = frozenset("cat concat stack".split())
@@ -80,7 +84,8 @@ def view(node: fx.Node, maker: LetterMaker) -> IndexMap:
             fixed.add(lead)
         fixed.update(in_letters[d] for d in gi[1:])
         fixed.update(out_letters[d] for d in gj[1:])
-    return IndexMap({src.name: tuple(in_letters)}, (tuple(out_letters),), fixed=frozenset(fixed), linear=True)
+    linear = not (op_name(node) in _COPYING_VIEWS and copies_its_input(node, out_shape))
+    return IndexMap({src.name: tuple(in_letters)}, (tuple(out_letters),), fixed=frozenset(fixed), linear=linear)
 
 
 def expand(node: fx.Node, maker: LetterMaker) -> IndexMap:
