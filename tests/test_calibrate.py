@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,19 @@ def test_toml_carries_the_op_figures_and_warns_of_drift(tmp_path: Path) -> None:
     assert load_cluster(str(path)).device.op_bandwidth == 3.41e9
     cal.matmul_again = cal.matmul[0]["flops"] / 2
     assert "# WARNING: the first matmul ran at" in calibration_toml(cal, "fake")
+
+
+def test_a_gpu_file_charges_the_eager_overhead(tmp_path: Path) -> None:
+    """On a GPU autoplan runs PyTorch's own programs (FSDP2, DDP, parallelize_module), which
+    pay the eager dispatch, not the DTensor interpreter's; the file says which it wrote."""
+    cal = replace(_fake_calibration(devices=1), device_kind="cuda", device_name="NVIDIA H200")
+    cal.op_overhead_s, cal.eager_op_overhead_s = 136.8e-6, 30.1e-6
+    text = calibration_toml(cal, "gpu")
+    assert "op_overhead_us = 30.1" in text and "(written as op_overhead_us: the programs a GPU runs)" in text
+    path = tmp_path / "gpu.toml"
+    path.write_text(text)
+    device = load_cluster(str(path)).device
+    assert device.op_overhead_s == 30.1e-6 and device.overlapped_dispatch and device.matmul_efficiency == 1.0
 
 
 def test_one_device_keeps_the_preset_links(tmp_path: Path) -> None:

@@ -463,13 +463,46 @@ def test_op_bandwidth_is_the_memory_term_and_defaults_to_the_memory_bandwidth() 
     assert measured.activation_bandwidth == 5e10
     assert roofline_time(1e9, 1e11, measured, "float32") == pytest.approx(2.0)  # memory bound at the op rate
     assert roofline_time(1e12, 1e9, measured, "float32") == pytest.approx(1.0)  # compute bound: unchanged
-    for name in PRESET_NAMES:  # the presets keep the streaming bandwidth
+    assert load_cluster("cpu").device.activation_bandwidth == load_cluster("cpu").device.memory_bandwidth
+    for name in PRESET_NAMES[:-1]:  # a GPU's ops reach 0.9 of the streaming bandwidth (measured on an H200)
         dev = load_cluster(name).device
-        assert dev.op_bandwidth == 0.0 and dev.activation_bandwidth == dev.memory_bandwidth
+        assert dev.activation_bandwidth == pytest.approx(0.9 * dev.memory_bandwidth)
+
+
+def test_gpu_presets_cost_ops_at_what_a_gpu_achieves() -> None:
+    """Matmuls at 0.78 of the datasheet peak (the peak itself stays, for model FLOPs
+    utilisation); no dispatch charged (it depends on the host: a calibrated file carries it)."""
+    dev = load_cluster("h100").device
+    assert dev.peak("bfloat16") == 989e12 and dev.achievable("bfloat16") == pytest.approx(0.78 * 989e12)
+    assert roofline_time(989e12, 0.0, dev, "bfloat16") == pytest.approx(1 / 0.78)
+    assert dev.op_overhead_s == 0 and cm.op_seconds(1e-6, dev) == pytest.approx(1e-6)
+    with pytest.raises(ValueError, match="matmul_efficiency"):
+        DeviceSpec("d", {"float32": 1e12}, 1e11, 1e9, matmul_efficiency=1.5)
+
+
+def test_a_file_with_its_own_peaks_takes_them_as_achieved(tmp_path: Path) -> None:
+    """A file from a GPU preset keeps its fractions of the datasheet figures, unless it gives
+    its own peaks or bandwidth (measured ones, as ``results/h100-measured-matmul.toml``)."""
+    path = tmp_path / "c.toml"
+    path.write_text('preset = "h100"\n[device]\nmemory_gb = 96\n')
+    kept = load_cluster(str(path)).device
+    assert kept.matmul_efficiency == 0.78 and kept.op_bandwidth == pytest.approx(0.9 * 3.35e12)
+    path.write_text('preset = "h100"\n[device]\nmemory_bandwidth_gbps = 3012\n[device.peak_tflops]\nbfloat16 = 776.5\n')
+    measured = load_cluster(str(path)).device
+    assert measured.matmul_efficiency == 1.0 and measured.activation_bandwidth == 3012e9
+    assert measured.achievable("bfloat16") == 776.5e12
+    path.write_text('preset = "h100"\n[device]\nmatmul_efficiency = 0.5\n[device.peak_tflops]\nbfloat16 = 800\n')
+    assert load_cluster(str(path)).device.achievable("bfloat16") == 400e12
+    path.write_text('preset = "h100"\n[device]\nmatmul_efficiency = 1.5\n')
+    with pytest.raises(AutoplanError, match="device.matmul_efficiency.*fraction"):
+        load_cluster(str(path))
 
 
 def test_op_bandwidth_round_trips_and_presets_write_no_key(tmp_path: Path) -> None:
-    assert "op_bandwidth" not in load_cluster("h100").to_toml()
+    assert "op_bandwidth" not in load_cluster("cpu").to_toml()
+    gpu = load_cluster("h200")
+    (tmp_path / "h200.toml").write_text(gpu.to_toml())
+    assert load_cluster(str(tmp_path / "h200.toml")).device == gpu.device  # efficiency and op rate kept
     dev = DeviceSpec("cpu", {"float32": 1.6e11}, 1.4e10, 12e9, op_overhead_s=5.2e-5, op_bandwidth=3.4e9)
     cluster = ClusterSpec("c", dev, 2, LinkSpec(6e8, 7e-4), LinkSpec(6e8, 7e-4))
     text = cluster.to_toml()

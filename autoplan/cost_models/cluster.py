@@ -13,6 +13,7 @@ TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` read
     op_overhead_us = 0         # optional: microseconds one op costs beyond its roofline (dispatch)
     op_bandwidth_gbps = 0      # optional: GB/s ops achieve on activations (0: memory_bandwidth_gbps)
     overlapped_dispatch = true # optional: the host dispatches ahead of the device (GPUs; false on CPUs)
+    matmul_efficiency = 1      # optional: fraction of peak_tflops ops achieve (1 where the file gives peaks)
     [device.peak_tflops]
     float32 = 67
     bfloat16 = 989
@@ -25,6 +26,11 @@ TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` read
     [inter_node]
     bandwidth_gbps = 50
     latency_us = 10
+
+A file that starts from a GPU preset keeps the preset's fractions (its ops at 0.78 of the peaks,
+at 0.9 of the bandwidth) unless it gives its own ``peak_tflops`` or ``memory_bandwidth_gbps``:
+those are taken as what its ops achieve (measured), unless ``matmul_efficiency`` or
+``op_bandwidth_gbps`` says otherwise.
 
 Numbers are converted with decimal arithmetic, so ``to_toml`` followed by reading gives back
 exactly the same floats.
@@ -99,6 +105,7 @@ class ClusterSpec:
                 "op_overhead_s": self.device.op_overhead_s,
                 "op_bandwidth": self.device.op_bandwidth,
                 "overlapped_dispatch": self.device.overlapped_dispatch,
+                "matmul_efficiency": self.device.matmul_efficiency,
             },
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
@@ -118,6 +125,7 @@ class ClusterSpec:
                 op_overhead_s=float(dev.get("op_overhead_s", 0.0)),
                 op_bandwidth=float(dev.get("op_bandwidth", 0.0)),
                 overlapped_dispatch=bool(dev.get("overlapped_dispatch", False)),
+                matmul_efficiency=float(dev.get("matmul_efficiency", 1.0)),
             ),
             devices_per_node=int(data["devices_per_node"]),
             intra_node=_link_from_dict(data["intra_node"]),
@@ -139,6 +147,8 @@ class ClusterSpec:
         if dev.op_bandwidth:
             device["op_bandwidth_gbps"] = _to_unit(dev.op_bandwidth, _GIGA)
         device["overlapped_dispatch"] = dev.overlapped_dispatch
+        if dev.matmul_efficiency != 1.0:
+            device["matmul_efficiency"] = dev.matmul_efficiency
         device["peak_tflops"] = {k: _to_unit(v, _TERA) for k, v in dev.peak_flops.items()}
         document: dict[str, Any] = {"name": self.name, "devices_per_node": self.devices_per_node, "device": device}
         for section, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
@@ -211,7 +221,7 @@ class _TomlReader:
 
     _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
     _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "op_bandwidth_gbps",
-               "overlapped_dispatch", "peak_tflops")
+               "overlapped_dispatch", "matmul_efficiency", "peak_tflops")
     _LINK = ("bandwidth_gbps", "latency_us")
     _LINK_TABLES = _LINK + COLLECTIVE_KINDS
 
@@ -272,11 +282,16 @@ class _TomlReader:
             op_overhead_s=self._number(
                 table, "op_overhead_us", "device.op_overhead_us", _MICRO, False, base.op_overhead_s if base else 0.0
             ),
+            # a file's own peaks or bandwidth are what ops achieve, unless it says otherwise: the
+            # preset's fractions of its datasheet figures do not carry over to them
             op_bandwidth=self._number(
-                table, "op_bandwidth_gbps", "device.op_bandwidth_gbps", _GIGA, False, base.op_bandwidth if base else 0.0
+                table, "op_bandwidth_gbps", "device.op_bandwidth_gbps", _GIGA, False,
+                base.op_bandwidth if base and "memory_bandwidth_gbps" not in table else 0.0
             ),
             overlapped_dispatch=self._flag(table, "overlapped_dispatch", "device.overlapped_dispatch",
                                            base.overlapped_dispatch if base else False),
+            matmul_efficiency=self._fraction(table, "matmul_efficiency", "device.matmul_efficiency",
+                                             base.matmul_efficiency if base and "peak_tflops" not in table else 1.0),
         )
 
     def _link(self, data: dict[str, Any], section: str, base: LinkSpec | None) -> LinkSpec:
@@ -332,6 +347,12 @@ class _TomlReader:
         value = data.get(key, default)
         if not isinstance(value, bool):
             raise self.fail(dotted, f"must be true or false, not {value!r}")
+        return value
+
+    def _fraction(self, data: dict[str, Any], key: str, dotted: str, default: float) -> float:
+        value = self._number(data, key, dotted, 0, True, default)
+        if value > 1.0:
+            raise self.fail(dotted, f"must be a fraction in (0, 1], not {data[key]}")
         return value
 
     def _number(

@@ -13,10 +13,10 @@ BACKWARD_FACTOR = 2.0
 
 def roofline_time(flops: float, nbytes: float, device: DeviceSpec, dtype: str) -> float:
     """Seconds for an op doing ``flops`` FLOPs and moving ``nbytes`` bytes to/from memory:
-    the larger of its compute time at ``device.peak(dtype)`` FLOP/s and its memory time at
+    the larger of its compute time at ``device.achievable(dtype)`` FLOP/s and its memory time at
     ``device.activation_bandwidth`` bytes/s (the measured rate of ops on activations where
     ``autoplan calibrate`` gave one, else the memory bandwidth)."""
-    return max(flops / device.peak(dtype), nbytes / device.activation_bandwidth)
+    return max(flops / device.achievable(dtype), nbytes / device.activation_bandwidth)
 
 
 def op_seconds(roofline_s: float, device: DeviceSpec) -> float:

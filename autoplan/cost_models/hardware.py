@@ -55,6 +55,12 @@ class DeviceSpec:
     (GELU's ``erf``, a softmax's ``exp``) rather than memory bounds it. 0 (the presets) means
     ``memory_bandwidth``; :attr:`activation_bandwidth` resolves it.
 
+    ``matmul_efficiency`` is the fraction of ``peak_flops`` a training step's ops achieve
+    (cuBLAS reaches about 0.8 of a datasheet peak on large GEMMs); an op's compute time runs at
+    :meth:`achievable`, while model FLOPs utilisation is stated against the peak itself
+    (:func:`~autoplan.cost_models.step_costs.model_flops_utilization`). 1 where the peaks were
+    measured (``autoplan calibrate``).
+
     ``overlapped_dispatch`` says whether the host dispatches ops ahead of the device, as it
     does into a GPU's launch queue: the device then runs one op while the host dispatches the
     next ones, so an op costs the larger of its roofline and ``op_overhead_s``
@@ -66,15 +72,18 @@ class DeviceSpec:
     peak_flops: dict[str, float]
     memory_bandwidth: float
     memory_bytes: float
-    op_overhead_s: float = 0.0  # host-side seconds to launch one op (dispatch); 0 for the GPU presets
-    op_bandwidth: float = 0.0  # bytes/s ops achieve on activations; 0: memory_bandwidth (the presets)
+    op_overhead_s: float = 0.0  # host-side seconds to launch one op (dispatch)
+    op_bandwidth: float = 0.0  # bytes/s ops achieve on activations; 0: memory_bandwidth
     overlapped_dispatch: bool = False  # True on GPUs: dispatch overlaps the device's work
+    matmul_efficiency: float = 1.0  # fraction of peak_flops ops achieve; MFU is against the peak
 
     def __post_init__(self) -> None:
         # Own a private copy so that mutating the caller's dict cannot change a frozen spec.
         peaks = {dtype_name(k): float(v) for k, v in self.peak_flops.items()}
         if DEFAULT_DTYPE not in peaks:
             raise ValueError(f"device {self.name!r} needs a {DEFAULT_DTYPE} peak")
+        if not 0.0 < self.matmul_efficiency <= 1.0:
+            raise ValueError(f"device {self.name!r}: matmul_efficiency must be in (0, 1], not {self.matmul_efficiency}")
         object.__setattr__(self, "peak_flops", peaks)
 
     def __hash__(self) -> int:
@@ -89,6 +98,10 @@ class DeviceSpec:
     def peak(self, dtype: object) -> float:
         """Peak FLOP/s for ``dtype``; a dtype the device does not list gets the float32 peak."""
         return self.peak_flops.get(dtype_name(dtype), self.peak_flops[DEFAULT_DTYPE])
+
+    def achievable(self, dtype: object) -> float:
+        """FLOP/s an op in ``dtype`` achieves: the peak times ``matmul_efficiency``."""
+        return self.peak(dtype) * self.matmul_efficiency
 
 
 @dataclass(frozen=True)

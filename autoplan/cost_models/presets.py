@@ -2,6 +2,20 @@
 :class:`ClusterSpec`.
 
 Figures are vendor datasheet peaks (dense, no sparsity) in FLOP/s, bytes/s, bytes and seconds.
+A GPU preset's ops run at what a GPU achieves of those peaks, as ``autoplan calibrate`` measured
+it on a lent H100 and H200 (``benchmarks/results/``): matmuls at 0.78 of the peak (H100 bf16
+776.5 of 989 TFLOP/s; H200 bf16 792, fp32 51 of 67) and activations at 0.9 of the HBM bandwidth
+(H200: 4.32 of 4.8 TB/s). The A100 and V100 presets assume the same fractions. Model FLOPs
+utilisation is stated against the datasheet peak.
+
+A preset charges no host dispatch per op: it depends on the host, and on a preset every op of
+a small model would cost the same 30 us, whatever its sharding. Models whose ops are short
+against it run slower than a preset predicts: on one H200 the H200 preset predicts Llama 3.2
+1B's bf16 step (recomputed, 4 x 2,048 tokens) at 162 ms against 235 ms measured, 3B's at 403
+ms against 577 ms, GPT-2's fp32 step at 157 ms against 176 ms (131, 328 and 125 ms at the
+datasheet figures). A file written by ``autoplan calibrate`` on the GPU carries the dispatch
+it measured (30.1 us per op an eager step on the H200's host) and the measured peaks: with it
+the same steps are predicted at 238, 511 and 186 ms.
 """
 
 from __future__ import annotations
@@ -17,11 +31,18 @@ from .hardware import DeviceSpec, LinkSpec
 PRESET_NAMES: tuple[str, ...] = ("h100", "h200", "a100-80g", "a100-40g", "v100-16g", "cpu")
 
 
+#: What a GPU's ops achieve of its datasheet figures (measured on an H100 and an H200; see above).
+GPU_MATMUL_EFFICIENCY = 0.78
+GPU_ACTIVATION_BANDWIDTH_FRACTION = 0.9
+
+
 def _gpu_cluster(
     name: str, peaks: dict[str, float], hbm_bw: float, hbm: float, intra: LinkSpec, inter: LinkSpec
 ) -> ClusterSpec:
     """An 8-GPU-per-node cluster; ``hbm_bw`` in bytes/s, ``hbm`` in bytes."""
-    return ClusterSpec(name, DeviceSpec(name, peaks, hbm_bw, hbm, overlapped_dispatch=True), 8, intra, inter)
+    device = DeviceSpec(name, peaks, hbm_bw, hbm, op_bandwidth=hbm_bw * GPU_ACTIVATION_BANDWIDTH_FRACTION,
+                        overlapped_dispatch=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY)
+    return ClusterSpec(name, device, 8, intra, inter)
 
 
 def preset_table() -> dict[str, ClusterSpec]:
