@@ -118,3 +118,32 @@ def test_hsdp_is_searched_across_nodes_where_replication_fits() -> None:
     assert hsdp.step_time_s < replicated.step_time_s
     found = plan_model(spec, options).predicted.step_time_s
     assert found <= hsdp.step_time_s * (1 + 1e-6)
+
+
+def test_selectively_recomputed_blocks_that_must_also_be_trimmed_lose_to_full_recomputation() -> None:
+    """Four of Llama 3.1 8B's blocks on 8 H100s (meta device, 16 x 8,192 tokens) under a budget
+    between what FSDP needs with every block recomputed selectively and fully: the search's
+    best estimate recomputes every block selectively, which the exact plans can only fit by
+    trimming further (slower than recomputing fully), so the found plan is never slower than
+    ``fsdp=8,ac=full``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=1024, max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, 1024, (16, 8192))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama-8b-blocks")
+    whole = {"stages": 1, "microbatches": 1}
+    unbounded = PlanOptions(8, "h100", **whole).planner_options()
+    selective, full = (cost_manual(spec, unbounded, parse_manual(f"fsdp=8,ac={ac}")).predicted
+                       for ac in ("selective", "full"))
+    low, high = full.memory_bytes.peak_with_transient, selective.memory_bytes.peak_with_transient
+    assert selective.step_time_s < full.step_time_s and low < high
+    budget = low + 0.75 * (high - low)
+    options = PlanOptions(8, "h100", memory_per_device=budget, **whole)
+    plan = plan_model(spec, options)
+    recipe = cost_manual(spec, options.planner_options(), parse_manual("fsdp=8,ac=full")).predicted
+    assert recipe is not None and plan.predicted.memory_bytes.peak_with_transient <= budget
+    assert plan.predicted.step_time_s <= recipe.step_time_s * (1 + 1e-6), (plan.mesh, plan.recompute)
