@@ -5,8 +5,8 @@
 
 Every model is Hugging Face's ``LlamaForCausalLM`` with Llama 3.1's shape, built on the meta
 device, trained in bf16 (bf16 compute, fp32 master weights, optimizer state and gradient
-reductions) with AdamW, sequence length 8,192, on the ``h100`` preset (datasheet peaks) or a
-cluster file (``benchmarks/results/h100-measured-matmul.toml``: the matmul throughput measured
+reductions) with AdamW, sequence length 8,192, on the ``h100`` preset (ops at 0.78 of the
+datasheet peaks) or a cluster file (``benchmarks/results/h100-measured-matmul.toml``: the matmul throughput measured
 on an H100). The recipes are those of torchtitan's H100 benchmark
 (``benchmarks/llama3_h100_202412_torchtitan.md`` in its repository, December 2024):
 
