@@ -39,7 +39,7 @@ def drift_text(cal: Calibration) -> str:
 def written_op_overhead(cal: Calibration) -> float:
     """The per-op overhead the cluster file charges: on a GPU the eager figure, as PyTorch's own
     programs (FSDP2, DDP, ``parallelize_module``) that autoplan runs there pay it (the H200's
-    Llama 1B step was predicted 0.39 of its measured time with the DTensor figure, 1.01 with
+    Llama 1B step was measured at 0.39 of its prediction with the DTensor figure, 0.99 with
     the eager one); on a CPU the DTensor program's, which the fidelity benchmark's gloo runs
     are measured against."""
     if cal.device_kind != "cpu" and cal.eager_op_overhead_s > 0:

@@ -52,8 +52,9 @@ class DeviceSpec:
     their activations, as ``autoplan calibrate`` measures it on a mix of element-wise,
     normalisation and softmax ops (forward and backward) at activation sizes. It differs from
     the streaming ``memory_bandwidth`` where tensors fit in cache or where an op's arithmetic
-    (GELU's ``erf``, a softmax's ``exp``) rather than memory bounds it. 0 (the presets) means
-    ``memory_bandwidth``; :attr:`activation_bandwidth` resolves it.
+    (GELU's ``erf``, a softmax's ``exp``) rather than memory bounds it. The GPU presets give 0.9 of
+    ``memory_bandwidth``; 0 (the ``cpu`` preset) means ``memory_bandwidth`` itself;
+    :attr:`activation_bandwidth` resolves it.
 
     ``matmul_efficiency`` is the fraction of ``peak_flops`` a training step's ops achieve
     (cuBLAS reaches about 0.8 of a datasheet peak on large GEMMs); an op's compute time runs at

@@ -14,7 +14,7 @@ against it run slower than a preset predicts: on one H200 the H200 preset predic
 1B's bf16 step (recomputed, 4 x 2,048 tokens) at 162 ms against 235 ms measured, 3B's at 403
 ms against 577 ms, GPT-2's fp32 step at 157 ms against 176 ms (131, 328 and 125 ms at the
 datasheet figures). A file written by ``autoplan calibrate`` on the GPU carries the dispatch
-it measured (30.1 us per op an eager step on the H200's host) and the measured peaks: with it
+it measured (30.1 us per op of an eager step on the H200's host) and the measured peaks: with it
 the same steps are predicted at 238, 511 and 186 ms.
 """
 
