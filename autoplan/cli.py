@@ -61,8 +61,8 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     train.add_argument("--mixed-precision", action="store_true", help="the same as --precision bf16")
     train.add_argument("--recompute", nargs="?", const="all", default="auto",
                        choices=("auto", "all", "selective", "op", "none"),
-                       help="activation checkpointing: auto (default: layers recomputed in the backward, fully or "
-                            "selectively, where memory needs it), all (every layer; --recompute alone), selective "
+                       help="activation checkpointing: auto (default: layers recomputed in the backward, fully, "
+                            "selectively or by the per-op policy, where memory needs it), all (every layer; --recompute alone), selective "
                             "(every layer, its matrix products and attention kept), op (every layer, torchtitan's "
                             "per-op policy: attention and every other matrix product kept) or none")
     train.add_argument("--plan-only", action="store_true",

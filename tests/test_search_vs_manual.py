@@ -147,3 +147,30 @@ def test_selectively_recomputed_blocks_that_must_also_be_trimmed_lose_to_full_re
     recipe = cost_manual(spec, options.planner_options(), parse_manual("fsdp=8,ac=full")).predicted
     assert recipe is not None and plan.predicted.memory_bytes.peak_with_transient <= budget
     assert plan.predicted.step_time_s <= recipe.step_time_s * (1 + 1e-6), (plan.mesh, plan.recompute)
+
+
+def test_the_per_op_policy_is_searched_where_selective_recomputation_does_not_fit() -> None:
+    """The same four blocks under a budget between what FSDP needs with every block recomputed
+    by torchtitan's per-op policy and selectively: the per-op policy (``ac=op``, faster than
+    recomputing fully) fits, every block selectively does not, and the found plan is never
+    slower than ``fsdp=8,ac=op``."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
+                         intermediate_size=14336, vocab_size=1024, max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, 1024, (16, 8192))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama-8b-blocks")
+    whole = {"stages": 1, "microbatches": 1}
+    unbounded = PlanOptions(8, "h100", **whole).planner_options()
+    per_op, selective, full = (cost_manual(spec, unbounded, parse_manual(f"fsdp=8,ac={ac}")).predicted
+                               for ac in ("op", "selective", "full"))
+    low, high = per_op.memory_bytes.peak_with_transient, selective.memory_bytes.peak_with_transient
+    assert per_op.step_time_s < full.step_time_s and low < high
+    options = PlanOptions(8, "h100", memory_per_device=low + 0.25 * (high - low), **whole)
+    plan = plan_model(spec, options)
+    recipe = cost_manual(spec, options.planner_options(), parse_manual("fsdp=8,ac=op")).predicted
+    assert recipe is not None and plan.predicted.memory_bytes.peak_with_transient <= options.memory_per_device
+    assert plan.predicted.step_time_s <= recipe.step_time_s * (1 + 1e-6), (plan.mesh, plan.recompute)

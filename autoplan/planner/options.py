@@ -76,9 +76,10 @@ class PlanOptions:
     gradients and optimizer state) is costed and run; ``None`` takes the cluster's default
     (:func:`default_precision`: bf16 on the H100, H200 and A100 presets, fp32 on ``cpu`` and
     ``v100-16g``). ``recompute``: activation checkpointing, ``"auto"`` (the planner
-    recomputes layers in the backward where memory needs it, fully or selectively), ``"all"``
-    (every layer that may be; also ``True``), ``"selective"`` (every layer that may be, keeping
-    its matrix products' and attention's outputs) or ``"none"``. ``pipeline=False`` plans
+    recomputes layers in the backward where memory needs it, fully, selectively or by the per-op
+    policy), ``"all"`` (every layer that may be; also ``True``), ``"selective"`` (every layer
+    that may be, keeping its matrix products' and attention's outputs), ``"op"`` (every layer
+    that may be, by torchtitan's per-op policy) or ``"none"``. ``pipeline=False`` plans
     intra-op only; ``stages``, ``microbatches``, ``schedule`` and ``layers`` pin pipeline
     choices. ``manual`` holds
     hand-written plans (``"dp=2,tp=4,pp=2,microbatches=64"``) to cost beside the found one.

@@ -13,9 +13,11 @@ attention (:data:`SELECTIVE_SAVED_OPS`, torch's selective activation checkpointi
 policy that must save them), so the backward recomputes only the cheap ops between them
 (norms, activations, element-wise products, rotary embeddings): less time than ``full``, less
 memory freed; ``op``, torchtitan's per-op policy, keeps the attention's outputs and every
-other matrix product's (:func:`~autoplan.plan_schema.kept_outputs`), between the two. The
-search chooses between ``full`` and ``selective`` (``auto``); ``op`` is asked for
-(``recompute="op"``, ``--manual ac=op``), for every layer that may be recomputed. The cost
+other matrix product's (:func:`~autoplan.plan_schema.kept_outputs`), between the two. Under
+``auto`` the stage search chooses, layer by layer, between ``full`` and ``selective``, and the
+exact plans also try each close candidate with its recomputed layers in ``op``
+(:func:`~autoplan.planner.pipeline._per_op_rivals`); ``op`` for every layer that may be
+recomputed is asked for with ``recompute="op"`` (``--manual ac=op``). The cost
 model reads the kept nodes from :func:`saved_outputs`: they keep their outputs and are not
 computed again; the resharding of their inputs is (the redistributions inside the region are
 not saved, and run again).
@@ -35,8 +37,8 @@ from autoplan.trace.layers import Layer
 
 class RecomputePolicy(StrEnum):
     """Which layers are recomputed in the backward: those the planner picks where memory needs
-    it, fully or selectively (``auto``), every layer that may be (``all``: fully;
-    ``selective``: selectively; ``op``: by torchtitan's per-op policy), or none."""
+    it, fully, selectively or by the per-op policy (``auto``), every layer that may be (``all``:
+    fully; ``selective``: selectively; ``op``: by torchtitan's per-op policy), or none."""
 
     AUTO = "auto"
     ALL = "all"

@@ -15,11 +15,11 @@ from autoplan.plan_schema import MemoryEstimate, ParamStorage, Plan, PlannedColl
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.assemble import node_plans, placements, predict, prefetched_gathers, sharded_storage, solver_stats
 from autoplan.planner.mesh_plan import emit_warnings
-from autoplan.planner.pipeline.candidates import PipelineCandidate
+from autoplan.planner.pipeline.candidates import PipelineCandidate, candidate_lighter
 from autoplan.planner.pipeline.exact import stage_results
 from autoplan.planner.pipeline.range_costs import cut_bytes, link_between_stages, whole_below, whole_crossings
 from autoplan.planner.pipeline.schedules import busiest_rank, pipeline_time
-from autoplan.planner.recompute import lighter_mode, recomputed_layers
+from autoplan.planner.recompute import recomputed_layers
 from autoplan.sharding import local_shape, spec_from_json
 from autoplan.solvers import format_bytes
 from autoplan.trace.batch_coupling import coupling_plans
@@ -108,7 +108,8 @@ def assemble_pipeline(spec: ModelSpec, candidate: PipelineCandidate, options: Pl
         collectives=collectives, predicted=predicted, solver=solver_stats(first), timings_s=timings,
         warnings=warnings_, model=spec.name, batch_coupling=coupling,
         recompute=recomputed_layers((layers[i] for i in sorted(candidate.recomputed)),
-                                    (layers[i] for i in candidate.selective), lighter_mode(options.recompute)),
+                                    (layers[i] for i in candidate.selective),
+                                    candidate_lighter(candidate, options.recompute)),
         prefetch=prefetch, prefetch_regathers=any(overlaps_regathers(ctx) for _, _, ctx in results))
 
 

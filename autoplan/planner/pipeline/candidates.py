@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from autoplan.errors import AutoplanError
+from autoplan.plan_schema import RecomputeMode
 from autoplan.planner.meshes import mesh_label
 from autoplan.planner.pipeline.range_costs import LayerCosts
 from autoplan.planner.pipeline.schedules import INTERLEAVE, INTERLEAVED
+from autoplan.planner.recompute import RecomputePolicy, lighter_mode
 from autoplan.solvers.inter_op import SubMesh
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import Layer
@@ -38,7 +40,9 @@ class PipelineCandidate:
     costs: dict[tuple[int, ...], LayerCosts] | None = None  # the layer ILPs per logical mesh, for a second search
     boundaries: bool = False  # whether the search costed the boundaries inside stages
     recomputed: frozenset[int] = frozenset()  # the layers recomputed in the backward (indices into layers)
-    selective: frozenset[int] = frozenset()  # those of them recomputed selectively (the others fully)
+    selective: frozenset[int] = frozenset()  # those of them recomputed keeping some outputs (the others fully)
+    # the mode of the layers in ``selective``; None: the options' policy's (:func:`lighter_mode`)
+    lighter: RecomputeMode | None = None
 
     @property
     def ranks(self) -> int:
@@ -62,6 +66,11 @@ def interleave(candidate: PipelineCandidate) -> PipelineCandidate:
         raise AutoplanError("an interleaved pipeline needs one logical mesh for all its stages")
     return replace(candidate, cuts=list(zip(bounds, bounds[1:])), meshes=candidate.meshes[:1] * chunks,
                    interleaved=True)
+
+
+def candidate_lighter(candidate: PipelineCandidate, policy: RecomputePolicy | str) -> RecomputeMode:
+    """The mode in which ``candidate`` recomputes the layers in its ``selective`` set."""
+    return candidate.lighter if candidate.lighter is not None else lighter_mode(policy)
 
 
 def candidate_name(c: PipelineCandidate) -> str:

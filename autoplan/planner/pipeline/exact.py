@@ -10,11 +10,11 @@ from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.mesh_plan import IntraOpResult, StorageRule, plan_intra_op
 from autoplan.planner.meshes import mesh_label
-from autoplan.planner.pipeline.candidates import PipelineCandidate
+from autoplan.planner.pipeline.candidates import PipelineCandidate, candidate_lighter
 from autoplan.planner.pipeline.range_costs import (RangeTable, layer_inputs, small_whole, whole_below,
     whole_crossings)
 from autoplan.planner.pipeline.schedules import activations_in_flight
-from autoplan.planner.recompute import lighter_mode, regions, saved_outputs
+from autoplan.planner.recompute import regions, saved_outputs
 from autoplan.sharding import ShardingSpec
 from autoplan.solvers import format_bytes
 from autoplan.trace.graph import NodeInfo, TracedGraph
@@ -103,7 +103,7 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
                       activations_in_flight=activations_in_flight(schedule, candidate.microbatches, stages),
                       recompute_regions=regions(candidate.layers[start + i] for i in recomputed),
                       recompute_saved=saved_outputs(sub, (candidate.layers[start + i] for i in selective),
-                                                     lighter_mode(options.recompute)))
+                                                     candidate_lighter(candidate, options.recompute)))
     pinned = tuple(sorted((fqn, stored[fqn]) for fqn in {info.fqn for info in sub.nodes.values()}
                           if fqn in stored))
     if any(len(spec) != len(mesh) for _, spec in pinned):
@@ -128,7 +128,9 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
 def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False, below: float = 0.0
                 ) -> tuple[list[float], list[float]]:
     """Each stage's least memory and its fastest plans' memory, by the search's layer costs (by
-    layer count, least 0, where they are not at hand)."""
+    layer count, least 0, where they are not at hand). A candidate whose lighter layers are
+    recomputed in a mode the search did not cost (:attr:`PipelineCandidate.lighter`) is counted
+    as recomputing them fully: less than it needs, which the rank's retries correct."""
     least, fast = [], []
     reads: dict[tuple[int, ...], list[dict[str, tuple[int, float]]]] = {}  # by mesh
     for (start, end), mesh in zip(candidate.cuts, candidate.meshes):
@@ -136,7 +138,8 @@ def stage_needs(candidate: PipelineCandidate, mixed_precision: bool = False, bel
             if mesh not in reads:
                 reads[mesh] = layer_inputs(candidate.graph, candidate.layers, mixed_precision, mesh, below)
             table = RangeTable(candidate.graph, candidate.layers, candidate.costs[mesh], False, reads[mesh])
-            least.append(table.least_memory(start, end, candidate.recomputed, candidate.selective))
+            costed = candidate.selective if candidate.lighter is None else frozenset()
+            least.append(table.least_memory(start, end, candidate.recomputed, costed))
             fast.append(max(least[-1], table.cost(start, end, None)[1]))
         else:
             least.append(0.0)
