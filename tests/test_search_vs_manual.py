@@ -120,12 +120,8 @@ def test_hsdp_is_searched_across_nodes_where_replication_fits() -> None:
     assert found <= hsdp.step_time_s * (1 + 1e-6)
 
 
-def test_selectively_recomputed_blocks_that_must_also_be_trimmed_lose_to_full_recomputation() -> None:
-    """Four of Llama 3.1 8B's blocks on 8 H100s (meta device, 16 x 8,192 tokens) under a budget
-    between what FSDP needs with every block recomputed selectively and fully: the search's
-    best estimate recomputes every block selectively, which the exact plans can only fit by
-    trimming further (slower than recomputing fully), so the found plan is never slower than
-    ``fsdp=8,ac=full``."""
+def _llama_8b_blocks():
+    """Four of Llama 3.1 8B's blocks (Hugging Face's class, meta device), 16 x 8,192 tokens."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -134,7 +130,16 @@ def test_selectively_recomputed_blocks_that_must_also_be_trimmed_lose_to_full_re
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
         ids = torch.randint(0, 1024, (16, 8192))
-    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama-8b-blocks")
+    return make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama-8b-blocks")
+
+
+def test_selectively_recomputed_blocks_that_must_also_be_trimmed_lose_to_full_recomputation() -> None:
+    """Four of Llama 3.1 8B's blocks on 8 H100s (meta device, 16 x 8,192 tokens) under a budget
+    between what FSDP needs with every block recomputed selectively and fully: the search's
+    best estimate recomputes every block selectively, which the exact plans can only fit by
+    trimming further (slower than recomputing fully), so the found plan is never slower than
+    ``fsdp=8,ac=full``."""
+    spec = _llama_8b_blocks()
     whole = {"stages": 1, "microbatches": 1}
     unbounded = PlanOptions(8, "h100", **whole).planner_options()
     selective, full = (cost_manual(spec, unbounded, parse_manual(f"fsdp=8,ac={ac}")).predicted
@@ -154,15 +159,7 @@ def test_the_per_op_policy_is_searched_where_selective_recomputation_does_not_fi
     by torchtitan's per-op policy and selectively: the per-op policy (``ac=op``, faster than
     recomputing fully) fits, every block selectively does not, and the found plan is never
     slower than ``fsdp=8,ac=op``."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(hidden_size=4096, num_hidden_layers=4, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, vocab_size=1024, max_position_embeddings=8192)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-        ids = torch.randint(0, 1024, (16, 8192))
-    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama-8b-blocks")
+    spec = _llama_8b_blocks()
     whole = {"stages": 1, "microbatches": 1}
     unbounded = PlanOptions(8, "h100", **whole).planner_options()
     per_op, selective, full = (cost_manual(spec, unbounded, parse_manual(f"fsdp=8,ac={ac}")).predicted
