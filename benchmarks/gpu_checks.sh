@@ -9,7 +9,10 @@
 #      the model on the GPU, then its measured step time beside its prediction under the preset and
 #      the calibrated file, and the model run eagerly by hand (gpu_step_time.py);
 #   4. GPT-2 124M fp32 the same way;
-#   5. the Llama plan on the DTensor interpreter, checked and timed.
+#   5. the Llama plan on the DTensor interpreter, checked and timed;
+#   6. the Llama with torchtitan's per-op policy (`--recompute op`), checked and timed.
+# Steps 3 and 6 also profile the program's GPU kernels by kind. STEPS="NAME ..." runs only the
+# steps named (check calibrate llama1b gpt2 llama1b-interpreter llama1b-op).
 # Each step has its own time limit, so one failure leaves the others' figures.
 set -u
 out=${1:-gpu_results}
@@ -19,6 +22,7 @@ py=${PYTHON:-python3}
 run() {  # run NAME SECONDS COMMAND...: log to $out/NAME.log, print its tail and exit status
   local name=$1 limit=$2
   shift 2
+  [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $name "* ]] || return 0
   local start=$SECONDS
   timeout "$limit" "$@" >"$out/$name.log" 2>&1
   local rc=$?
@@ -36,6 +40,8 @@ clusters=(--cluster "$cluster")
 [ -f "$calibrated" ] && clusters+=(--cluster "$calibrated")
 llama=(--model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 "${clusters[@]}")
 step_time=($py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py)
-run llama1b 150 "${step_time[@]}" "${llama[@]}" --check --eager --json "$out/llama1b.json"
+run llama1b 180 "${step_time[@]}" "${llama[@]}" --check --eager --profile --json "$out/llama1b.json"
 run gpt2 100 "${step_time[@]}" --model gpt2 "${clusters[@]}" --check --eager --json "$out/gpt2.json"
 run llama1b-interpreter 120 "${step_time[@]}" "${llama[@]}" --interpreter --check --json "$out/llama1b-interpreter.json"
+llama_op=(--model llama-1b --precision bf16 --recompute op --batch 4 --seq 2048 "${clusters[@]}")
+run llama1b-op 150 "${step_time[@]}" "${llama_op[@]}" --check --profile --json "$out/llama1b-op.json"

@@ -1,13 +1,14 @@
 """Predicted against measured step time and memory on one GPU (CUDA, NCCL).
 
     torchrun --nproc-per-node 1 benchmarks/gpu_step_time.py [--model gpt2|llama-1b|llama-3b]
-        [--precision fp32|bf16] [--recompute all|none] [--batch B] [--seq S]
+        [--precision fp32|bf16] [--recompute all|selective|op|none] [--batch B] [--seq S]
         [--cluster h100 [--cluster FILE.toml ...]] [--interpreter] [--eager] [--json OUT.json]
 
 Plans the model (Hugging Face classes, random weights; ``gpt2``: GPT-2 124M, ``llama-1b``:
 Llama 3.2 1B's shape, ``llama-3b``: 3B's, ``examples/llama.py``) through the front door for the running job's
 devices under each ``--cluster`` (no pipeline; ``--recompute all`` recomputes every layer in
-the backward, ``--precision bf16`` trains under torch.autocast with fp32 master weights),
+the backward, ``selective`` keeps each layer's matrix products and attention, ``op`` torchtitan's
+per-op policy; ``--precision bf16`` trains under torch.autocast with fp32 master weights),
 builds the program of the first cluster's plan (the native program where the plan is one of
 PyTorch's own patterns; ``--interpreter``: the DTensor interpreter always) and times ``--steps`` training steps of it
 (forward, backward and the plan's AdamW step, each timed to a CUDA synchronise after
@@ -150,7 +151,7 @@ def main() -> int:
     parser.add_argument("--model", choices=("gpt2", "llama-1b", "llama-3b"), default="gpt2")
     parser.add_argument("--cluster", action="append", help="a preset or cluster file (repeatable; default h100)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
-    parser.add_argument("--recompute", choices=("all", "none"), default="none")
+    parser.add_argument("--recompute", choices=("all", "selective", "op", "none"), default="none")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seq", type=int, default=1024)
     parser.add_argument("--warmup", type=int, default=3)
@@ -168,6 +169,10 @@ def main() -> int:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_step_time: no GPU here; run it on a machine with CUDA", file=sys.stderr)
+        return 2
+    if args.eager and args.recompute in ("selective", "op"):
+        print("gpu_step_time: --eager times Hugging Face's own checkpointing, which recomputes whole layers; "
+              "use it with --recompute all or none", file=sys.stderr)
         return 2
     clusters = args.cluster or ["h100"]
     ctx = init_distributed()
