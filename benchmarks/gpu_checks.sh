@@ -38,10 +38,10 @@ calibrated=${CALIBRATED:-$out/calibrated.toml}
 [ -n "${CALIBRATED:-}" ] || run calibrate 90 $py -m autoplan calibrate --devices 1 -o "$calibrated"
 clusters=(--cluster "$cluster")
 [ -f "$calibrated" ] && clusters+=(--cluster "$calibrated")
-llama=(--model llama-1b --precision bf16 --recompute all --batch 4 --seq 2048 "${clusters[@]}")
+llama_1b=(--model llama-1b --precision bf16 --batch 4 --seq 2048 "${clusters[@]}")
+llama=("${llama_1b[@]}" --recompute all)
 step_time=($py -m torch.distributed.run --standalone --nproc-per-node 1 benchmarks/gpu_step_time.py)
 run llama1b 180 "${step_time[@]}" "${llama[@]}" --check --eager --profile --json "$out/llama1b.json"
 run gpt2 100 "${step_time[@]}" --model gpt2 "${clusters[@]}" --check --eager --json "$out/gpt2.json"
 run llama1b-interpreter 120 "${step_time[@]}" "${llama[@]}" --interpreter --check --json "$out/llama1b-interpreter.json"
-llama_op=(--model llama-1b --precision bf16 --recompute op --batch 4 --seq 2048 "${clusters[@]}")
-run llama1b-op 150 "${step_time[@]}" "${llama_op[@]}" --check --profile --json "$out/llama1b-op.json"
+run llama1b-op 150 "${step_time[@]}" "${llama_1b[@]}" --recompute op --check --profile --json "$out/llama1b-op.json"

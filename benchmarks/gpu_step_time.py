@@ -167,12 +167,12 @@ def main() -> int:
                         help="also profile 3 steps of the program: GPU kernel time per step by kind of kernel")
     parser.add_argument("--json", help="write the figures to this JSON file")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_step_time: no GPU here; run it on a machine with CUDA", file=sys.stderr)
-        return 2
     if args.eager and args.recompute in ("selective", "op"):
         print("gpu_step_time: --eager times Hugging Face's own checkpointing, which recomputes whole layers; "
               "use it with --recompute all or none", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("gpu_step_time: no GPU here; run it on a machine with CUDA", file=sys.stderr)
         return 2
     clusters = args.cluster or ["h100"]
     ctx = init_distributed()
