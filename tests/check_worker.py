@@ -54,7 +54,7 @@ def run_case(case: dict) -> dict:
 
 
 def main(out_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=90))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
     ctx = init_distributed()
     results: dict = {}
     for case in json.loads((out_dir / "cases.json").read_text()):

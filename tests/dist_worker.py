@@ -281,7 +281,7 @@ def run_case(name: str, world: int) -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     wanted = sys.argv[2:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     results = {}

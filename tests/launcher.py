@@ -13,14 +13,26 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_SCALE_ENV = "AUTOPLAN_TEST_TIMEOUT_SCALE"
+DEFAULT_TIMEOUT_SCALE = 4.0
+
+
+def backstop(seconds: float) -> int:
+    """The time limit of a test's subprocess: ``seconds`` (what it takes on a quiet machine, with
+    room) times ``AUTOPLAN_TEST_TIMEOUT_SCALE`` (default 4). A limit only turns a hang into a
+    failure; a machine several times slower or busier than the one the figure was read on must
+    still pass (one 4-process launch took 261 s on one day and 526 s on another)."""
+    return int(seconds * float(os.environ.get(TIMEOUT_SCALE_ENV, DEFAULT_TIMEOUT_SCALE)))
 
 
 def launch_worker(worker: Path, world: int, out_dir: Path, *args: str, timeout: int = 420) -> dict[int, dict]:
-    """Run ``worker OUT_DIR [ARGS...]`` in ``world`` processes; each rank's JSON result, by rank."""
+    """Run ``worker OUT_DIR [ARGS...]`` in ``world`` processes; each rank's JSON result, by rank
+    (``timeout``: seconds on a quiet machine, scaled by :func:`backstop`)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
            str(worker), str(out_dir), *args]
-    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, check=False, env=env, capture_output=True, text=True,
+                          timeout=backstop(timeout))
     found = {r: out_dir / f"rank{r}.json" for r in range(world)}
     assert proc.returncode == 0 and all(f.exists() for f in found.values()), \
         f"{world}-process launch of {worker.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

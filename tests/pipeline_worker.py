@@ -272,7 +272,7 @@ def run_case(name: str) -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     wanted = sys.argv[2:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=90))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict = {}

@@ -34,6 +34,7 @@ from autoplan.cost_models import (
     load_cluster,
 )
 from autoplan.trace.graph import NodeInfo
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [4096 * 4**i for i in range(8)]  # 4 KiB .. 64 MiB
@@ -227,7 +228,7 @@ def test_quick_calibration_on_this_machine_plans(tmp_path: Path, capsys: pytest.
     plans with. The figures depend on the machine and its load: only their presence is checked."""
     out = tmp_path / "tmp" / "cpu.toml"
     result = subprocess.run([sys.executable, "-m", "autoplan", "calibrate", "--devices", "2", "-o", str(out),
-                             "--quick"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                             "--quick"], cwd=tmp_path, capture_output=True, text=True, timeout=backstop(300))
     assert result.returncode == 0, result.stderr
     assert f"wrote {out}" in result.stdout
     assert [p.name for p in out.parent.iterdir()] == ["cpu.toml"]  # no temporary file left behind

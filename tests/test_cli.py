@@ -11,6 +11,7 @@ import pytest
 
 from autoplan.cli import run
 from autoplan.errors import AutoplanError
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,11 +35,11 @@ def test_json_flag_prints_only_the_plan(tmp_path: Path) -> None:
 
 
 def test_python_dash_m_autoplan_and_its_subcommands(tmp_path: Path) -> None:
-    top = subprocess.run([sys.executable, "-m", "autoplan", "--help"], capture_output=True, text=True, timeout=120)
+    top = subprocess.run([sys.executable, "-m", "autoplan", "--help"], capture_output=True, text=True, timeout=backstop(120))
     assert top.returncode == 0 and "calibrate" in top.stdout and "plan" in top.stdout
     for command in ("plan", "calibrate"):
         sub = subprocess.run([sys.executable, "-m", "autoplan", command, "--help"], capture_output=True, text=True,
-                             timeout=120)
+                             timeout=backstop(120))
         assert sub.returncode == 0 and "--devices" in sub.stdout, sub.stderr
     short = _cli(str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--no-pipeline", "--out", str(tmp_path / "o"),
                  cwd=tmp_path)
@@ -77,7 +78,7 @@ def test_replicated_plan_says_why(tmp_path: Path, capsys: pytest.CaptureFixture)
 
 def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autoplan.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=backstop(300))
 
 
 def test_stdout_holds_the_summary_and_no_solver_banner(tmp_path: Path) -> None:

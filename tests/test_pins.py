@@ -29,6 +29,7 @@ from autoplan.sharding import R, S
 from autoplan.solvers.intra_op.brute_force import BRUTE_FORCE_LIMIT, brute_force
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.tracer import trace
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parent.parent
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -319,7 +320,7 @@ def test_the_megatron_pinned_plan_runs_and_passes_the_check(tmp_path: Path) -> N
     pins = [arg for pin in MEGATRON for arg in ("--pin", pin)]
     result = subprocess.run([sys.executable, "-m", "autoplan.cli", GPT, "--devices", "4", "--cluster", "cpu", *pins,
                              "--run", "--check", "--steps", "2", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=backstop(600))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "check: PASSED" in result.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())
@@ -352,7 +353,7 @@ def test_stage_checkpoint_and_placement_pins_run_in_a_pipeline_and_pass_the_chec
     result = subprocess.run([sys.executable, "-m", "autoplan.cli", str(ROOT / "tests" / "training_run_model.py"),
                              "--devices", "4", "--cluster", "cpu", *[a for p in pins for a in ("--pin", p)],
                              "--run", "--check", "--steps", "2", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=600)
+                            capture_output=True, text=True, timeout=backstop(600))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "check: PASSED" in result.stdout
     plan = json.loads((tmp_path / "plan.json").read_text())

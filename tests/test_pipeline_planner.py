@@ -27,6 +27,7 @@ from autoplan.planner.pipeline import (
 )
 from autoplan.reports.timeline import chrome_trace, simulate, write_timeline
 from autoplan.trace.tracer import trace
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -151,7 +152,7 @@ def test_manual_plans_are_costed_or_explained(small_gpt) -> None:
 def test_cli_shows_manual_plans_and_writes_a_timeline(tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "autoplan.cli", str(ROOT / "examples" / "gpt.py"), "--devices", "2",
                              "--cluster", "cpu", "--stages", "2", "--microbatches", "2", "--manual", "dp=2",
-                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=300)
+                             "--out", str(tmp_path)], capture_output=True, text=True, timeout=backstop(300))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "manual dp=2,tp=1,pp=1,microbatches=1" in result.stdout
     assert (tmp_path / "timeline.json").is_file() and (tmp_path / "timeline.png").is_file()
@@ -170,7 +171,7 @@ loss_fn = gpt.loss_fn
 
 def _run_check(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autoplan.cli", *args, "--cluster", "cpu", "--run", "--check",
-                           "--steps", "2", "--out", str(cwd / "out")], capture_output=True, text=True, timeout=600,
+                           "--steps", "2", "--out", str(cwd / "out")], capture_output=True, text=True, timeout=backstop(600),
                           cwd=cwd)
 
 

@@ -25,6 +25,7 @@ from autoplan.reports import parse_train_log, write_report
 from autoplan.reports.baselines import cost_baselines
 from autoplan.reports.report import comm_by_kind, placement_groups
 from autoplan.solvers import format_bytes, format_seconds
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parent.parent
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -238,7 +239,7 @@ def test_figures_need_no_display_and_leave_pyplot_alone(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "WAYLAND_DISPLAY")}
     env["MPLBACKEND"] = "TkAgg"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=backstop(120), check=False)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "True"
 

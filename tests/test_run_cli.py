@@ -12,13 +12,14 @@ import pytest
 
 from autoplan.cli import run
 from autoplan.codegen.check import CheckReport, Comparison
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                           str(nproc), str(script), *args], capture_output=True, text=True, timeout=300)
+                           str(nproc), str(script), *args], capture_output=True, text=True, timeout=backstop(300))
 
 
 @pytest.mark.parametrize("precision, tolerances", [
@@ -28,7 +29,7 @@ def _torchrun(script: Path, nproc: int, *args: str) -> subprocess.CompletedProce
 def test_run_check_passes_for_the_mlp_on_two_processes(precision: str, tolerances: str, tmp_path: Path) -> None:
     result = subprocess.run([sys.executable, "-m", "autoplan.cli", str(ROOT / "examples" / "mlp.py"), "--devices", "2",
                              "--precision", precision, "--run", "--check", "--steps", "2", "--out", str(tmp_path)],
-                            capture_output=True, text=True, timeout=300)
+                            capture_output=True, text=True, timeout=backstop(300))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "check: PASSED" in result.stdout
     assert "largest difference" in result.stdout and tolerances in result.stdout

@@ -27,6 +27,7 @@ from autoplan.load import load_model_file
 from autoplan.planner.front_door import with_decisions
 from autoplan.planner.manual import parse_manual, plan_manual
 from autoplan.planner.options import PlanOptions
+from launcher import backstop
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_FILE = ROOT / "tests" / "training_run_model.py"
@@ -67,7 +68,7 @@ def train(folder: Path, processes: int, *args: str, restarts: int = 0, env: dict
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
                "--max-restarts", str(restarts), str(folder / "train.py"), *args]
     environment = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **(env or {}))
-    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=400, check=False)
+    return subprocess.run(command, env=environment, capture_output=True, text=True, timeout=backstop(400), check=False)
 
 
 def losses(run: subprocess.CompletedProcess) -> dict[int, float]:
