@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from autoplan.solvers import Edge, IntraOpProblem, brute_force, evaluate, solve_intra_op
+from autoplan.errors import MemoryInfeasibleError
+from autoplan.solvers import Edge, IntraOpProblem, brute_force, canonical_solution, evaluate, solve_intra_op
+from autoplan.solvers.intra_op import PeakRow, least_memory
 from autoplan.solvers.intra_op.tie_break import (
     RANK_STRIDE,
     choice_ranks,
@@ -110,6 +112,39 @@ def test_canonical_objective_is_the_optimum(seed: int) -> None:
         assert canonical.memory <= problem.memory_budget
     assert canonical.objective == pytest.approx(brute_force(problem).objective, rel=1e-9, abs=1e-12)
     assert evaluate(problem, canonical.choices) == (canonical.objective, canonical.memory)
+
+
+def _with_tied_peaks(seed: int) -> IntraOpProblem:
+    """A tied problem with 1-2 integral peak rows and a budget between the least and the most
+    its peak could need, so that some answers are bounded by a tightened budget."""
+    problem = tied_problem(seed)
+    rng = random.Random(seed + 7)
+    problem.peaks = [PeakRow({g: [float(rng.randint(0, 3)) for _ in problem.costs[g]]
+                              for g in rng.sample(range(problem.num_groups), rng.randint(1, problem.num_groups))},
+                             0.0) for _ in range(rng.randint(1, 2))]
+    least = least_memory(problem)
+    most = math.fsum(max(m) for m in problem.memory) + max(row.most() for row in problem.peaks)
+    problem.memory_budget = math.floor((least + most) / 2) + 0.5
+    return problem
+
+
+@pytest.mark.parametrize("solver", SOLVERS)
+@pytest.mark.parametrize("seed", range(20))
+def test_breaking_the_ties_of_a_found_optimum_gives_the_canonical_solve(seed: int, solver: str) -> None:
+    """canonical_solution (the tie-break of an optimum found before, as the planner breaks the
+    chosen mesh's ties) returns what one canonical solve returns, with budgets, peak rows and
+    tightened budgets among the problems."""
+    problems = [tied_problem(seed), tied_problem(seed, budget=True), _with_tied_peaks(seed)]
+    for problem in problems:
+        try:
+            found = solve_intra_op(problem, solver=solver, canonical=False)
+        except MemoryInfeasibleError:
+            continue
+        broken = canonical_solution(problem, found, solver)
+        assert broken.choices == solve_intra_op(problem, solver=solver).choices
+        assert broken.objective == pytest.approx(found.objective, rel=1e-9, abs=1e-12)
+        assert broken.kept_budget == found.kept_budget
+        assert problem.memory_budget is None or broken.peak <= problem.memory_budget
 
 
 def test_less_memory_wins_a_tie_then_the_choice_name() -> None:

@@ -44,14 +44,15 @@ class MeshOutcome:
 
 
 def _solve_mesh(graph: TracedGraph, classes: NodeClasses, mesh: tuple[int, ...], options: PlannerOptions,
-                canonical: bool = True, recomputed: Sequence[Layer] = (), selective: Sequence[Layer] = ()
-                ) -> MeshOutcome:
+                canonical: bool = True, recomputed: Sequence[Layer] = (), selective: Sequence[Layer] = (),
+                optimum: IntraOpResult | None = None) -> MeshOutcome:
     ctx = CostContext(mesh, options.cluster.mesh_links(mesh), options.cluster.device, options.optimizer,
                       recompute_regions=regions(recomputed),
                       recompute_saved=saved_outputs(graph, selective, lighter_mode(options.recompute)))
     try:
         result = plan_intra_op(graph, classes, mesh, ctx, options.memory_budget, options.solver,
-                               options.time_limit_s, options.pick, options.allow_storage, canonical, options.pins)
+                               options.time_limit_s, options.pick, options.allow_storage, canonical, options.pins,
+                               optimum=optimum)
     except MemoryInfeasibleError as e:
         return MeshOutcome(mesh, None, None, str(e), e.least_memory_bytes)
     return MeshOutcome(mesh, result, ctx)
@@ -92,10 +93,10 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
             f"give more memory (--memory-per-device) or more devices", least)
     predictions = {o.mesh: predict(graph, classes, o.result, o.ctx) for o in feasible}
     best = min(feasible, key=lambda o: predictions[o.mesh][0].step_time_s)
-    if options.canonical and len(meshes) > 1:
-        canonical = _solve_mesh(graph, classes, best.mesh, options, recomputed=recomputed, selective=selective)
+    if options.canonical and len(meshes) > 1 and options.pick is None:
+        canonical = _solve_mesh(graph, classes, best.mesh, options, recomputed=recomputed, selective=selective,
+                                optimum=best.result)
         if canonical.result is not None:
-            canonical.result.solution.solve_time_s += best.result.solution.solve_time_s
             outcomes[outcomes.index(best)] = best = canonical
             feasible = [o for o in outcomes if o.result is not None]
             predictions[best.mesh] = predict(graph, classes, best.result, best.ctx)

@@ -42,8 +42,8 @@ from autoplan.cost_models.step_costs import (ALIASING_OPS, CostContext, NodeCost
 from autoplan.errors import AutoplanError
 from autoplan.planner.pins import PinKind, PinSet
 from autoplan.sharding import R, ShardingSpec, boundary_spec, spec_name, spec_to_json
-from autoplan.solvers import (ChoiceSum, Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow, evaluate,
-    solve_intra_op, transient)
+from autoplan.solvers import (ChoiceSum, Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow,
+    canonical_solution, evaluate, solve_intra_op, transient)
 from autoplan.strategies.candidates import (Strategy, enumerate_strategies, replicated_strategy,
     sharded_state_strategies, storage_strategies, strategy_name, tensor_specs)
 from autoplan.strategies.index_maps import index_map_for, op_name
@@ -80,6 +80,7 @@ class Grouping:
     group_of: list[int]
     choice_map: list[list[int]]
     roots: list[int]  # root class of each group
+    gathered_storage: bool = False  # gathered storage and sharded optimizer state among the choices
 
     def strategy_index(self, cls: int, group_choices: list[int]) -> int:
         return self.choice_map[cls][group_choices[self.group_of[cls]]]
@@ -99,6 +100,7 @@ class IntraOpResult:
     input_names: dict[str, list[str]]  # node -> its tensor inputs, in the order of Strategy.input_specs
     needs_grad: dict[str, bool]
     warnings: list[str] = field(default_factory=list)
+    gathered_storage: bool = False  # the problem solved had gathered storage among its choices (:func:`_solve`)
 
 
 @dataclass
@@ -443,7 +445,7 @@ def _group(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
 
     roots = sorted({group_of[c] for c in range(n)})
     renumber = {r: g for g, r in enumerate(roots)}
-    return Grouping([renumber[group_of[c]] for c in range(n)], choice_map, roots)
+    return Grouping([renumber[group_of[c]] for c in range(n)], choice_map, roots, gathered_storage)
 
 
 def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
@@ -698,7 +700,8 @@ def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: GraphView |
 
 def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
            memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool,
-           gathered_storage: bool = False) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
+           gathered_storage: bool = False, optimum: IntraOpResult | None = None
+           ) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
     """The ILP, solved. Storing a trained parameter sharded and gathering it at use costs
     gathers and saves memory (its optimizer step shrinks too, on GPU clusters by less than
     the gathers cost), so it is searched where memory needs it: the fastest plan with every
@@ -718,8 +721,16 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     they are where the device hides a block's forward gathers behind the block before, in a
     plan of one stage (:func:`_hides_gathers`): there a parameter gathered at use may be the
     faster choice, its hidden gathers cheaper than the optimizer step it shrinks (and one held
-    through accumulated microbatches moves fewer bytes than a replicated one under bf16)."""
+    through accumulated microbatches moves fewer bytes than a replicated one under bf16).
+
+    ``optimum``: this call's answer found before without the tie-break; the problem it solved is
+    built again and only its ties are broken (:func:`~autoplan.solvers.canonical_solution`)."""
     peaks = memory_budget is not None  # the budget bounds the peak: kept values and the backward's moments
+    if optimum is not None:
+        grouping = _group(view, classes, strat, gathered_storage=optimum.gathered_storage)
+        problem = _build_problem(view, classes, strat, grouping, ctx,
+                                 memory_budget if optimum.gathered_storage else None, peaks)
+        return grouping, problem, canonical_solution(problem, optimum.solution, solver, time_limit_s)
     if gathered_storage or splits_dims_over_axes(ctx) or _hides_gathers(view, ctx):
         grouping = _group(view, classes, strat, gathered_storage=True)
         problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks)
@@ -730,7 +741,7 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
     if memory_budget is None or fastest.peak <= memory_budget:
         if canonical:
-            fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=True)
+            fastest = canonical_solution(problem, fastest, solver, time_limit_s)
         return grouping, problem, fastest
     grouping = _group(view, classes, strat, gathered_storage=True)
     problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks)
@@ -792,7 +803,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
                   pick: Callable[[int, list[str]], int] | None = None,
                   allow_storage: StorageRule | None = None, canonical: bool = True,
                   pins: PinSet | None = None, gathered_storage: bool = False,
-                  prepared: PreparedPlan | None = None) -> IntraOpResult:
+                  prepared: PreparedPlan | None = None, optimum: IntraOpResult | None = None) -> IntraOpResult:
     """Choose a strategy for every node of ``graph`` on a mesh of ``mesh_shape``.
 
     ``pick(group, choice_names) -> index`` replaces the ILP with a given assignment (tests that
@@ -807,14 +818,15 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     they allow: constraints of the ILP, whose resharding the objective pays.
     ``gathered_storage``: see :func:`_solve`. ``prepared``: :func:`prepare_intra_op`'s answer for
     the same graph, classes, mesh, context, ``allow_storage`` and ``pins``, where the caller
-    has it already."""
+    has it already. ``optimum``: the answer of a call with the same arguments but ``canonical``
+    False; only its ties are broken (a second solve, not a third)."""
     if prepared is None:
         prepared = prepare_intra_op(graph, classes, mesh_shape, ctx, allow_storage, pins)
     view, ctx, classes, strat = prepared.view, prepared.ctx, prepared.classes, prepared.strategies
     messages = list(prepared.messages)
     if pick is None:
         grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
-                                             gathered_storage)
+                                             gathered_storage, optimum)
     else:
         grouping = _group(view, classes, strat, gathered_storage=True)
         problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, memory_budget is not None)
@@ -830,7 +842,7 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
             chosen[member] = strat[cls].strategies[j]
             node_costs[member] = strat[cls].costs[j]
     return IntraOpResult(mesh_shape, chosen, node_costs, solution, problem, classes.num_classes,
-                         len(graph.nodes), view.inputs, view.needs_grad, messages)
+                         len(graph.nodes), view.inputs, view.needs_grad, messages, grouping.gathered_storage)
 
 
 def recompute_change(graph: TracedGraph, result: IntraOpResult, ctx: CostContext,

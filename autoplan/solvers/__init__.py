@@ -4,8 +4,8 @@ from autoplan.solvers.inter_op import (InterOpInfeasibleError, InterOpProblem, I
     StageCost, StageCostFn, SubMesh, brute_force_inter_op, candidate_submeshes, explain_inter_op, pipeline_step_time,
     solve_inter_op)
 from autoplan.solvers.intra_op import (SOLVER_NAMES, ChoiceSum, Edge, IntraOpProblem, IntraOpSolution, OverlapRow,
-    PeakRow, SolverFallbackWarning, SolverName, SolverTimeoutError, brute_force, check_solver_name, evaluate,
-    explain, solve_intra_op, transient, trim_memory, trim_memory_together)
+    PeakRow, SolverFallbackWarning, SolverName, SolverTimeoutError, brute_force, canonical_solution, check_solver_name,
+    evaluate, explain, solve_intra_op, transient, trim_memory, trim_memory_together)
 from autoplan.solvers.units import format_bytes, format_seconds
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "brute_force",
     "brute_force_inter_op",
     "candidate_submeshes",
+    "canonical_solution",
     "check_solver_name",
     "evaluate",
     "explain",

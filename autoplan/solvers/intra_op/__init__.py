@@ -26,7 +26,8 @@ from autoplan.solvers.intra_op.preprocess import SEPARABLE_RTOL, ReducedProblem,
 from autoplan.solvers.intra_op.problem import (ChoiceSum, Edge, IntraOpProblem, IntraOpSolution, OverlapRow, PeakRow,
     check_memory_feasible, evaluate, least_memory, transient)
 from autoplan.solvers.intra_op.run import parse_cbc_bound
-from autoplan.solvers.intra_op.solve import SolverTimeoutError, relative_gap, solution_status, solve_intra_op
+from autoplan.solvers.intra_op.solve import (SolverTimeoutError, canonical_solution, relative_gap, solution_status,
+    solve_intra_op)
 from autoplan.solvers.intra_op.trimming import trim_memory, trim_memory_together
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "SolverName",
     "SolverTimeoutError",
     "brute_force",
+    "canonical_solution",
     "build_model",
     "check_memory_feasible",
     "check_solver_name",

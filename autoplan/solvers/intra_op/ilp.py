@@ -120,6 +120,9 @@ class IlpModel:
     hidden: list[int] = field(default_factory=list)  # h's columns, one per overlap row
     peaks: list[PeakRow] = field(default_factory=list)  # the rows (6) added so far
     values: np.ndarray | None = None  # the last solve's column values
+    # an assignment's ``s`` columns and their values (:meth:`start_at`): where there are no
+    # ``values`` yet, a warm-started solve starts from it and the solver completes the rest
+    start: tuple[np.ndarray, np.ndarray] | None = None
     status: int = pulp.LpStatusNotSolved  # the last solve's pulp status
     # the rows, block by block (:meth:`add_rows`): entries per row, their columns and
     # coefficients, the rows' bounds
@@ -136,6 +139,16 @@ class IlpModel:
     @property
     def num_rows(self) -> int:
         return sum(len(lengths) for lengths in self._lengths)
+
+    def start_at(self, choices: list[int]) -> None:
+        """Start the next warm-started solve from ``choices`` (a choice per group of the
+        problem): the ``s`` columns of the active groups, 1 at the choice and 0 elsewhere."""
+        if not self.s:
+            return
+        columns = np.concatenate(list(self.s.values()))
+        values = np.concatenate([(np.arange(len(group)) == choices[g]).astype(np.float64)
+                                 for g, group in self.s.items()])
+        self.start = (columns.astype(np.int32), values)
 
     def add_rows(self, lengths: np.ndarray, columns: np.ndarray, coefficients: np.ndarray,
                  lower: np.ndarray, upper: np.ndarray) -> None:

@@ -159,6 +159,10 @@ class IntraOpSolution:
     num_variables: int
     num_constraints: int
     transient: float = 0.0
+    # the budget of kept memory, peak rows left out, under which ``choices`` were proven optimal
+    # (the budget tightened by the transient: :func:`~autoplan.solvers.intra_op.solve.solve_intra_op`);
+    # None where the problem's own budget and rows bounded them
+    kept_budget: float | None = None
 
     @property
     def peak(self) -> float:

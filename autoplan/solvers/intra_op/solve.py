@@ -76,12 +76,12 @@ def _reported_gap(status: str, objective: float, run: SolverRun, model: IlpModel
 
 
 def solution_of(problem: IntraOpProblem, choices: list[int], status: str, gap: float | None,
-                solver: str, seconds: float, num_variables: int, num_constraints: int
-                ) -> IntraOpSolution:
+                solver: str, seconds: float, num_variables: int, num_constraints: int,
+                kept_budget: float | None = None) -> IntraOpSolution:
     """An IntraOpSolution whose objective, memory and transient are evaluated exactly from ``choices``."""
     objective, memory = evaluate(problem, choices)
     return IntraOpSolution(choices, objective, memory, status, gap, solver, seconds,
-                           num_variables, num_constraints, transient(problem, choices))
+                           num_variables, num_constraints, transient(problem, choices), kept_budget)
 
 
 def _no_peak_fits(problem: IntraOpProblem) -> MemoryInfeasibleError:
@@ -142,8 +142,34 @@ def solve_intra_op(
         seconds += tie_broken.seconds
         if fits_budget(problem, tie_broken.choices):
             choices = tie_broken.choices
+    kept_budget = solved.problem.memory_budget if tightened is not None else None
     return solution_of(problem, choices, status, gap, run.solver, seconds,
-                       num_variables, num_constraints)
+                       num_variables, num_constraints, kept_budget)
+
+
+def canonical_solution(problem: IntraOpProblem, optimum: IntraOpSolution, solver: str = "highs",
+                       time_limit_s: float | None = None) -> IntraOpSolution:
+    """``optimum`` (what :func:`solve_intra_op` found for ``problem`` without the tie-break)
+    with its ties broken canonically, as ``solve_intra_op(problem, canonical=True)`` breaks
+    them, without solving for the optimum again: the tie-break's model is built anew, for the
+    budget the optimum was proven under (``optimum.kept_budget``, else the problem's own, its
+    peak rows added lazily), and its solve starts from the optimum's choices. An answer that
+    is not proven optimal is returned as it is."""
+    if optimum.status != "optimal":
+        return optimum
+    chosen_solver = pick_solver(solver)
+    solved = problem if optimum.kept_budget is None else \
+        replace(problem, memory_budget=optimum.kept_budget, peaks=[])
+    reduced = reduce_problem(solved)
+    if not reduced.active:
+        return optimum
+    model = build_model(solved, reduced)
+    model.start_at(optimum.choices)
+    tie_broken = canonicalize(solved, reduced, model, optimum.choices, chosen_solver, time_limit_s)
+    choices = tie_broken.choices if fits_budget(problem, tie_broken.choices) else optimum.choices
+    return solution_of(problem, choices, optimum.status, optimum.gap, optimum.solver,
+                       optimum.solve_time_s + tie_broken.seconds, optimum.num_variables, optimum.num_constraints,
+                       optimum.kept_budget)
 
 
 @dataclass
