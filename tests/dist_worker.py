@@ -2,8 +2,10 @@
 
     python -m torch.distributed.run --nproc-per-node N tests/dist_worker.py OUT_DIR [CASE ...]
 
-For every case meant for this world size: plan the model on every rank (the plan's graph_hash
-must agree across ranks), build the ShardedProgram, run forward + backward on the global batch,
+For every case meant for this world size: read its plan, ``OUT_DIR/NAME.json`` (the test
+planned it once with :func:`plan_case`, not every rank for itself), trace the model on every
+rank (each rank's graph must be the one the plan was made for), build the ShardedProgram, run
+forward + backward on the global batch,
 and compare the loss, the model outputs, every parameter's gradient and every buffer (BatchNorm's
 running statistics) with the single-device model. The program runs inside a ParallelModule (its
 gradient reduction hook included) under CollectiveCounter, forward and backward apart. Each rank
@@ -34,8 +36,10 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen import build_program, planned_collectives
 from autoplan.codegen.redistribution import to_dtensor_placements
+from autoplan.load import ModelSpec, make_model_spec
+from autoplan.plan_schema import Plan
 from autoplan.planner.api import make_options, plan_spec
-from autoplan.load import make_model_spec
+from autoplan.trace.tracer import trace
 
 # name -> (world size, example module, build kwargs, mesh, memory_per_device)
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "batch": 8, "seq": 32}
@@ -169,22 +173,32 @@ def gloo_normalised(counts: dict[str, int]) -> dict[str, int]:
     return {k: v for k, v in out.items() if v}
 
 
-def run_case(name: str, world: int) -> dict:
+def case_spec(name: str) -> ModelSpec:
+    _, module_name, kwargs, _, _ = CASES[name]
+    module = __import__(module_name)
+    model, inputs = module.build(**kwargs)
+    return make_model_spec(model, inputs, module.loss_fn)
+
+
+def plan_case(name: str) -> Plan:
+    """The case's plan: its model planned on its mesh under its memory budget for H100s."""
     import warnings
 
+    world, _, _, mesh_shape, memory = CASES[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_spec(case_spec(name), make_options(world, "h100", mesh_shape, memory_per_device=memory))[0]
+
+
+def run_case(name: str, world: int, plan: Plan) -> dict:
     from autoplan.codegen.collective_counter import CollectiveCounter
     from autoplan.codegen.runtime import ParallelModule
 
-    _, module_name, kwargs, mesh_shape, memory = CASES[name]
+    _, module_name, kwargs, mesh_shape, _ = CASES[name]
     module = __import__(module_name)
-    model, inputs = module.build(**kwargs)
-    spec = make_model_spec(model, inputs, module.loss_fn)
-    options = make_options(world, "h100", mesh_shape, memory_per_device=memory)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan, graph = plan_spec(spec, options)
+    graph = trace(case_spec(name))
     hashes = [None] * world
-    dist.all_gather_object(hashes, plan.graph_hash)
+    dist.all_gather_object(hashes, graph.graph_hash)
     mesh = init_device_mesh("cpu", mesh_shape)
 
     # the single-device reference
@@ -208,7 +222,7 @@ def run_case(name: str, world: int) -> dict:
     loss, outputs = out.loss, list(out.outputs)
 
     result: dict = {
-        "hash_equal": len(set(hashes)) == 1,
+        "hash_equal": set(hashes) == {plan.graph_hash},
         "mesh": list(plan.mesh),
         "params": plan.params,
         "inputs": plan.inputs,
@@ -296,7 +310,7 @@ def main() -> None:
             continue
         start = time.perf_counter()
         try:
-            results[name] = run_case(name, world)
+            results[name] = run_case(name, world, Plan.load(out_dir / f"{name}.json"))
         except Exception as e:  # noqa: BLE001 -- every rank fails alike (same code, same data): record it, go on
             results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}",
                              "traceback": traceback.format_exc()[-3000:]}

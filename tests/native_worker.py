@@ -1,8 +1,9 @@
 """One rank of the native-API checks (tests/test_native.py launches it).
 
-    python -m torch.distributed.run --nproc-per-node 2 tests/native_worker.py OUT_DIR
+    python -m torch.distributed.run --nproc-per-node 2 tests/native_worker.py OUT_DIR CASE [CASE ...]
 
-For every case: plan the model (every rank plans the same), build the ParallelModule with
+For every case: read its plan, ``OUT_DIR/NAME.json`` (the test planned it once with
+:func:`plan_case`; the meta-device and resumed cases plan on every rank), build the ParallelModule with
 ``build_parallel_module`` (native preferred), record which program ran it (DDP, parallelize_module or
 the DTensor interpreter) and compare it with the single device through
 ``check_against_single_device`` (loss, outputs, every gradient, loss after 2 SGD steps; fp32,
@@ -300,7 +301,7 @@ PINNED_PLANS = {**PINNED_CASES, **FOUND_FORM_CASES, **NODES_FOUND_FORM_CASES, **
 
 
 def _pinned_plan(name: str, world: int) -> tuple:
-    """The spec, plan and traced microbatch of a pinned case."""
+    """The spec and plan of a pinned case."""
     module_name, pins, _ = PINNED_PLANS[name]
     spec = make_model_spec(*BUILDERS[module_name]())
     precision = "bf16" if name.endswith("bf16") else "fp32"
@@ -308,7 +309,7 @@ def _pinned_plan(name: str, world: int) -> tuple:
     nodes = dict(devices_per_node=2, mesh=(2, 2)) if across else dict(mesh=(world,))
     plan = plan_model(spec, PlanOptions(world, "h100", pipeline="stages=1" in pins, plan_only=True, pins=pins,
                                         precision=precision, **nodes))
-    return spec, plan, trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
+    return spec, plan
 
 
 # a checkpoint written by the native program of a found-form case, resumed by the interpreter
@@ -343,7 +344,8 @@ def run_resumed_case(name: str, world: int) -> dict:
     from autoplan.codegen.training_checkpoint import TrainingCheckpoints
     from autoplan.data import BatchFeed
 
-    spec, plan, graph = _pinned_plan(RESUMED_CASES[name], world)
+    spec, plan = _pinned_plan(RESUMED_CASES[name], world)
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
     folders = [tempfile.mkdtemp(prefix="resumed-") if dist.get_rank() == 0 else ""]
     dist.broadcast_object_list(folders, src=0)
     first, second = Path(folders[0]) / "native", Path(folders[0]) / "interpreter"
@@ -385,27 +387,44 @@ def run_resumed_case(name: str, world: int) -> dict:
             "num_parameters": len(after_native)}
 
 
-def run_case(name: str, world: int) -> dict:
+def _case_spec(name: str) -> tuple[str, str, object]:
+    """(example module, expected program kind, spec) of a case planned by :func:`plan_case`."""
+    if name in CASES:
+        module_name, kwargs, _, loss_override, expected = CASES[name]
+        module = __import__(module_name)
+        model, inputs = module.build(**kwargs)
+        return module_name, expected, make_model_spec(model, inputs, loss_override or module.loss_fn)
+    module_name, _, expected = {**PINNED_PLANS, **MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name]
+    return module_name, expected, make_model_spec(*BUILDERS[module_name]())
+
+
+def plan_case(name: str, world: int) -> Plan:
+    """The plan of a case that is not a meta-device or resumed one, on ``world`` processes."""
+    if name in CASES:
+        memory = CASES[name][2]
+        return plan_spec(_case_spec(name)[2], make_options(world, "h100", (world,), memory_per_device=memory))[0]
+    if name in PINNED_PLANS:
+        _, plan = _pinned_plan(name, world)
+        return plan
+    text = {**MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name][1]
+    return _manual_plan(_case_spec(name)[2], text.format(world=world), world)
+
+
+def planned_here(name: str) -> bool:
+    """Whether the case plans on every rank (the meta-device and resumed ones) rather than
+    reading the plan :func:`plan_case` made."""
+    return name in META_CASES or name in RESUMED_CASES
+
+
+def run_case(name: str, world: int, out_dir: Path) -> dict:
     if name in META_CASES:
         return run_meta_case(name, world)
     if name in RESUMED_CASES:
         return run_resumed_case(name, world)
-    if name in CASES:
-        module_name, kwargs, memory, loss_override, expected = CASES[name]
-        module = __import__(module_name)
-        model, inputs = module.build(**kwargs)
-        spec = make_model_spec(model, inputs, loss_override or module.loss_fn)
-        plan, graph = plan_spec(spec, make_options(world, "h100", (world,), memory_per_device=memory))
-    elif name in PINNED_PLANS:
-        module_name, pins, expected = PINNED_PLANS[name]
-        spec, plan, graph = _pinned_plan(name, world)
-        model, inputs = spec.module, spec.example_inputs
-    else:
-        module_name, text, expected = {**MANUAL_CASES, **HSDP_CASES, **SINGLE_CASES}[name]
-        spec = make_model_spec(*BUILDERS[module_name]())
-        model, inputs = spec.module, spec.example_inputs
-        plan = _manual_plan(spec, text.format(world=world), world)
-        graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
+    module_name, expected, spec = _case_spec(name)
+    model, inputs = spec.module, spec.example_inputs
+    plan = Plan.load(out_dir / f"{name}.json")
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
     found = recognise(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)), graph, plan)
     before = {k: v.detach().clone() for k, v in spec.module.state_dict().items()}
     pm = build_parallel_module(spec, plan, graph=graph)
@@ -467,14 +486,13 @@ def run_case(name: str, world: int) -> dict:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    names = sys.argv[2:] or [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta",
-                             "llama_table_hidden_meta", "llama_table_hidden_resumed"]
+    names = sys.argv[2:]
     ctx = init_distributed()
     torch.set_num_threads(1)
     results: dict[str, dict] = {}
     for name in names:
         try:
-            results[name] = run_case(name, ctx.world_size)
+            results[name] = run_case(name, ctx.world_size, out_dir)
         except Exception as e:  # noqa: BLE001 -- recorded, so the test names the failing case
             results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
         dist.barrier()

@@ -1,7 +1,8 @@
 """A plan executed with DTensor equals the single device: loss, outputs and every gradient.
 
 Two launches (gloo, CPU): 2 processes (mesh (2,)) and 4 processes (meshes (4,) and (2, 2)), each
-running every case of its world size in tests/dist_worker.py; the tests read their results.
+running every case of its world size in tests/dist_worker.py, planned here beforehand; the tests
+read their results.
 """
 
 from __future__ import annotations
@@ -12,15 +13,22 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from dist_worker import CASES, gloo_normalised
+from dist_worker import CASES, gloo_normalised, plan_case
 from launcher import launch_worker, on_every_rank
 
 WORKER = Path(__file__).resolve().parent / "dist_worker.py"
 
 
+def _launch(world: int, out: Path) -> dict[int, dict]:
+    for name, case in CASES.items():
+        if case[0] == world:
+            (out / f"{name}.json").write_text(plan_case(name).to_json())
+    return launch_worker(WORKER, world, out)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[int, dict[int, dict]]:
-    return {world: launch_worker(WORKER, world, tmp_path_factory.mktemp(f"dist{world}")) for world in (2, 4)}
+    return {world: _launch(world, tmp_path_factory.mktemp(f"dist{world}")) for world in (2, 4)}
 
 
 def _case(results, name: str) -> list[dict]:
@@ -32,7 +40,7 @@ def _case(results, name: str) -> list[dict]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_device(results, name):
     for res in _case(results, name):
-        assert res["hash_equal"], "ranks planned different graphs"
+        assert res["hash_equal"], "a rank traced another graph than the plan's"
         assert res["loss_ok"], f"loss differs by {res['loss_diff']}"
         assert res["outputs_ok"], f"outputs differ by {res['output_diff']}"
         assert not res["grads_missing"], f"no gradient for {res['grads_missing']}"

@@ -4,7 +4,8 @@ parallelize_module with ColwiseParallel/RowwiseParallel) and match the single de
 plans are not recognised.
 
 One launch of 2 gloo processes runs the multi-device cases of tests/native_worker.py, one of
-4 the HSDP cases (2x2), one of 1 process the one-device cases; the tests read their results. A
+4 the HSDP cases (2x2), one of 1 process the one-device cases, each planned here beforehand;
+the tests read their results. A
 planning-only test (no process group) checks that a 2-D plan other than HSDP is refused.
 """
 
@@ -18,22 +19,31 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from launcher import launch_worker, on_every_rank
 from native_worker import (CASES, FOUND_FORM_CASES, HSDP_CASES, MANUAL_CASES, META_CASES, NODES_FOUND_FORM_CASES,
-    NODES_INTERPRETED_CASES, PINNED_CASES, RESUMED_CASES, SINGLE_CASES)
+    NODES_INTERPRETED_CASES, PINNED_CASES, RESUMED_CASES, SINGLE_CASES, plan_case, planned_here)
 
 WORKER = Path(__file__).resolve().parent / "native_worker.py"
 ROOT = WORKER.parents[1]
 WORLD = 2
 
 
+def _launch(out: Path, world: int, names: list[str], timeout: int) -> dict[int, dict]:
+    """The cases ``names`` run on ``world`` processes, each planned here once (but the ones
+    that plan on every rank)."""
+    for name in names:
+        if not planned_here(name):
+            (out / f"{name}.json").write_text(plan_case(name, world).to_json())
+    return launch_worker(WORKER, world, out, *names, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, list[dict]]:
-    per_rank = launch_worker(WORKER, WORLD, tmp_path_factory.mktemp("native"), timeout=300)
-    single = launch_worker(WORKER, 1, tmp_path_factory.mktemp("native_single"), *SINGLE_CASES, timeout=120)
-    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, *NODES_INTERPRETED_CASES, "blocks_hsdp_meta",
-            "llama_nodes_table_resumed"]
-    hsdp = launch_worker(WORKER, 4, tmp_path_factory.mktemp("native_hsdp"), *four, timeout=300)
     two = [*CASES, *MANUAL_CASES, *PINNED_CASES, *FOUND_FORM_CASES, "blocks_fsdp_mixed_meta", "llama_table_hidden_meta",
            "llama_table_hidden_resumed"]
+    per_rank = _launch(tmp_path_factory.mktemp("native"), WORLD, two, timeout=300)
+    single = _launch(tmp_path_factory.mktemp("native_single"), 1, list(SINGLE_CASES), timeout=120)
+    four = [*HSDP_CASES, *NODES_FOUND_FORM_CASES, *NODES_INTERPRETED_CASES, "blocks_hsdp_meta",
+            "llama_nodes_table_resumed"]
+    hsdp = _launch(tmp_path_factory.mktemp("native_hsdp"), 4, four, timeout=300)
     return {**{name: [per_rank[r][name] for r in range(WORLD)] for name in two},
             **{name: [single[0][name]] for name in SINGLE_CASES},
             **{name: [hsdp[r][name] for r in range(4)] for name in four}}
