@@ -21,7 +21,6 @@ import os
 import sys
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import Plan
 from autoplan.planner.api import make_options, plan_spec
 from autoplan.trace.tracer import trace
+from launcher import PEER_TIMEOUT
 
 # name -> (world size, example module, build kwargs, mesh, memory_per_device)
 GPT2 = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 256, "batch": 8, "seq": 32}
@@ -295,7 +295,7 @@ def run_case(name: str, world: int, plan: Plan) -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     wanted = sys.argv[2:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=PEER_TIMEOUT)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     results = {}

@@ -10,11 +10,15 @@ import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_SCALE_ENV = "AUTOPLAN_TEST_TIMEOUT_SCALE"
 DEFAULT_TIMEOUT_SCALE = 4.0
+# how long a worker's gloo process group waits for a peer (a busy 2-core machine runs four ranks
+# and another test beside them): ``dist.init_process_group("gloo", timeout=PEER_TIMEOUT)``
+PEER_TIMEOUT = timedelta(seconds=300)
 
 
 def backstop(seconds: float) -> int:

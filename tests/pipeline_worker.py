@@ -19,7 +19,6 @@ import math
 import os
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -40,6 +39,7 @@ from autoplan.load import make_model_spec
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.plan_schema import Plan, StagePlan
 from autoplan.trace.tracer import trace
+from launcher import PEER_TIMEOUT
 
 GPT_KWARGS = {"hidden": 64, "layers": 2, "heads": 4, "seq": 32, "vocab": 256, "batch": 8}
 
@@ -272,7 +272,7 @@ def run_case(name: str) -> dict:
 def main() -> None:
     out_dir = Path(sys.argv[1])
     wanted = sys.argv[2:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=PEER_TIMEOUT)
     torch.set_num_threads(1)
     rank, world = dist.get_rank(), dist.get_world_size()
     results: dict = {}

@@ -35,7 +35,8 @@ def test_json_flag_prints_only_the_plan(tmp_path: Path) -> None:
 
 
 def test_python_dash_m_autoplan_and_its_subcommands(tmp_path: Path) -> None:
-    top = subprocess.run([sys.executable, "-m", "autoplan", "--help"], capture_output=True, text=True, timeout=backstop(120))
+    top = subprocess.run([sys.executable, "-m", "autoplan", "--help"], capture_output=True, text=True,
+                         timeout=backstop(120))
     assert top.returncode == 0 and "calibrate" in top.stdout and "plan" in top.stdout
     for command in ("plan", "calibrate"):
         sub = subprocess.run([sys.executable, "-m", "autoplan", command, "--help"], capture_output=True, text=True,

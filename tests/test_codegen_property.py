@@ -29,7 +29,7 @@ import traceback
 from pathlib import Path
 
 import pytest
-from launcher import launch_worker
+from launcher import PEER_TIMEOUT, launch_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,8 +217,6 @@ def run_config(label, module_name, kwargs, mesh_shape, examples) -> list[dict]:
 
 
 def worker_main() -> None:
-    from datetime import timedelta
-
     import torch
     import torch.distributed as dist
 
@@ -226,7 +224,7 @@ def worker_main() -> None:
     sys.path.insert(0, str(ROOT / "examples"))
     out_dir = Path(sys.argv[1])
     wanted = sys.argv[2:]
-    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=PEER_TIMEOUT)
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     results: dict[str, list[dict]] = {}

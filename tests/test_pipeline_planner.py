@@ -171,8 +171,8 @@ loss_fn = gpt.loss_fn
 
 def _run_check(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "autoplan.cli", *args, "--cluster", "cpu", "--run", "--check",
-                           "--steps", "2", "--out", str(cwd / "out")], capture_output=True, text=True, timeout=backstop(600),
-                          cwd=cwd)
+                           "--steps", "2", "--out", str(cwd / "out")], capture_output=True, text=True,
+                          timeout=backstop(600), cwd=cwd)
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved1f1b", "interleavedzerobubble"])
