@@ -14,7 +14,6 @@ OUT_DIR/rank{r}.json: ``{name: {"ok", "text"} or {"error", "traceback"}}``.
 
 from __future__ import annotations
 
-import datetime
 import importlib
 import json
 import os
@@ -35,6 +34,7 @@ from autoplan.codegen.prefetched_gathers import PrefetchedGathers  # noqa: E402
 from autoplan.codegen.runtime import build_parallel_module, init_distributed  # noqa: E402
 from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan  # noqa: E402
+from launcher import PEER_TIMEOUT  # noqa: E402
 
 
 def run_case(case: dict) -> dict:
@@ -48,13 +48,13 @@ def run_case(case: dict) -> dict:
     report = check_against_single_device(spec, pm, steps=2)
     regathered = [m.gathered for m in pm.modules() if isinstance(getattr(m, "gathered", None), GatheredParameters)]
     recomputed = [m.prefetched for m in pm.modules() if isinstance(getattr(m, "prefetched", None), PrefetchedGathers)]
-    return {"ok": report.ok, "text": report.text(), "moved": report.moved,
+    return {"ok": report.ok, "text": report.text(), "moved": report.moved, "description": pm.description,
             "prefetched_regathers": sum(g.prefetched for g in regathered)
             + sum(p.recomputation_gathers for p in recomputed)}
 
 
 def main(out_dir: Path) -> None:
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", timeout=PEER_TIMEOUT)
     ctx = init_distributed()
     results: dict = {}
     for case in json.loads((out_dir / "cases.json").read_text()):

@@ -37,7 +37,7 @@ PLANS = {
     "data_parallel": ("dp=2", 2, "native: DistributedDataParallel"),
     "tensor_parallel": ("tp=2", 2, "the DTensor interpreter"),
     "fsdp": ("fsdp=2", 2, "native: FSDP2 fully_shard"),
-    "pipeline": ("pp=2,microbatches=2", 2, "torch.distributed.pipelining"),
+    "pipeline": ("pp=2,microbatches=2", 2, "native: torch.distributed.pipelining"),
     "fsdp_x_tp": ("fsdp=2,tp=2", 4, "the DTensor interpreter"),
     "tensor_parallel_4": ("tp=4", 4, "the DTensor interpreter"),
     "single": ("dp=1", 1, "native: the model itself"),

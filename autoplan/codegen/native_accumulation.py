@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor
 
 from autoplan.codegen.loss_weights import microbatch_weights
 from autoplan.codegen.native import NativeProgram
+from autoplan.codegen.pipeline_step import step_inputs
 from autoplan.codegen.precision import compute_precision
-from autoplan.errors import AutoplanError
 from autoplan.plan_schema import CouplingHandling
 from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import TracedGraph
@@ -96,15 +96,9 @@ class AccumulatedProgram(torch.nn.Module):
         """Forward and backward of every microbatch of the global batch ``inputs`` (the same on
         every rank), gradients accumulated into the parameters; the step's loss (a 0-d
         tensor, the same on every rank)."""
-        if len(inputs) != len(self.input_names):
-            raise AutoplanError(f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
-                                f"got {len(inputs)}")
         m = self.microbatches
         device = self.program.mesh.device_type
-        inputs = tuple(x.to(device) if isinstance(x, torch.Tensor) else x for x in inputs)
-        for x in inputs:
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % m:
-                raise AutoplanError(f"every input needs a batch dim divisible by {m} microbatches")
+        inputs = step_inputs(inputs, self.input_names, m, device)
         weights = microbatch_weights(inputs, m, 1.0 / m, self._count, device)
         total = torch.zeros((), device=device)
         for i, piece in enumerate(zip(*(x.chunk(m) for x in inputs))):

@@ -99,6 +99,7 @@ from autoplan.codegen.op_calls import REPLACED_OPS, call_planned_op
 from autoplan.codegen.parameter_regather import GatheredParameters, backward_starts, parameter_block
 from autoplan.codegen.pipeline_layout import (StageLayout, is_multi_stage, is_skipped, pipeline_layout,
     schedule_class, stage_ranks)
+from autoplan.codegen.pipeline_step import gradients_added, step_inputs
 from autoplan.codegen.precision import compute_precision, gathered_dtype
 from autoplan.codegen.redistribution import reduce_gradient_on_edge, reduce_to, redistribute, to_dtensor_placements
 from autoplan.codegen.loss_weights import microbatch_weights
@@ -538,28 +539,17 @@ class PipelineProgram(torch.nn.Module):
         """One schedule step on the GLOBAL batch (the same on every rank): forward and backward of
         every microbatch; gradients are added to this rank's parameters' ``.grad``. Returns the
         global loss (a 0-d tensor, the same on every rank)."""
-        if len(inputs) != len(self.input_names):
-            raise AutoplanError(f"the program takes {len(self.input_names)} inputs ({', '.join(self.input_names)}), "
-                                f"got {len(inputs)}")
-        inputs = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x for x in inputs)
-        for x in inputs:
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] % self.num_microbatches:
-                raise AutoplanError(f"every input needs a batch dim divisible by {self.num_microbatches} microbatches")
+        inputs = step_inputs(inputs, self.input_names, self.num_microbatches, self.device)
         params = [t for t in self._local.values() if isinstance(t, torch.nn.Parameter)]
-        stashed = [p.grad for p in params]
-        for p in params:
-            p.grad = None
         losses: list[torch.Tensor] = []
         args = inputs if self.has_first else ()
-        for held in self.held.values():  # gathered once for all the microbatches
-            held.gather()
-        self.schedule.step(*args, target=self._microbatch_weights(inputs), losses=losses, return_outputs=False)
-        for held in self.held.values():  # reduce-scattered once, after the last microbatch
-            held.reduce_gradient()
-        self._finish_gradients(params)
-        for p, old in zip(params, stashed):
-            if old is not None:
-                p.grad = old if p.grad is None else old + p.grad
+        with gradients_added(params):
+            for held in self.held.values():  # gathered once for all the microbatches
+                held.gather()
+            self.schedule.step(*args, target=self._microbatch_weights(inputs), losses=losses, return_outputs=False)
+            for held in self.held.values():  # reduce-scattered once, after the last microbatch
+                held.reduce_gradient()
+            self._finish_gradients(params)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.has_last and losses \
             else torch.zeros((), device=self.device)
         loss = loss.to(torch.float32).contiguous()

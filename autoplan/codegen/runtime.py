@@ -317,7 +317,9 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
     """A pipelined plan was traced for one microbatch: trace the same, check, build: one stage
     accumulating microbatches natively where its microbatch is DDP, FSDP (whole parameters
     beside sharded ones included), HSDP, ZeRO-2 or FSDP x TP
-    (:mod:`autoplan.codegen.native_accumulation`), else on torch's pipeline schedule."""
+    (:mod:`autoplan.codegen.native_accumulation`); stages of one device each cut from the
+    model's own modules (:mod:`autoplan.codegen.native_pipeline`); else the interpreter's stages
+    on torch's pipeline schedule."""
     from autoplan.codegen.pipeline_program import build_pipeline
 
     if graph is None:
@@ -333,6 +335,12 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
         native = native_module(spec, graph, plan, _named_mesh(ctx, plan), found) if found else None
         if native is not None:
             return PipelinedModule(AccumulatedProgram(native, graph, ctx.device_type), plan, spec)
+    if prefer_native:
+        from autoplan.codegen.native_pipeline import native_pipeline
+
+        own = native_pipeline(spec, graph, plan, ctx.device_type)  # stages cut from the model's modules
+        if own is not None:
+            return PipelinedModule(own, plan, spec)
     program = build_pipeline(graph, plan, _model_tensors(spec.module), ctx.device_type)
     _initialise_meta_model(spec, program)
     return PipelinedModule(program, plan, spec)

@@ -1,0 +1,317 @@
+"""Run a pipelined plan with stage modules cut from the user's own module.
+
+``native_pipeline(spec, graph, plan, device_type)`` returns a :class:`NativePipelineProgram`
+(what :class:`~autoplan.codegen.runtime.PipelinedModule` runs) or ``None``, where the DTensor
+interpreter's pipeline (:mod:`autoplan.codegen.pipeline_program`) runs the plan instead.
+
+What runs: ``torch.distributed.pipelining.pipeline`` traces the model (a copy, its forward
+returning the loss) with a split point at the first module of every stage but the first, and
+cuts it into one ``GraphModule`` per stage whose submodules keep the model's hierarchy and its
+parameters' names (``model.layers.3`` is a module of the stage that runs it), so each stage runs
+the user's own modules, as torchtitan's stages do, not an op-by-op interpreter. This rank's stage
+(each, under a schedule of virtual stages) is wrapped in a ``PipelineStage`` and stepped by the
+plan's torch schedule; its recomputed
+layers are checkpointed modules (``torch.distributed._composable.checkpoint``, non-reentrant:
+the whole layer again, or selectively, keeping its matrix products and attention), and a bf16
+plan runs each stage's forward under the plan's ``torch.autocast``. The schedule's loss
+function multiplies each microbatch's loss by its weight
+(:func:`~autoplan.codegen.loss_weights.microbatch_weights`: ``1/M``, or its share of a
+cross-entropy's counted targets), so the gradients are those of the global batch's loss, and
+the last stage's summed loss is broadcast to every rank, as the plan lists it.
+
+Which plans (recognition reads the plan and the model, and the cut is checked against the
+plan once traced): every stage on one device, on the rank torch's schedule gives it (one stage
+per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the others:
+:func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collective is the
+loss's broadcast (its sends are point-to-point); stage ``s``
+starts at a module of the model (the plan's first layer of the stage) and holds exactly the
+parameters the plan gives it, none read by two stages (a tied weight would be copied into each);
+its recomputed layers are modules, recomputed fully or selectively; the model is allocated
+(not on the meta device) and couples its samples at most through a mean loss over a counted
+batch; torch's tracer cuts it (one that does not, such as a model whose ``torch.autocast``
+region the bf16 trace meets, runs on the interpreter). Stages on several devices (tensor or data parallel inside a stage, FSDP's held
+parameters) and every other plan run on the interpreter.
+
+Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
+autocast are the stages' metadata), and keeps only its stage: a model too large for one device
+is planned on the meta device, and such a model runs on the interpreter, which allocates only
+its shards.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import operator
+import types
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from autoplan.codegen.checkpointing import selective_contexts
+from autoplan.codegen.loss_weights import microbatch_weights
+from autoplan.codegen.materialize import has_meta_tensors
+from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, stage_ranks
+from autoplan.codegen.pipeline_step import gradients_added, step_inputs
+from autoplan.codegen.precision import compute_precision
+from autoplan.cost_models.communication import CollectiveKind
+from autoplan.load import ModelSpec
+from autoplan.plan_schema import CouplingHandling, Plan, RecomputeMode
+from autoplan.trace.batch_coupling import count_program
+from autoplan.trace.graph import NodeKind, TracedGraph
+from autoplan.trace.microbatch import microbatch_inputs
+
+__all__ = ["NativePipelineProgram", "native_pipeline", "stage_starts"]
+
+_RECOMPUTED_HERE = (RecomputeMode.FULL, RecomputeMode.SELECTIVE)
+
+
+def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] | None:
+    """The module each stage but the first starts at, where ``plan`` is one this program runs
+    (the module docstring's conditions that the plan and the model show before tracing); None
+    otherwise."""
+    if len(plan.stages) < 2 or any(len(stage.devices) != 1 for stage in plan.stages):
+        return None
+    ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices)
+    if any(stage.devices != [rank] for rank, stage in zip(ranks, plan.stages)):
+        return None  # one device per stage, on the rank torch's schedule puts it
+    if has_meta_tensors(spec.module):
+        return None
+    if any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) for c in plan.collectives):
+        return None
+    if any(c.handling != CouplingHandling.WEIGHTED_MICROBATCHES for c in plan.batch_coupling):
+        return None
+    modules = dict(spec.module.named_modules())
+    if any(layer.mode not in _RECOMPUTED_HERE or not layer.layer or layer.layer not in modules
+           for layer in plan.recompute):
+        return None
+    starts = [stage.layers[0] for stage in plan.stages[1:]]
+    if any(not name or name not in modules for name in starts):
+        return None
+    owners: dict[str, int] = {}
+    for s, stage in enumerate(plan.stages):
+        for fqn in stage.params:
+            if owners.setdefault(graph.tied.get(fqn, fqn), s) != s:
+                return None  # read by two stages
+    return starts
+
+
+def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type: str
+                    ) -> NativePipelineProgram | None:
+    """This rank's :class:`NativePipelineProgram` for ``plan``, or None where the plan is not
+    one it runs (the same answer on every rank: each traces the same model)."""
+    starts = stage_starts(spec, graph, plan)
+    if starts is None:
+        return None
+    program = NativePipelineProgram(spec, graph, plan, starts, device_type)
+    return program if program.matches_plan else None
+
+
+class NativePipelineProgram(torch.nn.Module):
+    """This rank's stages of a pipelined plan, cut from the user's module (module docstring);
+    offers what :class:`~autoplan.codegen.runtime.PipelinedModule` calls: ``train_step`` on the
+    global batch, ``named_plan_parameters`` by the model's names."""
+
+    kind = "pipeline"
+
+    def __init__(self, spec: ModelSpec, graph: TracedGraph, plan: Plan, starts: Sequence[str],
+                 device_type: str) -> None:
+        super().__init__()
+        from torch.distributed.pipelining import SplitPoint, pipeline
+
+        self.plan = plan
+        self.num_microbatches = plan.microbatches
+        self.input_names = list(graph.input_names)
+        self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
+            else torch.device(device_type)
+        ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices)
+        self.stage_indices = [s for s, rank in enumerate(ranks) if rank == dist.get_rank()]
+        self.gradient_buckets_launched = 0  # no gradient is reduced: every stage is on one device
+        self.has_first = 0 in self.stage_indices
+        self.has_last = len(plan.stages) - 1 in self.stage_indices
+        self.loss_src = ranks[-1]
+        model = _returning_the_loss(spec, copy.deepcopy(spec.module).to(self.device))
+        example = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x
+                        for x in microbatch_inputs(spec.example_inputs, plan.microbatches))
+        try:
+            with compute_precision(plan.precision, device_type):  # traced as it runs: its dtypes are the stages'
+                pipe = pipeline(model, example, split_spec={name: SplitPoint.BEGINNING for name in starts})
+        except Exception:  # noqa: BLE001  (torch's tracer cannot cut this model: the interpreter runs it)
+            self.matches_plan = False
+            return
+        self.matches_plan = _handed_on_stage_by_stage(pipe.split_gm) and pipe.num_stages == len(plan.stages) \
+            and all(_parameter_names(pipe.get_stage_module(s)) == _planned_parameters(plan, graph, s)
+                    for s in range(pipe.num_stages))
+        if not self.matches_plan:
+            return
+        self.stage_modules = torch.nn.ModuleList(pipe.get_stage_module(s) for s in self.stage_indices)
+        self.checkpointed = [name for module in self.stage_modules for name in _checkpoint(module, plan)]
+        for module in self.stage_modules:
+            _run_forward_under(module, plan, device_type)
+        self.pipeline_stages = [pipe.build_stage(s, self.device) for s in self.stage_indices]
+        weighted = [c.node for c in plan.batch_coupling if c.handling == CouplingHandling.WEIGHTED_MICROBATCHES
+                    and plan.microbatches > 1]
+        self._count = count_program(graph, weighted[0]) if weighted else None
+        cls = schedule_class(plan.schedule)
+        stages = self.pipeline_stages if is_multi_stage(cls) else self.pipeline_stages[0]
+        self.schedule = cls(stages, plan.microbatches, loss_fn=_weighted, scale_grads=False)
+
+    @property
+    def description(self) -> str:
+        checkpointed = f", {len(self.checkpointed)} checkpointed layer(s)" if self.checkpointed else ""
+        return (f"native: torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stages cut from "
+                f"the model's own modules, {self.num_microbatches} microbatches{checkpointed})")
+
+    def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """This rank's parameters, by the model's names."""
+        return {name: p for module in self.stage_modules for name, p in module.named_parameters()}
+
+    def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """One schedule step on the GLOBAL batch (the same on every rank): forward and backward of
+        every microbatch, gradients added to this rank's parameters; the global loss (a 0-d tensor,
+        the same on every rank)."""
+        inputs = step_inputs(inputs, self.input_names, self.num_microbatches, self.device)
+        weights = microbatch_weights(inputs, self.num_microbatches, 1.0 / self.num_microbatches, self._count,
+                                     self.device)
+        losses: list[torch.Tensor] = []
+        with gradients_added(list(self.stage_modules.parameters())):
+            self.schedule.step(*(inputs if self.has_first else ()), target=weights if self.has_last else None,
+                               losses=losses, return_outputs=False)
+        loss = torch.stack([x.detach() for x in losses]).sum() if self.has_last and losses \
+            else torch.zeros((), device=self.device)
+        loss = loss.to(torch.float32).contiguous()
+        dist.broadcast(loss, src=self.loss_src)
+        return loss
+
+
+def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss function: a microbatch's loss times its weight."""
+    return output * weight.reshape(()).to(output.dtype)
+
+
+def _returning_the_loss(spec: ModelSpec, module: torch.nn.Module) -> torch.nn.Module:
+    """``module`` with a forward that takes the inputs positionally and returns the loss (the
+    model called as the user calls it, then ``spec.loss_fn``), its parameters' names unchanged.
+    Each input is copied first, so that one a later stage reads (the labels) is an output of
+    the first stage, handed on with the activations, not an input of that stage."""
+    call_original = types.MethodType(type(module).forward, module)
+
+    def forward(self: torch.nn.Module, *inputs: Any) -> torch.Tensor:
+        inputs = tuple(x.clone() if isinstance(x, torch.Tensor) else x for x in inputs)
+        return spec.loss_fn(spec.call(call_original, inputs), *inputs)
+
+    names = [f"input_{i}" for i in range(len(spec.example_inputs))]
+    forward.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+        + [inspect.Parameter(n, inspect.Parameter.POSITIONAL_OR_KEYWORD) for n in names])
+    module.forward = types.MethodType(forward, module)
+    config = getattr(module, "config", None)
+    if getattr(config, "use_cache", False):  # no key-value cache: the graph returns none
+        config.use_cache = False
+    return module
+
+
+def _handed_on_stage_by_stage(split: torch.fx.GraphModule) -> bool:
+    """Rewrite the pipe's stages so that every value a stage reads comes from the stage just
+    before it: one made earlier (the labels, a rotary table every block reads) is taken in and
+    given back unchanged by each stage between (torch's stages send only to the next one, and
+    its gradient back). False, leaving it as it is, where a stage after the first reads an input
+    of the model itself."""
+    graph = split.graph
+    stages = [n for n in graph.nodes if n.op == "call_module"]
+    index = {node: k for k, node in enumerate(stages)}
+
+    def producer(value: torch.fx.Node) -> torch.fx.Node:
+        while value.target is operator.getitem:
+            value = value.args[0]  # type: ignore[assignment]
+        return value
+
+    if any(isinstance(a, torch.fx.Node) and producer(a).op == "placeholder" for node in stages[1:] for a in node.args):
+        return False
+    carried: dict[tuple[torch.fx.Node, int], torch.fx.Node] = {}  # (value, stage) -> the value after that stage
+    for k, node in enumerate(stages):
+        for position, arg in enumerate(node.args):
+            if not isinstance(arg, torch.fx.Node) or index.get(producer(arg), k) >= k - 1:
+                continue
+            example = _placeholders(split.get_submodule(str(node.target)))[position].meta["val"]
+            value = arg
+            for between in range(index[producer(arg)] + 1, k):
+                if (arg, between) not in carried:
+                    carried[arg, between] = _given_back(split, stages[between], value, example)
+                value = carried[arg, between]
+            node.update_arg(position, value)
+    graph.lint()
+    split.recompile()
+    return True
+
+
+def _given_back(split: torch.fx.GraphModule, stage: torch.fx.Node, value: torch.fx.Node, example: Any
+                ) -> torch.fx.Node:
+    """``stage`` (a call of one stage module in the pipe's graph) made to take ``value`` and
+    return it as its last output; the pipe graph's node of that output."""
+    module = split.get_submodule(str(stage.target))
+    inputs = _placeholders(module)
+    if value in stage.args:
+        taken = inputs[list(stage.args).index(value)]
+    else:
+        with module.graph.inserting_after(inputs[-1]):
+            taken = module.graph.placeholder(f"handed_on_{len(inputs)}")
+        taken.meta["val"] = example
+        stage.args = (*stage.args, value)
+    output = module.graph.output_node()
+    given = output.args[0]
+    graph = split.graph
+    if not isinstance(given, (tuple, list)):  # one output: its readers now read item 0
+        with graph.inserting_after(stage):
+            first = graph.call_function(operator.getitem, (stage, 0))
+        stage.replace_all_uses_with(first, delete_user_cb=lambda user: user is not first)
+        given = (given,)
+    output.args = ((*given, taken),)
+    module.recompile()
+    last = max((u for u in stage.users if u.target is operator.getitem), key=lambda u: u.args[1])
+    with graph.inserting_after(last):
+        return graph.call_function(operator.getitem, (stage, len(given)))
+
+
+def _placeholders(module: torch.nn.Module) -> list[torch.fx.Node]:
+    return [n for n in module.graph.nodes if n.op == "placeholder"]  # type: ignore[union-attr]
+
+
+def _parameter_names(module: torch.nn.Module) -> set[str]:
+    return {name for name, _ in module.named_parameters()}
+
+
+def _planned_parameters(plan: Plan, graph: TracedGraph, stage: int) -> set[str]:
+    """The trained parameters the plan gives ``stage``, by the names the model holds them under."""
+    trained = {fqn for name, fqn in graph.param_names.items() if graph.nodes[name].kind == NodeKind.PARAMETER}
+    return {graph.tied.get(fqn, fqn) for fqn in plan.stages[stage].params if fqn in trained}
+
+
+def _checkpoint(stage_module: torch.nn.Module, plan: Plan) -> list[str]:
+    """Checkpoint the plan's recomputed layers that this stage holds; their names."""
+    from torch.distributed._composable import checkpoint
+
+    here = dict(stage_module.named_modules())
+    done = []
+    for layer in plan.recompute:
+        if layer.layer in here:
+            context = {"context_fn": selective_contexts} if layer.mode == RecomputeMode.SELECTIVE else {}
+            checkpoint(here[layer.layer], **context)
+            done.append(layer.layer)
+    return done
+
+
+def _run_forward_under(stage_module: torch.nn.Module, plan: Plan, device_type: str) -> None:
+    """The stage's forward run under the plan's precision (``torch.autocast`` for bf16, as the
+    model was traced and the interpreter runs its stages); the backward runs in the dtypes the
+    forward chose."""
+    forward = stage_module.forward
+
+    def in_precision(*args: Any, **kwargs: Any) -> Any:
+        with compute_precision(plan.precision, device_type):
+            return forward(*args, **kwargs)
+
+    stage_module.forward = in_precision

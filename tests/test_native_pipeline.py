@@ -1,0 +1,123 @@
+"""Pipelines whose stages are cut from the model's own modules (autoplan/codegen/native_pipeline.py):
+which plans run so, the pipe's values handed on stage by stage, and ``--check`` against one
+device on four gloo processes (loss, every gradient, the parameters after two optimizer steps,
+the executed collectives), checkpointed and in bf16 included."""
+
+from __future__ import annotations
+
+import copy
+import operator
+import sys
+
+import pytest
+import torch
+
+from autoplan.codegen.native_pipeline import _handed_on_stage_by_stage, _returning_the_loss, stage_starts
+from autoplan.load import make_model_spec
+from autoplan.plan_schema import Plan
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.options import PlanOptions
+from autoplan.trace.microbatch import microbatch_inputs
+from autoplan.trace.tracer import trace
+from launcher import ROOT, assert_checks_passed, launch_worker, write_check_cases
+
+sys.path.insert(0, str(ROOT / "tests"))
+import fsdp_cases  # noqa: E402
+import pipeline_cases  # noqa: E402
+
+NATIVE = "native: torch.distributed.pipelining"
+
+
+def _llama4():
+    return make_model_spec(*pipeline_cases.llama4(), name="llama4")
+
+
+def _planned(spec, devices: int, pins: tuple[str, ...], **options) -> Plan:
+    options.setdefault("precision", "fp32")
+    return plan_model(spec, PlanOptions(devices, "cpu", pins=pins, **options))
+
+
+def _starts(spec, plan: Plan) -> list[str] | None:
+    return stage_starts(spec, trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))),
+                        plan)
+
+
+@pytest.fixture(scope="module")
+def plans() -> dict[str, Plan]:
+    """The Llama's pipelines, each planned once for the file."""
+    spec = _llama4()
+    return {
+        "4 stages gpipe": _planned(spec, 4, ("stages=4", "microbatches=2"), schedule="gpipe"),
+        "4 stages 1f1b checkpointed bf16": _planned(spec, 4, ("stages=4", "microbatches=4"), schedule="1f1b",
+                                                    recompute="all", precision="bf16"),
+        "4 virtual stages interleaved": _planned(spec, 2, ("stages=2", "microbatches=2"), schedule="interleaved1f1b"),
+        "4 virtual stages zero bubble": _planned(spec, 2, ("stages=2", "microbatches=2"),
+                                                 schedule="interleavedzerobubble"),
+        "2 stages of two devices": _planned(spec, 4, ("stages=2", "microbatches=2")),
+    }
+
+
+def test_stages_of_one_device_each_start_at_the_plans_first_modules(plans: dict[str, Plan]) -> None:
+    assert _starts(_llama4(), plans["4 stages gpipe"]) == ["model.layers.1", "model.layers.2", "model.layers.3"]
+    interleaved = plans["4 virtual stages interleaved"]  # two stages on each of two ranks, looped
+    assert [stage.devices for stage in interleaved.stages] == [[0], [1], [0], [1]]
+    assert _starts(_llama4(), interleaved) == ["model.layers.1", "model.layers.2", "model.layers.3"]
+
+
+@pytest.mark.parametrize("why", ["stages of two devices", "a weight tied across stages"])
+def test_other_pipelines_stay_on_the_interpreter(why: str, plans: dict[str, Plan]) -> None:
+    if why == "stages of two devices":
+        spec, plan = _llama4(), plans["2 stages of two devices"]
+        assert {len(stage.devices) for stage in plan.stages} == {2}
+    else:
+        spec = make_model_spec(*fsdp_cases.nanogpt(), name="nanogpt")  # its head is its token table
+        plan = _planned(spec, 2, ("stages=2", "microbatches=2"))
+    assert _starts(spec, plan) is None
+
+
+def test_values_read_stages_later_are_handed_on_through_the_stages_between() -> None:
+    """The labels and the rotary tables leave the first stage and are read by the last ones:
+    after the rewrite each stage reads only the stage before it, and the pipe, run whole on one
+    process, still computes the model's loss."""
+    from torch.distributed.pipelining import SplitPoint, pipeline
+
+    spec = _llama4()
+    model = _returning_the_loss(spec, copy.deepcopy(spec.module))
+    example = microbatch_inputs(spec.example_inputs, 2)
+    pipe = pipeline(model, example, split_spec={f"model.layers.{k}": SplitPoint.BEGINNING for k in (1, 2, 3)})
+    stages = [n for n in pipe.split_gm.graph.nodes if n.op == "call_module"]
+
+    def sources(node: torch.fx.Node) -> set[str]:
+        found = set()
+        for arg in node.args:
+            while arg.target is operator.getitem:
+                arg = arg.args[0]
+            found.add(arg.name)
+        return found
+
+    assert sources(stages[3]) != {stages[2].name}  # torch's pipe reads the first stage's outputs directly
+    assert _handed_on_stage_by_stage(pipe.split_gm)
+    for before, stage in zip(stages, stages[1:]):
+        assert sources(stage) == {before.name}
+    with torch.no_grad():
+        expected = spec.loss_fn(spec.call(copy.deepcopy(spec.module), example), *example)
+        (loss,) = pipe(*example)
+        assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Plan], tmp_path) -> None:
+    """Four stages on four processes, one each (GPipe; 1F1B checkpointed in bf16), and on two
+    processes two virtual stages each (interleaved 1F1B, interleaved zero bubble)."""
+    labels = {4: ["4 stages gpipe", "4 stages 1f1b checkpointed bf16"],
+              2: ["4 virtual stages interleaved", "4 virtual stages zero bubble"]}[world]
+    cases = {label: ("llama4", plans[label]) for label in labels}
+    write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=300)
+    assert_checks_passed(results, cases)
+    for found in results.values():
+        for label in cases:
+            assert found[label]["description"].startswith(NATIVE), found[label]["description"]
+    if world == 4:
+        assert plans["4 stages 1f1b checkpointed bf16"].recompute
+        assert "checkpointed layer" in results[0]["4 stages 1f1b checkpointed bf16"]["description"]
