@@ -1,0 +1,80 @@
+"""Step time of pipelines whose stages hold one device each, run with stages cut from the
+model's own modules against the DTensor interpreter's stages, both on torch's schedule.
+
+    .venv/bin/python benchmarks/pipeline_native.py        # launches 2 gloo processes itself
+
+A Hugging Face Llama (random weights) planned ``--manual pp=2,microbatches=M`` (1F1B, one
+device per stage): autoplan's program with ``prefer_native=False`` (each stage's ops run one by
+one on DTensors, :mod:`autoplan.codegen.pipeline_program`) and natively (the stages cut by
+torch's ``pipeline()`` tracer, each running the model's own blocks:
+:mod:`autoplan.codegen.native_pipeline`). One step = every microbatch's forward and backward +
+an SGD step; the variants take turns step by step; a step's time is the slower rank's
+(``step_time_vs_native.py``'s timing). On a 2-core machine the figures compare host overheads,
+they do not measure a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from accumulation_native import _planned_step  # noqa: E402
+from step_time_vs_native import _report, _time_variants, finish, launch_under_torchrun, llama_arguments  # noqa: E402
+
+
+def main() -> int:
+    parser = llama_arguments(__doc__.splitlines()[0], hidden=128, batch=8, vocab=1024)
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args()
+    if "RANK" not in os.environ:
+        return launch_under_torchrun(__file__, 2)
+    torch.set_num_threads(1)
+    import llama
+
+    from autoplan.codegen.native_pipeline import NativePipelineProgram
+    from autoplan.codegen.runtime import build_parallel_module, init_distributed
+    from autoplan.load import make_model_spec
+    from autoplan.planner.front_door import with_decisions
+    from autoplan.planner.manual import parse_manual, plan_manual
+    from autoplan.planner.options import PlanOptions
+    from autoplan.trace.microbatch import microbatch_inputs
+    from autoplan.trace.tracer import trace
+
+    ctx = init_distributed()
+    model, inputs = llama.build(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
+                                intermediate=2 * args.hidden, vocab=args.vocab, batch=args.batch, seq=args.seq)
+    model.config.use_cache = False
+    spec = make_model_spec(model, inputs)
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, args.microbatches)))
+    options = PlanOptions(2, "cpu", plan_only=True)
+    text = f"pp=2,microbatches={args.microbatches}"
+    plan = with_decisions(plan_manual(spec, options.planner_options(), parse_manual(text)), options)
+    interpreter = build_parallel_module(spec, plan, graph=graph, prefer_native=False)
+    native = build_parallel_module(spec, plan, graph=graph)
+    if not isinstance(native.program, NativePipelineProgram):
+        raise SystemExit(f"{text}: not taken natively ({native.description})")
+    args_in = [inputs[name] for name in graph.input_names]
+    if ctx.rank == 0:
+        print(f"step time (every microbatch's forward + backward, SGD step), Llama hidden {args.hidden}, "
+              f"{args.layers} layers, batch {args.batch} x {args.seq} tokens in {args.microbatches} microbatches, "
+              f"vocab {args.vocab}, --manual {text} ({plan.schedule}), 2 gloo processes, 1 thread each, "
+              f"torch {torch.__version__}; median of {args.steps} steps after {args.warmup} warm-up")
+    results = _time_variants({"autoplan interpreter stages": _planned_step(interpreter, args_in),
+                              "autoplan stages cut from the model": _planned_step(native, args_in)},
+                             args.warmup, args.steps)
+    if ctx.rank == 0:
+        print(f"  {native.description}")
+        print("\n".join(_report(results, "autoplan stages cut from the model")))
+    return finish(ctx.rank)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
