@@ -35,7 +35,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from step_time_vs_native import (  # noqa: E402
-    _report, _time_variants, finish, launch_under_torchrun, llama_arguments)
+    _report, _time_variants, finish, launch_under_torchrun, llama_arguments, small_llama)
 
 PLANS = {"DDP": "dp=2,microbatches={m}", "FSDP": "fsdp=2,microbatches={m}", "ZeRO-2": "dp=2,zero=2,microbatches={m}"}
 
@@ -96,11 +96,8 @@ def main() -> int:
         return launch_under_torchrun(__file__, 2)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the loss is read out of place
-    import llama
-
     from autoplan.codegen.native_accumulation import AccumulatedProgram
     from autoplan.codegen.runtime import build_parallel_module, init_distributed
-    from autoplan.load import make_model_spec
     from autoplan.planner.front_door import with_decisions
     from autoplan.planner.manual import parse_manual, plan_manual
     from autoplan.planner.options import PlanOptions
@@ -108,10 +105,7 @@ def main() -> int:
     from autoplan.trace.tracer import trace
 
     ctx = init_distributed()
-    model, inputs = llama.build(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
-                                intermediate=2 * args.hidden, vocab=args.vocab, batch=args.batch, seq=args.seq)
-    model.config.use_cache = False
-    spec = make_model_spec(model, inputs)
+    model, inputs, spec = small_llama(args)
     graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, args.microbatches)))
     options = PlanOptions(2, "cpu", plan_only=True)
     args_in = [inputs[name] for name in graph.input_names]

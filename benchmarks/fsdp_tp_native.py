@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from step_time_vs_native import (  # noqa: E402
-    _autoplan_step, _plain_step, _report, _time_variants, finish, launch_under_torchrun, llama_arguments)
+    _autoplan_step, _plain_step, _report, _time_variants, finish, launch_under_torchrun, llama_arguments,
+    small_llama)
 
 
 def _args() -> argparse.Namespace:
@@ -64,12 +65,10 @@ def main() -> int:
         return launch_under_torchrun(__file__, 4)
     torch.set_num_threads(1)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")  # the loss is read out of place
-    import llama
     from torch.distributed.device_mesh import init_device_mesh
 
     from autoplan.codegen.native import NativeProgram
     from autoplan.codegen.runtime import build_parallel_module, init_distributed
-    from autoplan.load import make_model_spec
     from autoplan.planner.front_door import with_decisions
     from autoplan.planner.manual import parse_manual, plan_manual
     from autoplan.planner.options import PlanOptions
@@ -77,10 +76,7 @@ def main() -> int:
 
     ctx = init_distributed()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("axis0", "axis1"))
-    model, inputs = llama.build(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
-                                intermediate=2 * args.hidden, vocab=args.vocab, batch=args.batch, seq=args.seq)
-    model.config.use_cache = False
-    spec = make_model_spec(model, inputs)
+    model, inputs, spec = small_llama(args)
     options = PlanOptions(4, "cpu", plan_only=True)
     plan = with_decisions(plan_manual(spec, options.planner_options(), parse_manual("fsdp=2,tp=2")), options)
     graph = trace(spec)

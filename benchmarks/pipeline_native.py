@@ -7,10 +7,8 @@ A Hugging Face Llama (random weights) planned ``--manual pp=2,microbatches=M`` (
 device per stage): autoplan's program with ``prefer_native=False`` (each stage's ops run one by
 one on DTensors, :mod:`autoplan.codegen.pipeline_program`) and natively (the stages cut by
 torch's ``pipeline()`` tracer, each running the model's own blocks:
-:mod:`autoplan.codegen.native_pipeline`). One step = every microbatch's forward and backward +
-an SGD step; the variants take turns step by step; a step's time is the slower rank's
-(``step_time_vs_native.py``'s timing). On a 2-core machine the figures compare host overheads,
-they do not measure a GPU.
+:mod:`autoplan.codegen.native_pipeline`), timed as ``accumulation_native.py`` times its
+variants (host overheads on this machine, not a GPU's time).
 """
 
 from __future__ import annotations
@@ -27,7 +25,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch  # noqa: E402
 
 from accumulation_native import _planned_step  # noqa: E402
-from step_time_vs_native import _report, _time_variants, finish, launch_under_torchrun, llama_arguments  # noqa: E402
+from step_time_vs_native import (  # noqa: E402
+    _report, _time_variants, finish, launch_under_torchrun, llama_arguments, small_llama)
 
 
 def main() -> int:
@@ -37,11 +36,8 @@ def main() -> int:
     if "RANK" not in os.environ:
         return launch_under_torchrun(__file__, 2)
     torch.set_num_threads(1)
-    import llama
-
     from autoplan.codegen.native_pipeline import NativePipelineProgram
     from autoplan.codegen.runtime import build_parallel_module, init_distributed
-    from autoplan.load import make_model_spec
     from autoplan.planner.front_door import with_decisions
     from autoplan.planner.manual import parse_manual, plan_manual
     from autoplan.planner.options import PlanOptions
@@ -49,10 +45,7 @@ def main() -> int:
     from autoplan.trace.tracer import trace
 
     ctx = init_distributed()
-    model, inputs = llama.build(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
-                                intermediate=2 * args.hidden, vocab=args.vocab, batch=args.batch, seq=args.seq)
-    model.config.use_cache = False
-    spec = make_model_spec(model, inputs)
+    _, inputs, spec = small_llama(args)
     graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, args.microbatches)))
     options = PlanOptions(2, "cpu", plan_only=True)
     text = f"pp=2,microbatches={args.microbatches}"

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +67,19 @@ def llama_arguments(description: str, hidden: int, batch: int, vocab: int) -> ar
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=20, help="timed steps per variant")
     return p
+
+
+def small_llama(args: argparse.Namespace) -> tuple[torch.nn.Module, dict[str, torch.Tensor], Any]:
+    """The small Hugging Face Llama of ``llama_arguments``' options (4 heads, 2 key-value heads,
+    no key-value cache), its keyword inputs and its ModelSpec."""
+    import llama
+
+    from autoplan.load import make_model_spec
+
+    model, inputs = llama.build(hidden=args.hidden, layers=args.layers, heads=4, kv_heads=2,
+                                intermediate=2 * args.hidden, vocab=args.vocab, batch=args.batch, seq=args.seq)
+    model.config.use_cache = False
+    return model, inputs, make_model_spec(model, inputs)
 
 
 def finish(rank: int) -> int:
