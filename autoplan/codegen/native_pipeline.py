@@ -8,29 +8,29 @@ What runs: ``torch.distributed.pipelining.pipeline`` traces the model (a copy, i
 returning the loss) with a split point at the first module of every stage but the first, and
 cuts it into one ``GraphModule`` per stage whose submodules keep the model's hierarchy and its
 parameters' names (``model.layers.3`` is a module of the stage that runs it), so each stage runs
-the user's own modules, as torchtitan's stages do, not an op-by-op interpreter. This rank's stage
-(each, under a schedule of virtual stages) is wrapped in a ``PipelineStage`` and stepped by the
-plan's torch schedule; its recomputed
-layers are checkpointed modules (``torch.distributed._composable.checkpoint``, non-reentrant:
-the whole layer again, or selectively, keeping its matrix products and attention), and a bf16
-plan runs each stage's forward under the plan's ``torch.autocast``. The schedule's loss
-function multiplies each microbatch's loss by its weight
-(:func:`~autoplan.codegen.loss_weights.microbatch_weights`: ``1/M``, or its share of a
-cross-entropy's counted targets), so the gradients are those of the global batch's loss, and
-the last stage's summed loss is broadcast to every rank, as the plan lists it.
+the user's own modules, as torchtitan's stages do, not an op-by-op interpreter. Each of this
+rank's stages (several under a schedule of virtual stages) is wrapped in a ``PipelineStage``
+and stepped by the plan's torch schedule; its recomputed layers are checkpointed modules
+(``torch.distributed._composable.checkpoint``, non-reentrant: the whole layer again, or
+selectively, keeping its matrix products and attention), and a bf16 plan runs each stage's
+forward under the plan's ``torch.autocast``. The schedule's loss function multiplies each
+microbatch's loss by its weight (:func:`~autoplan.codegen.loss_weights.microbatch_weights`:
+``1/M``, or its share of a cross-entropy's counted targets), so the gradients are those of the
+global batch's loss, and the last stage's summed loss is broadcast to every rank, as the plan
+lists it.
 
 Which plans (recognition reads the plan and the model, and the cut is checked against the
 plan once traced): every stage on one device, on the rank torch's schedule gives it (one stage
 per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the others:
 :func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collective is the
-loss's broadcast (its sends are point-to-point); stage ``s``
-starts at a module of the model (the plan's first layer of the stage) and holds exactly the
-parameters the plan gives it, none read by two stages (a tied weight would be copied into each);
-its recomputed layers are modules, recomputed fully or selectively; the model is allocated
-(not on the meta device) and couples its samples at most through a mean loss over a counted
-batch; torch's tracer cuts it (one that does not, such as a model whose ``torch.autocast``
-region the bf16 trace meets, runs on the interpreter). Stages on several devices (tensor or data parallel inside a stage, FSDP's held
-parameters) and every other plan run on the interpreter.
+loss's broadcast (its sends are point-to-point); stage ``s`` starts at a module of the model
+(the plan's first layer of the stage) and holds exactly the parameters the plan gives it, none
+read by two stages (a tied weight would be copied into each); its recomputed layers are
+modules, recomputed fully or selectively; the model is allocated (not on the meta device) and
+couples its samples at most through a mean loss over a counted batch; and torch's tracer cuts
+it (one it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs
+on the interpreter). Stages on several devices (tensor or data parallel inside a stage, FSDP's
+held parameters) and every other plan run on the interpreter.
 
 Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
 autocast are the stages' metadata), and keeps only its stage: a model too large for one device
