@@ -8,15 +8,14 @@ from __future__ import annotations
 import torch
 
 
-def llama4(device: str = "cpu") -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+def llama4() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (8, 16))
     labels = ids.clone()
     labels[1, 3:] = -100  # the first microbatch's targets fewer than the second's

@@ -22,17 +22,15 @@ lists it.
 Which plans (recognition reads the plan and the model, and the cut is checked against the
 plan once traced): every stage on one device, on the rank torch's schedule gives it (one stage
 per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the others:
-:func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's collectives are the
-loss's broadcast and the sums of a tied weight's copies (its sends are point-to-point); stage
-``s`` starts at a module of the model (the plan's first layer of the stage) and holds exactly
-the parameters the plan gives it, none read by two stages of one rank (a weight tied across
-ranks, nanoGPT's token table that is its head, is held by each, and its copies' gradients are
-summed after the step, as the plan lists them); its recomputed layers are modules, recomputed
-fully or selectively; the model is allocated (not on the meta device) and couples its samples
-at most through a mean loss over a counted batch; and torch's tracer cuts it (one it does not,
-such as a model with a ``torch.autocast`` region under a bf16 trace, runs on the interpreter).
-Stages on several devices (tensor or data parallel inside a stage, FSDP's held parameters) and
-every other plan run on the interpreter.
+:func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collective is the
+loss's broadcast (its sends are point-to-point); stage ``s`` starts at a module of the model
+(the plan's first layer of the stage) and holds exactly the parameters the plan gives it, none
+read by two stages (a tied weight would be copied into each); its recomputed layers are
+modules, recomputed fully or selectively; the model is allocated (not on the meta device) and
+couples its samples at most through a mean loss over a counted batch; and torch's tracer cuts
+it (one it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs
+on the interpreter). Stages on several devices (tensor or data parallel inside a stage, FSDP's
+held parameters) and every other plan run on the interpreter.
 
 Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
 autocast are the stages' metadata), and keeps only its stage: a model too large for one device
@@ -69,7 +67,6 @@ from autoplan.trace.microbatch import microbatch_inputs
 __all__ = ["NativePipelineProgram", "native_pipeline", "stage_starts"]
 
 _RECOMPUTED_HERE = (RecomputeMode.FULL, RecomputeMode.SELECTIVE)
-_SUMMED = "{}: its copies' gradients"  # the plan's all-reduce of a weight several stages hold
 
 
 def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] | None:
@@ -83,12 +80,7 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
         return None  # one device per stage, on the rank torch's schedule puts it
     if has_meta_tensors(spec.module):
         return None
-    shared = _shared_parameters(graph, plan)
-    if any(len({ranks[s] for s in stages}) < len(stages) for stages in shared.values()):
-        return None  # a weight two stages of one rank read: torch's cut would hold two copies of it there
-    summed = {_SUMMED.format(fqn) for fqn in shared}
-    if any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST)
-           and not (c.kind == CollectiveKind.ALL_REDUCE and c.where in summed) for c in plan.collectives):
+    if any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) for c in plan.collectives):
         return None
     if any(c.handling != CouplingHandling.WEIGHTED_MICROBATCHES for c in plan.batch_coupling):
         return None
@@ -99,19 +91,12 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
     starts = [stage.layers[0] for stage in plan.stages[1:]]
     if any(not name or name not in modules for name in starts):
         return None
-    return starts
-
-
-def _shared_parameters(graph: TracedGraph, plan: Plan) -> dict[str, list[int]]:
-    """The trained parameters several stages read (a token table tied to the head), by the
-    name the plan holds them under, with those stages."""
-    trained = {fqn for name, fqn in graph.param_names.items() if graph.nodes[name].kind == NodeKind.PARAMETER}
-    readers: dict[str, list[int]] = {}
+    owners: dict[str, int] = {}
     for s, stage in enumerate(plan.stages):
         for fqn in stage.params:
-            if fqn in trained or graph.tied.get(fqn) in trained:
-                readers.setdefault(graph.tied.get(fqn, fqn), []).append(s)
-    return {fqn: stages for fqn, stages in readers.items() if len(set(stages)) > 1}
+            if owners.setdefault(graph.tied.get(fqn, fqn), s) != s:
+                return None  # read by two stages
+    return starts
 
 
 def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type: str
@@ -158,22 +143,11 @@ class NativePipelineProgram(torch.nn.Module):
             self.matches_plan = False
             return
         self.matches_plan = _handed_on_stage_by_stage(pipe.split_gm) and pipe.num_stages == len(plan.stages) \
-            and all(_parameter_names(pipe.get_stage_module(s), graph) == _planned_parameters(plan, graph, s)
+            and all(_parameter_names(pipe.get_stage_module(s)) == _planned_parameters(plan, graph, s)
                     for s in range(pipe.num_stages))
         if not self.matches_plan:
             return
         self.stage_modules = torch.nn.ModuleList(pipe.get_stage_module(s) for s in self.stage_indices)
-        for module in self.stage_modules:
-            _tied_again(module, graph)
-        # a weight held by several stages: each copy's gradient summed over its ranks after the
-        # step (every rank makes every group, in the same order), so the copies step alike
-        mine = {graph.tied.get(name, name): p for module in self.stage_modules
-                for name, p in module.named_parameters(remove_duplicate=False)}
-        self.copies_summed: list[tuple[torch.nn.Parameter, Any]] = []
-        for fqn, stages in sorted(_shared_parameters(graph, plan).items()):
-            group = dist.new_group(sorted(ranks[s] for s in stages))
-            if fqn in mine:
-                self.copies_summed.append((mine[fqn], group))
         self.checkpointed = [name for module in self.stage_modules for name in _checkpoint(module, plan)]
         for module in self.stage_modules:
             _run_forward_under(module, plan, device_type)
@@ -193,7 +167,7 @@ class NativePipelineProgram(torch.nn.Module):
 
     def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters, by the model's names."""
-        return {name: p for module in self.stage_modules for name, p in module.named_parameters(remove_duplicate=False)}
+        return {name: p for module in self.stage_modules for name, p in module.named_parameters()}
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """One schedule step on the GLOBAL batch (the same on every rank): forward and backward of
@@ -206,10 +180,6 @@ class NativePipelineProgram(torch.nn.Module):
         with gradients_added(list(self.stage_modules.parameters())):
             self.schedule.step(*(inputs if self.has_first else ()), target=weights if self.has_last else None,
                                losses=losses, return_outputs=False)
-            for param, group in self.copies_summed:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-                dist.all_reduce(param.grad, group=group)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.has_last and losses \
             else torch.zeros((), device=self.device)
         loss = loss.to(torch.float32).contiguous()
@@ -310,20 +280,8 @@ def _placeholders(module: torch.nn.Module) -> list[torch.fx.Node]:
     return [n for n in module.graph.nodes if n.op == "placeholder"]  # type: ignore[union-attr]
 
 
-def _tied_again(module: torch.nn.Module, graph: TracedGraph) -> None:
-    """The names of one tied weight in a stage (a token table and the head) made to hold one
-    parameter again: torch's cut gives each name its own copy, of which the stage reads one."""
-    held: dict[str, torch.nn.Parameter] = {}
-    for name, param in list(module.named_parameters(remove_duplicate=False)):
-        kept = held.setdefault(graph.tied.get(name, name), param)
-        if kept is not param:
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner).register_parameter(attr, kept)
-
-
-def _parameter_names(module: torch.nn.Module, graph: TracedGraph) -> set[str]:
-    """The trained parameters a stage holds, by the names the plan holds them under."""
-    return {graph.tied.get(name, name) for name, _ in module.named_parameters()}
+def _parameter_names(module: torch.nn.Module) -> set[str]:
+    return {name for name, _ in module.named_parameters()}
 
 
 def _planned_parameters(plan: Plan, graph: TracedGraph, stage: int) -> set[str]:
