@@ -1,23 +1,37 @@
 """Models for the pipelines whose stages are cut from the model's own modules
-(tests/test_native_pipeline.py): a Hugging Face Llama of four blocks called with keywords, its
-labels partly ignored (``-100``, unevenly spread over the batch), so each microbatch's mean loss
-weighs by its share of the counted targets."""
+(tests/test_native_pipeline.py): Hugging Face Llamas of four blocks called with keywords, their
+labels partly ignored (``-100``, unevenly spread over the batch), so each microbatch's (and each
+device's slice's) mean loss weighs by its share of the counted targets."""
 
 from __future__ import annotations
 
 import torch
 
 
-def llama4() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+def _llama(vocab: int, hidden: int, batch: int, seq: int, ignored: list[tuple[int, slice]]
+           ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
-    ids = torch.randint(0, 128, (8, 16))
+    ids = torch.randint(0, vocab, (batch, seq))
     labels = ids.clone()
-    labels[1, 3:] = -100  # the first microbatch's targets fewer than the second's
-    labels[2, :5] = -100
+    for row, positions in ignored:
+        labels[row, positions] = -100
     return model, {"input_ids": ids, "labels": labels}, None
+
+
+def llama4() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """The first microbatch's targets fewer than the second's."""
+    return _llama(128, 32, 8, 16, [(1, slice(3, None)), (2, slice(None, 5))])
+
+
+def llama4_wide() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """Wide enough that the values crossing a stage boundary (a microbatch's hidden states:
+    256 KiB in fp32, 128 KiB in bf16) are worth sending as shards on the ``cpu`` cluster (more
+    than a link's latency of transfer), so that its stages of two devices are data parallel;
+    the devices' slices count different numbers of targets."""
+    return _llama(512, 128, 16, 64, [(1, slice(3, None)), (5, slice(None, 20)), (12, slice(7, None))])

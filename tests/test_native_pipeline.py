@@ -1,7 +1,8 @@
 """Pipelines whose stages are cut from the model's own modules (autoplan/codegen/native_pipeline.py):
 which plans run so, the pipe's values handed on stage by stage, and ``--check`` against one
 device on four gloo processes (loss, every gradient, the parameters after two optimizer steps,
-the executed collectives), checkpointed and in bf16 included."""
+the executed collectives), checkpointed and in bf16 included, with stages of one device and
+stages of two devices that shard their parameters over them (FSDP2)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from autoplan.codegen.native_pipeline import _handed_on_stage_by_stage, _returning_the_loss, stage_starts
+from autoplan.codegen.stage_data_parallel import stage_data_parallel
 from autoplan.load import make_model_spec
 from autoplan.plan_schema import Plan
 from autoplan.planner.front_door import plan_model
@@ -30,6 +32,10 @@ NATIVE = "native: torch.distributed.pipelining"
 
 def _llama4():
     return make_model_spec(*pipeline_cases.llama4(), name="llama4")
+
+
+def _llama4_wide():
+    return make_model_spec(*pipeline_cases.llama4_wide(), name="llama4_wide")
 
 
 def _planned(spec, devices: int, pins: tuple[str, ...], **options) -> Plan:
@@ -54,6 +60,21 @@ def plans() -> dict[str, Plan]:
         "4 virtual stages zero bubble": _planned(spec, 2, ("stages=2", "microbatches=2"),
                                                  schedule="interleavedzerobubble"),
         "2 stages of two devices": _planned(spec, 4, ("stages=2", "microbatches=2")),
+        "2 stages x FSDP 2, values crossing whole": _planned(spec, 4, ("pp=2", "fsdp=2", "microbatches=2"),
+                                                            schedule="1f1b"),
+        **_sharded_stages(),
+    }
+
+
+def _sharded_stages() -> dict[str, Plan]:
+    """Pipelines whose stages each hold two devices, FSDP over them (the wide Llama, whose
+    stage boundaries are crossed by shards)."""
+    wide, fsdp = _llama4_wide(), ("pp=2", "fsdp=2", "microbatches=2")
+    return {
+        "2 stages x FSDP 2 gpipe": _planned(wide, 4, fsdp, schedule="gpipe"),
+        "2 stages x FSDP 2 1f1b checkpointed": _planned(wide, 4, fsdp, schedule="1f1b", recompute="all"),
+        "2 stages x FSDP 2 1f1b bf16": _planned(wide, 4, fsdp, schedule="1f1b", precision="bf16"),
+        "4 virtual stages x FSDP 2 interleaved": _planned(wide, 4, fsdp, schedule="interleaved1f1b"),
     }
 
 
@@ -64,11 +85,39 @@ def test_stages_of_one_device_each_start_at_the_plans_first_modules(plans: dict[
     assert _starts(_llama4(), interleaved) == ["model.layers.1", "model.layers.2", "model.layers.3"]
 
 
-@pytest.mark.parametrize("why", ["stages of two devices", "a weight tied across stages"])
+def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatches(plans: dict[str, Plan]) -> None:
+    """What the plans are: each stage on a row of the 2 x 2 device mesh, every parameter stored
+    sharded over it, the values between stages crossing as shards (no activation gathered), the
+    loss's count all-reduced over a stage's devices."""
+    spec = _llama4_wide()
+    for label in ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16"):
+        plan = plans[label]
+        assert [stage.devices for stage in plan.stages] == [[0, 1], [2, 3]], label
+        assert all(s.param == ["S(0)"] for fqn, s in plan.storage.items() if "inv_freq" not in fqn), label
+        assert not [c.where for c in plan.collectives if c.tensor == "activation" and c.kind == "all_gather"], label
+        assert any(c.tensor == "loss count" for c in plan.collectives), label
+        assert _starts(spec, plan) == ["model.layers.2"], label
+    interleaved = plans["4 virtual stages x FSDP 2 interleaved"]
+    assert [stage.devices for stage in interleaved.stages] == [[0, 1], [2, 3], [0, 1], [2, 3]]
+
+
+def test_stages_that_gather_a_value_before_sending_it_stay_on_the_interpreter(plans: dict[str, Plan]) -> None:
+    """The narrow Llama's hidden states are smaller than a link moves in a latency: its FSDP
+    stages gather them over their devices before sending them on, which data-parallel stages
+    cut from the model do not do."""
+    spec, plan = _llama4(), plans["2 stages x FSDP 2, values crossing whole"]
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
+    why = stage_data_parallel(spec, graph, plan)
+    assert isinstance(why, str) and "before sending it on" in why, why
+    assert stage_starts(spec, graph, plan) is None
+
+
+@pytest.mark.parametrize("why", ["stages of two devices computing the same", "a weight tied across stages"])
 def test_other_pipelines_stay_on_the_interpreter(why: str, plans: dict[str, Plan]) -> None:
-    if why == "stages of two devices":
+    if why == "stages of two devices computing the same":  # the narrow Llama's values cross whole
         spec, plan = _llama4(), plans["2 stages of two devices"]
         assert {len(stage.devices) for stage in plan.stages} == {2}
+        assert not any(c.kind in ("reduce_scatter", "all_gather") for c in plan.collectives)
     else:
         spec = make_model_spec(*fsdp_cases.nanogpt(), name="nanogpt")  # its head is its token table
         plan = _planned(spec, 2, ("stages=2", "microbatches=2"))
@@ -109,15 +158,22 @@ def test_values_read_stages_later_are_handed_on_through_the_stages_between() -> 
 def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Plan], tmp_path) -> None:
     """Four stages on four processes, one each (GPipe; 1F1B checkpointed in bf16), and on two
     processes two virtual stages each (interleaved 1F1B, interleaved zero bubble)."""
-    labels = {4: ["4 stages gpipe", "4 stages 1f1b checkpointed bf16"],
+    labels = {4: ["4 stages gpipe", "4 stages 1f1b checkpointed bf16", *_SHARDED],
               2: ["4 virtual stages interleaved", "4 virtual stages zero bubble"]}[world]
-    cases = {label: ("llama4", plans[label]) for label in labels}
-    write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py"})
-    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=300)
+    cases = {label: ("llama4_wide" if label in _SHARDED else "llama4", plans[label]) for label in labels}
+    write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py", "llama4_wide": "pipeline_cases.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=420)
     assert_checks_passed(results, cases)
     for found in results.values():
         for label in cases:
             assert found[label]["description"].startswith(NATIVE), found[label]["description"]
+            if label in _SHARDED:
+                assert "each stage FSDP2 fully_shard over 2 devices" in found[label]["description"]
     if world == 4:
-        assert plans["4 stages 1f1b checkpointed bf16"].recompute
-        assert "checkpointed layer" in results[0]["4 stages 1f1b checkpointed bf16"]["description"]
+        for label in ("4 stages 1f1b checkpointed bf16", "2 stages x FSDP 2 1f1b checkpointed"):
+            assert plans[label].recompute
+            assert "checkpointed layer" in results[0][label]["description"]
+
+
+_SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
+            "4 virtual stages x FSDP 2 interleaved")

@@ -165,7 +165,8 @@ from autoplan.plan_schema import Plan, PlannedCollective, RecomputeMode
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
-__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "native_pattern", "recognise", "sharded_blocks"]
+__all__ = ["CollectiveMapping", "NativeProgram", "native_module", "native_pattern", "not_run_again", "recognise",
+           "rerun_nodes", "sharded_blocks"]
 
 
 class NativeProgram(torch.nn.Module):
@@ -203,8 +204,7 @@ class NativeProgram(torch.nn.Module):
         self._input_splits = [split_axes(plan.inputs.get(name, ["R"])[:self._data_axes]) for name in self.input_names]
         self._output_placements = self._model_output_placements(graph, plan, self._data_axes)
         # the nodes the checkpointed modules run again in the backward
-        self._rerun = {name for layer in plan.recompute for name in layer.nodes
-                       if name in graph.nodes and inside_module(graph.nodes[name].module, layer.layer)}
+        self._rerun = rerun_nodes(graph, plan)
         self._dtensor_output = any(isinstance(p, Shard) for kind_, p in styles.values() if kind_ == "rowwise")
         self.collective_map = self._collective_map()
 
@@ -363,14 +363,7 @@ class NativeProgram(torch.nn.Module):
     # -- collectives ---------------------------------------------------------------------------
 
     def _not_run_again(self, c: PlannedCollective) -> bool:
-        """Whether ``c`` is a recomputation's collective the native program does not run again:
-        the plan's recomputed layer holds the ops before the first block and after the last (the
-        embedding and its gather, the head, the loss and its count), the checkpointed block
-        module does not, so those run once."""
-        if c.phase != "backward" or not (c.where.endswith("(recomputed)") or c.tensor == "loss count"):
-            return False
-        producer = c.where.split(" -> ")[0].split(" (")[0]
-        return producer not in self._rerun
+        return not_run_again(c, self._rerun)
 
     def _grouped_by_fsdp(self, c: PlannedCollective) -> bool:
         """Whether FSDP2 runs ``c`` as part of its per-group collectives (a parameter's gather or
@@ -483,6 +476,24 @@ class NativeProgram(torch.nn.Module):
         if grads:
             counts["all_reduce"] += len(self.ddp_buckets())
         return dict(counts)
+
+
+def rerun_nodes(graph: TracedGraph, plan: Plan) -> set[str]:
+    """The nodes the plan's checkpointed modules run again in the backward: those of its
+    recomputed layers that lie inside the layer's module."""
+    return {name for layer in plan.recompute for name in layer.nodes
+            if name in graph.nodes and inside_module(graph.nodes[name].module, layer.layer)}
+
+
+def not_run_again(c: PlannedCollective, rerun: set[str]) -> bool:
+    """Whether ``c`` is a recomputation's collective that a program checkpointing modules does
+    not run again: the plan's recomputed layer holds the ops before the first block and after
+    the last (the embedding and its gather, the head, the loss and its count), the checkpointed
+    block module does not (``rerun``: :func:`rerun_nodes`), so those run once."""
+    if c.phase != "backward" or not (c.where.endswith("(recomputed)") or c.tensor == "loss count"):
+        return False
+    producer = c.where.split(" -> ")[0].split(" (")[0]
+    return producer not in rerun
 
 
 def _batch_slice(mesh: DeviceMesh, axes: int) -> int:

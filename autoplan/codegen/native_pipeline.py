@@ -23,14 +23,20 @@ Which plans (recognition reads the plan and the model, and the cut is checked ag
 plan once traced): every stage on one device, on the rank torch's schedule gives it (one stage
 per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the others:
 :func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collective is the
-loss's broadcast (its sends are point-to-point); stage ``s`` starts at a module of the model
+loss's broadcast (its sends are point-to-point); or every stage on the ``d`` devices of its
+pipeline rank's row of a ``pp × d`` device mesh, data parallel over them with its parameters
+stored sharded (FSDP2, :mod:`autoplan.codegen.stage_data_parallel`: each device runs its slice
+of every microbatch, sends its slice of the boundary values to its peer in the next stage, and
+a bf16 plan's stages are traced with their parameters in bf16, as FSDP2 gathers them); stage
+``s`` starts at a module of the model
 (the plan's first layer of the stage) and holds exactly the parameters the plan gives it, none
 read by two stages (a tied weight would be copied into each); its recomputed layers are
 modules, recomputed fully or selectively; the model is allocated (not on the meta device) and
 couples its samples at most through a mean loss over a counted batch; and torch's tracer cuts
 it (one it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs
-on the interpreter). Stages on several devices (tensor or data parallel inside a stage, FSDP's
-held parameters) and every other plan run on the interpreter.
+on the interpreter). Stages that are tensor parallel, that gather activations over their
+devices, hold parameters gathered through the microbatches or keep some whole beside sharded
+ones, and every other plan, run on the interpreter.
 
 Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
 autocast are the stages' metadata), and keeps only its stage: a model too large for one device
@@ -44,6 +50,7 @@ import copy
 import inspect
 import operator
 import types
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,9 +61,12 @@ import torch.fx
 from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.loss_weights import microbatch_weights
 from autoplan.codegen.materialize import has_meta_tensors
+from autoplan.codegen.native import not_run_again, rerun_nodes, sharded_blocks
 from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, stage_ranks
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
-from autoplan.codegen.precision import compute_precision
+from autoplan.codegen.precision import compute_precision, gathered_dtype, mixed_precision_policy
+from autoplan.codegen.stage_data_parallel import (DataParallelLoss, StageDataParallel, count_over_devices,
+    device_rows, fsdp_collectives, local_batch, split_inputs, stage_data_parallel)
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import CouplingHandling, Plan, RecomputeMode
@@ -73,14 +83,16 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
     """The module each stage but the first starts at, where ``plan`` is one this program runs
     (the module docstring's conditions that the plan and the model show before tracing); None
     otherwise."""
-    if len(plan.stages) < 2 or any(len(stage.devices) != 1 for stage in plan.stages):
+    if len(plan.stages) < 2 or len({len(stage.devices) for stage in plan.stages}) != 1:
         return None
-    ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices)
-    if any(stage.devices != [rank] for rank, stage in zip(ranks, plan.stages)):
-        return None  # one device per stage, on the rank torch's schedule puts it
+    d = len(plan.stages[0].devices)
+    if plan.devices % d or not device_rows(plan, stage_ranks(plan.schedule, len(plan.stages), plan.devices // d)):
+        return None  # each stage on its pipeline rank's devices, that rank the one torch's schedule gives it
     if has_meta_tensors(spec.module):
         return None
-    if any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) for c in plan.collectives):
+    if d == 1 and any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) for c in plan.collectives):
+        return None
+    if d > 1 and isinstance(stage_data_parallel(spec, graph, plan), str):
         return None
     if any(c.handling != CouplingHandling.WEIGHTED_MICROBATCHES for c in plan.batch_coupling):
         return None
@@ -106,36 +118,43 @@ def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type
     starts = stage_starts(spec, graph, plan)
     if starts is None:
         return None
-    program = NativePipelineProgram(spec, graph, plan, starts, device_type)
+    parallel = stage_data_parallel(spec, graph, plan) if len(plan.stages[0].devices) > 1 else None
+    program = NativePipelineProgram(spec, graph, plan, starts, device_type, parallel)  # type: ignore[arg-type]
     return program if program.matches_plan else None
 
 
 class NativePipelineProgram(torch.nn.Module):
     """This rank's stages of a pipelined plan, cut from the user's module (module docstring);
     offers what :class:`~autoplan.codegen.runtime.PipelinedModule` calls: ``train_step`` on the
-    global batch, ``named_plan_parameters`` by the model's names."""
+    global batch, ``named_plan_parameters`` by the model's names, ``observable_collectives``."""
 
     kind = "pipeline"
 
     def __init__(self, spec: ModelSpec, graph: TracedGraph, plan: Plan, starts: Sequence[str],
-                 device_type: str) -> None:
+                 device_type: str, parallel: StageDataParallel | None = None) -> None:
         super().__init__()
         from torch.distributed.pipelining import SplitPoint, pipeline
+        from torch.distributed.pipelining.stage import build_stage
 
         self.plan = plan
         self.num_microbatches = plan.microbatches
         self.input_names = list(graph.input_names)
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device(device_type)
-        ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices)
-        self.stage_indices = [s for s, rank in enumerate(ranks) if rank == dist.get_rank()]
-        self.gradient_buckets_launched = 0  # no gradient is reduced: every stage is on one device
+        self.devices = parallel.devices if parallel is not None else 1  # of each stage
+        ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices // self.devices)
+        self.stage_indices = [s for s, rank in enumerate(ranks) if rank == dist.get_rank() // self.devices]
+        self.gradient_buckets_launched = 0  # FSDP2 reduces the gradients of stages on several devices
+        self.fsdp_groups = 0
         self.has_first = 0 in self.stage_indices
         self.has_last = len(plan.stages) - 1 in self.stage_indices
-        self.loss_src = ranks[-1]
+        self.loss_src = plan.stages[-1].devices[0]
         model = _returning_the_loss(spec, copy.deepcopy(spec.module).to(self.device))
+        gathered = gathered_dtype(plan.precision) if parallel is not None else None
+        masters = _cast_parameters(model, gathered) if gathered is not None else {}
+        # each device's slice of a microbatch: the stages' metadata
         example = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x
-                        for x in microbatch_inputs(spec.example_inputs, plan.microbatches))
+                        for x in microbatch_inputs(spec.example_inputs, plan.microbatches * self.devices))
         try:
             with compute_precision(plan.precision, device_type):  # traced as it runs: its dtypes are the stages'
                 pipe = pipeline(model, example, split_spec={name: SplitPoint.BEGINNING for name in starts})
@@ -148,22 +167,54 @@ class NativePipelineProgram(torch.nn.Module):
         if not self.matches_plan:
             return
         self.stage_modules = torch.nn.ModuleList(pipe.get_stage_module(s) for s in self.stage_indices)
+        for module in self.stage_modules:  # traced with the parameters as FSDP2 gathers them; stored fp32
+            for name, p in module.named_parameters():
+                p.data = masters.get(name, p.data)
+        self._rerun = rerun_nodes(graph, plan)
         self.checkpointed = [name for module in self.stage_modules for name in _checkpoint(module, plan)]
+        group, self.data_group, self.data_index = None, None, 0
+        if parallel is not None:  # (before the forward is wrapped: it recompiles the last stage)
+            group = self._sharded_over_devices(parallel, plan, device_type)
         for module in self.stage_modules:
             _run_forward_under(module, plan, device_type)
-        self.pipeline_stages = [pipe.build_stage(s, self.device) for s in self.stage_indices]
+        self.pipeline_stages = [build_stage(_Stage(module) if parallel is not None else module, s, pipe.info(),
+                                            self.device, group)
+                                for s, module in zip(self.stage_indices, self.stage_modules)]
         weighted = [c.node for c in plan.batch_coupling if c.handling == CouplingHandling.WEIGHTED_MICROBATCHES
                     and plan.microbatches > 1]
         self._count = count_program(graph, weighted[0]) if weighted else None
         cls = schedule_class(plan.schedule)
         stages = self.pipeline_stages if is_multi_stage(cls) else self.pipeline_stages[0]
-        self.schedule = cls(stages, plan.microbatches, loss_fn=_weighted, scale_grads=False)
+        loss = DataParallelLoss(self.data_group, self.devices)
+        self.schedule = cls(stages, plan.microbatches, loss_fn=loss, scale_grads=False)
+
+    def _sharded_over_devices(self, parallel: StageDataParallel, plan: Plan, device_type: str
+                              ) -> dist.ProcessGroup:
+        """Shard this rank's stages over their devices (FSDP2 per block and on the stage's
+        root), their cross-entropy averaged over the microbatch's counted targets; the process
+        group of this rank's peers in the other stages."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from autoplan.codegen.native_fsdp import shard_modules
+
+        mesh = init_device_mesh(device_type, (plan.devices // self.devices, self.devices),
+                                mesh_dim_names=("pp", "dp"))
+        self.data_group, self.data_index = mesh.get_group("dp"), mesh.get_local_rank("dp")
+        for module in self.stage_modules:
+            if parallel.token_mean:
+                count_over_devices(module, self.data_group, self.devices)
+            blocks = sharded_blocks(module, plan)
+            units = shard_modules(module, blocks, mesh["dp"], mixed_precision_policy(plan.precision), True,
+                                  parallel.within(_parameter_names(module)))
+            self.fsdp_groups += units.sharded
+        return mesh.get_group("pp")
 
     @property
     def description(self) -> str:
         checkpointed = f", {len(self.checkpointed)} checkpointed layer(s)" if self.checkpointed else ""
+        sharded = f", each stage FSDP2 fully_shard over {self.devices} devices" if self.devices > 1 else ""
         return (f"native: torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stages cut from "
-                f"the model's own modules, {self.num_microbatches} microbatches{checkpointed})")
+                f"the model's own modules, {self.num_microbatches} microbatches{checkpointed}{sharded})")
 
     def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters, by the model's names."""
@@ -171,11 +222,14 @@ class NativePipelineProgram(torch.nn.Module):
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """One schedule step on the GLOBAL batch (the same on every rank): forward and backward of
-        every microbatch, gradients added to this rank's parameters; the global loss (a 0-d tensor,
-        the same on every rank)."""
-        inputs = step_inputs(inputs, self.input_names, self.num_microbatches, self.device)
-        weights = microbatch_weights(inputs, self.num_microbatches, 1.0 / self.num_microbatches, self._count,
-                                     self.device)
+        every microbatch (this device's slice of each), gradients added to this rank's parameters;
+        the global loss (a 0-d tensor, the same on every rank)."""
+        m = self.num_microbatches
+        inputs = step_inputs(inputs, self.input_names, m * self.devices, self.device)
+        weights = microbatch_weights(inputs, m, 1.0 / m, self._count, self.device)
+        if self.devices > 1:
+            inputs = local_batch(inputs, split_inputs(self.plan, self.input_names), m, self.devices,
+                                 self.data_index)
         losses: list[torch.Tensor] = []
         with gradients_added(list(self.stage_modules.parameters())):
             self.schedule.step(*(inputs if self.has_first else ()), target=weights if self.has_last else None,
@@ -186,10 +240,54 @@ class NativePipelineProgram(torch.nn.Module):
         dist.broadcast(loss, src=self.loss_src)
         return loss
 
+    def observable_collectives(self, phase: str) -> dict[str, int]:
+        """What ``CollectiveCounter`` should count on this rank in one step's ``phase`` (``"step"``:
+        every microbatch's forward and backward; ``"optimizer"``): the plan's collectives of
+        this rank's stages and the loss's broadcast, the parameters' gathers and the gradients'
+        reduce-scatters by FSDP2's groups, not by parameter; sends are point-to-point, not
+        counted."""
+        counts: Counter[str] = Counter()
+        if phase != "optimizer":
+            counts.update(fsdp_collectives(self.fsdp_groups, self.num_microbatches))
+        mine = set(self.stage_indices)
+        for c in self.plan.collectives:
+            if (c.phase == "optimizer") != (phase == "optimizer") or c.kind == CollectiveKind.SEND_RECV:
+                continue
+            if c.tensor in ("parameter", "gradient") or (c.stages and not mine & set(c.stages)):
+                continue
+            if not_run_again(c, self._rerun):
+                continue
+            counts[str(c.kind)] += c.count
+        return {kind: n for kind, n in counts.items() if n}
 
-def _weighted(output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The schedule's loss function: a microbatch's loss times its weight."""
-    return output * weight.reshape(()).to(output.dtype)
+
+class _Stage(torch.nn.Module):
+    """A stage sharded by FSDP2 under a plain module, so that torch's pipeline stage runs its
+    backward as FSDP2 runs any: its gradients reduce-scattered after every microbatch, as the
+    plan reduces them (a stage that is itself an FSDP2 module is held gathered through the
+    microbatches and reduced once)."""
+
+    def __init__(self, stage: torch.nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    @property
+    def graph(self) -> torch.fx.Graph:
+        """The stage's graph, which torch's pipeline stage reads its inputs and outputs from."""
+        return self.stage.graph  # type: ignore[return-value]
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stage(*args, **kwargs)
+
+
+def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Cast ``module``'s parameters to ``dtype`` (FSDP2's gathered dtype under a bf16 plan), so
+    that torch's tracer records the dtypes the stages run with; their values before, by name."""
+    masters = {}
+    for name, p in module.named_parameters():
+        masters[name] = p.data
+        p.data = p.data.to(dtype)
+    return masters
 
 
 def _returning_the_loss(spec: ModelSpec, module: torch.nn.Module) -> torch.nn.Module:

@@ -317,9 +317,9 @@ def _pipelined(spec: ModelSpec, plan: Plan, ctx: DistContext, graph: TracedGraph
     """A pipelined plan was traced for one microbatch: trace the same, check, build: one stage
     accumulating microbatches natively where its microbatch is DDP, FSDP (whole parameters
     beside sharded ones included), HSDP, ZeRO-2 or FSDP x TP
-    (:mod:`autoplan.codegen.native_accumulation`); stages of one device each cut from the
-    model's own modules (:mod:`autoplan.codegen.native_pipeline`); else the interpreter's stages
-    on torch's pipeline schedule."""
+    (:mod:`autoplan.codegen.native_accumulation`); stages cut from the model's own modules, of
+    one device each or FSDP over several (:mod:`autoplan.codegen.native_pipeline`); else the
+    interpreter's stages on torch's pipeline schedule."""
     from autoplan.codegen.pipeline_program import build_pipeline
 
     if graph is None:

@@ -1,0 +1,178 @@
+"""Data parallelism inside the stages of a pipeline cut from the model's own modules
+(:mod:`autoplan.codegen.native_pipeline`): every stage on ``d`` devices, each of them running
+its own slice of every microbatch, the stage's parameters stored sharded over them and gathered
+at use (FSDP2), as torchtitan composes FSDP with pipeline parallelism.
+
+Which plans (:func:`stage_data_parallel`): every stage on a 1-D logical mesh of the same ``d``
+devices, the devices of pipeline rank ``r`` being ``r·d … r·d + d - 1`` (the ``pp × dp`` device
+mesh, row-major); within the stages, the plan is what a data-parallel program of one stage is
+(:func:`~autoplan.codegen.native_patterns._recognise_data_parallel` on the plan less its sends and
+the loss's broadcast): the microbatch split over the ``d`` devices, every trained parameter
+stored sharded and gathered at use before the forward and again before the backward, its
+gradient reduce-scattered after every microbatch (not held gathered through the microbatches),
+and activations never gathered (values crossing a stage boundary cross as shards, each device
+sending its slice to its peer of the next stage); the loss a mean, or a cross-entropy averaged
+over the targets it counts. Parameters kept whole beside sharded ones, ZeRO-2 and embedding
+tables read in place run on the interpreter.
+
+How the program computes one device's loss and gradients. Microbatch ``m`` of the global batch
+is split into ``d`` slices (the interpreter's order: microbatch first, then the device's slice).
+Each device of the last stage computes its slice's loss ``L_{m,r}``; for a cross-entropy
+averaged over counted targets the stage's cross-entropy node is replaced by
+:class:`GlobalTokenMeanLoss`: the slice's summed loss ``S_{m,r}`` times ``d`` over the
+microbatch's count ``C_m`` (all-reduced over the stage's devices: the plan's "loss count"), so
+that ``(1/d) Σ_r L_{m,r}`` is the microbatch's mean. The schedule's loss function
+(:class:`DataParallelLoss`) weighs it by the microbatch's share of the batch
+(:func:`~autoplan.codegen.loss_weights.microbatch_weights`) and all-reduces its value over the
+stage's devices (the plan's ``-> output`` all-reduce; the gradient is the slice's own). FSDP2
+averages the devices' gradients, so every parameter's gradient is that of the global batch's
+loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.fx
+
+from autoplan.codegen.native_patterns import _recognise_data_parallel, loss_node
+from autoplan.codegen.native_storage import ParameterStorage
+from autoplan.cost_models.communication import CollectiveKind
+from autoplan.load import ModelSpec
+from autoplan.plan_schema import Plan
+from autoplan.trace.graph import NodeKind, TracedGraph
+from autoplan.trace.microbatch import microbatch_inputs
+
+_CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
+_SUM = 2  # aten's reduction enum: 0 none, 1 mean, 2 sum
+
+
+@dataclass(frozen=True)
+class StageDataParallel:
+    """How each stage runs over its ``devices`` (``d``): FSDP2 over the sharded parameters
+    (``storage``), the loss's count all-reduced where ``token_mean``."""
+
+    devices: int
+    storage: ParameterStorage
+    token_mean: bool
+
+    def within(self, stage_parameters: set[str]) -> ParameterStorage:
+        """The storage of one stage's parameters (by the model's names)."""
+        dims = {fqn: d for fqn, d in self.storage.shard_dims.items() if fqn in stage_parameters}
+        return dataclasses.replace(self.storage, shard_dims=dims)
+
+
+def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> StageDataParallel | str:
+    """How the stages of ``plan`` (each on several devices) run data parallel (module
+    docstring), or why they do not."""
+    d = len(plan.stages[0].devices)
+    if len(plan.mesh) != 1 or any(stage.mesh != [d] for stage in plan.stages):
+        return f"stages on logical meshes {[stage.mesh for stage in plan.stages]}, not one data axis each"
+    if any(s.held for s in plan.storage.values()):
+        return "parameters held gathered through the microbatches"
+    cut = [name for name in graph.input_names if plan.inputs.get(name, ["R"]) not in (["R"], ["S(0)"])]
+    if cut:
+        return f"input {cut[0]} is {plan.inputs[cut[0]]}: the schedule splits microbatches on dim 0"
+    loss = loss_node(graph)
+    sent = [c.where for c in plan.collectives if c.where.endswith("-> output") and c.tensor == "activation"
+            and (loss is None or c.where.split(" -> ")[0] != loss.name)]
+    if sent:
+        return f"the plan gathers a value over a stage's devices before sending it on ({sent[0]})"
+    within = dataclasses.replace(plan, collectives=[
+        c for c in plan.collectives if c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST)])
+    one = spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
+    found = _recognise_data_parallel(one, graph, within, d)
+    if isinstance(found, str):
+        return found
+    storage = found.storage
+    if found.kind != "fsdp" or storage is None:
+        return f"the stages are {found.kind}, not FSDP"
+    trained = {graph.param_names[name] for name, info in graph.nodes.items()
+               if info.kind == NodeKind.PARAMETER and name in graph.param_names}
+    whole = sorted(trained - set(storage.shard_dims) - set(graph.tied))
+    if whole or storage.zero2 or storage.embeddings:
+        return "parameters kept whole, ZeRO-2 or tables read in place beside the sharded ones in a stage"
+    return StageDataParallel(d, storage, found.token_mean)
+
+
+def device_rows(plan: Plan, stage_ranks: Sequence[int]) -> bool:
+    """Whether stage ``s`` lies on the devices of its pipeline rank's row of the ``pp × d``
+    device mesh (row-major)."""
+    d = len(plan.stages[0].devices)
+    return all(stage.devices == list(range(rank * d, rank * d + d)) for rank, stage in zip(stage_ranks, plan.stages))
+
+
+def local_batch(inputs: Sequence[torch.Tensor], split: Sequence[bool], microbatches: int, devices: int,
+                index: int) -> tuple[torch.Tensor, ...]:
+    """This device's part of the global batch ``inputs``: of each input the plan ``split`` over
+    the stage's devices, slice ``index`` of the ``devices`` slices of every microbatch, the
+    microbatches in order (the schedule cuts it into microbatches again); the others whole."""
+    return tuple(torch.cat([piece.chunk(devices)[index] for piece in x.chunk(microbatches)]) if cut else x
+                 for x, cut in zip(inputs, split))
+
+
+def split_inputs(plan: Plan, input_names: Sequence[str]) -> list[bool]:
+    """Which of the program's inputs the plan splits over a stage's devices (on dim 0: the
+    batch, :func:`~autoplan.codegen.native_patterns.batch_split`)."""
+    return [list(plan.inputs.get(name, ["R"])) == ["S(0)"] for name in input_names]
+
+
+class GlobalTokenMeanLoss(torch.nn.Module):
+    """aten's cross-entropy averaged over the targets of the whole microbatch, each device
+    holding a slice of it: the slice's summed loss times ``devices`` over the microbatch's
+    count, all-reduced over ``group`` (module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, devices: int) -> None:
+        super().__init__()
+        self.group = group
+        self.devices = devices
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
+        summed = _CROSS_ENTROPY(logits, target, weight, _SUM, ignore_index, label_smoothing)
+        count = (target != ignore_index).sum()
+        dist.all_reduce(count, group=self.group)
+        return summed * (self.devices / count)
+
+
+def count_over_devices(stage_module: torch.fx.GraphModule, group: dist.ProcessGroup, devices: int) -> bool:
+    """Replace the stage's token-mean cross-entropy by :class:`GlobalTokenMeanLoss`; whether it
+    holds one."""
+    found = [n for n in stage_module.graph.nodes if n.op == "call_function" and n.target is _CROSS_ENTROPY]
+    if not found:
+        return False
+    stage_module.add_submodule("global_token_mean", GlobalTokenMeanLoss(group, devices))
+    for node in found:
+        node.op, node.target = "call_module", "global_token_mean"
+    stage_module.recompile()
+    return True
+
+
+class DataParallelLoss:
+    """The schedule's loss function: a microbatch's loss (this device's slice's) times its
+    weight, its value averaged over the stage's devices (an all-reduce, the plan's ``-> output``),
+    its gradient the slice's own."""
+
+    def __init__(self, group: dist.ProcessGroup | None, devices: int) -> None:
+        self.group = group
+        self.devices = devices
+
+    def __call__(self, output: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        weighted = output * weight.reshape(()).to(output.dtype)
+        if self.devices == 1:
+            return weighted
+        total = weighted.detach().clone()
+        dist.all_reduce(total, group=self.group)
+        return weighted + (total / self.devices - weighted.detach())
+
+
+def fsdp_collectives(groups: int, microbatches: int) -> Counter[str]:
+    """What FSDP2 runs in a step of ``microbatches`` over ``groups`` groups resharded after the
+    forward: each gathered before every microbatch's forward and again before its backward, its
+    gradients reduce-scattered after every backward."""
+    return Counter({"all_gather": 2 * groups * microbatches, "reduce_scatter": groups * microbatches})
