@@ -66,7 +66,7 @@ from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, sta
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
 from autoplan.codegen.precision import compute_precision, gathered_dtype, mixed_precision_policy
 from autoplan.codegen.stage_data_parallel import (DataParallelLoss, StageDataParallel, count_over_devices,
-    device_rows, fsdp_collectives, local_batch, split_inputs, stage_data_parallel)
+    device_rows, fsdp_collectives, local_batch, stage_data_parallel)
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import CouplingHandling, Plan, RecomputeMode
@@ -228,8 +228,7 @@ class NativePipelineProgram(torch.nn.Module):
         inputs = step_inputs(inputs, self.input_names, m * self.devices, self.device)
         weights = microbatch_weights(inputs, m, 1.0 / m, self._count, self.device)
         if self.devices > 1:
-            inputs = local_batch(inputs, split_inputs(self.plan, self.input_names), m, self.devices,
-                                 self.data_index)
+            inputs = local_batch(inputs, m, self.devices, self.data_index)
         losses: list[torch.Tensor] = []
         with gradients_added(list(self.stage_modules.parameters())):
             self.schedule.step(*(inputs if self.has_first else ()), target=weights if self.has_last else None,

@@ -107,19 +107,13 @@ def device_rows(plan: Plan, stage_ranks: Sequence[int]) -> bool:
     return all(stage.devices == list(range(rank * d, rank * d + d)) for rank, stage in zip(stage_ranks, plan.stages))
 
 
-def local_batch(inputs: Sequence[torch.Tensor], split: Sequence[bool], microbatches: int, devices: int,
-                index: int) -> tuple[torch.Tensor, ...]:
-    """This device's part of the global batch ``inputs``: of each input the plan ``split`` over
-    the stage's devices, slice ``index`` of the ``devices`` slices of every microbatch, the
-    microbatches in order (the schedule cuts it into microbatches again); the others whole."""
-    return tuple(torch.cat([piece.chunk(devices)[index] for piece in x.chunk(microbatches)]) if cut else x
-                 for x, cut in zip(inputs, split))
-
-
-def split_inputs(plan: Plan, input_names: Sequence[str]) -> list[bool]:
-    """Which of the program's inputs the plan splits over a stage's devices (on dim 0: the
-    batch, :func:`~autoplan.codegen.native_patterns.batch_split`)."""
-    return [list(plan.inputs.get(name, ["R"])) == ["S(0)"] for name in input_names]
+def local_batch(inputs: Sequence[torch.Tensor], microbatches: int, devices: int, index: int
+                ) -> tuple[torch.Tensor, ...]:
+    """This device's part of the global batch ``inputs``: slice ``index`` of the ``devices``
+    slices of every microbatch, the microbatches in order (the schedule cuts it into
+    microbatches again). Every input is cut so, as the stages were traced: one the plan holds
+    whole on a stage's devices (the labels) is read as slices by the ops that read it."""
+    return tuple(torch.cat([piece.chunk(devices)[index] for piece in x.chunk(microbatches)]) for x in inputs)
 
 
 class GlobalTokenMeanLoss(torch.nn.Module):
