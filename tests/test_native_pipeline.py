@@ -17,7 +17,8 @@ from autoplan.codegen.native_pipeline import _handed_on_stage_by_stage, _returni
 from autoplan.codegen.stage_data_parallel import stage_data_parallel
 from autoplan.load import make_model_spec
 from autoplan.plan_schema import Plan
-from autoplan.planner.front_door import plan_model
+from autoplan.planner.front_door import plan_model, with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
 from autoplan.planner.options import PlanOptions
 from autoplan.trace.microbatch import microbatch_inputs
 from autoplan.trace.tracer import trace
@@ -75,7 +76,14 @@ def _sharded_stages() -> dict[str, Plan]:
         "2 stages x FSDP 2 1f1b checkpointed": _planned(wide, 4, fsdp, schedule="1f1b", recompute="all"),
         "2 stages x FSDP 2 1f1b bf16": _planned(wide, 4, fsdp, schedule="1f1b", precision="bf16"),
         "4 virtual stages x FSDP 2 interleaved": _planned(wide, 4, fsdp, schedule="interleaved1f1b"),
+        "2 stages x FSDP 2 held, --manual": _manual(wide, 4, "pp=2,fsdp=2,microbatches=2"),
     }
+
+
+def _manual(spec, devices: int, text: str) -> Plan:
+    """The plan ``--manual TEXT`` costs (FSDP under a pipeline: held through the microbatches)."""
+    options = PlanOptions(devices, "cpu", precision="fp32", plan_only=True)
+    return with_decisions(plan_manual(spec, options.planner_options(), parse_manual(text)), options)
 
 
 def test_stages_of_one_device_each_start_at_the_plans_first_modules(plans: dict[str, Plan]) -> None:
@@ -99,6 +107,9 @@ def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatch
         assert _starts(spec, plan) == ["model.layers.2"], label
     interleaved = plans["4 virtual stages x FSDP 2 interleaved"]
     assert [stage.devices for stage in interleaved.stages] == [[0, 1], [2, 3], [0, 1], [2, 3]]
+    held = plans["2 stages x FSDP 2 held, --manual"]
+    assert all(s.held for fqn, s in held.storage.items() if "inv_freq" not in fqn)
+    assert _starts(spec, held) == ["model.layers.2"]
 
 
 def test_stages_that_gather_a_value_before_sending_it_stay_on_the_interpreter(plans: dict[str, Plan]) -> None:
@@ -169,6 +180,7 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
             assert found[label]["description"].startswith(NATIVE), found[label]["description"]
             if label in _SHARDED:
                 assert "each stage FSDP2 fully_shard over 2 devices" in found[label]["description"]
+            assert ("held gathered through the microbatches" in found[label]["description"]) == ("held" in label)
     if world == 4:
         for label in ("4 stages 1f1b checkpointed bf16", "2 stages x FSDP 2 1f1b checkpointed"):
             assert plans[label].recompute
@@ -176,4 +188,4 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
 
 
 _SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
-            "4 virtual stages x FSDP 2 interleaved")
+            "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual")

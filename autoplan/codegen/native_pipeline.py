@@ -146,6 +146,7 @@ class NativePipelineProgram(torch.nn.Module):
         self.stage_indices = [s for s, rank in enumerate(ranks) if rank == dist.get_rank() // self.devices]
         self.gradient_buckets_launched = 0  # FSDP2 reduces the gradients of stages on several devices
         self.fsdp_groups = 0
+        self.held = False
         self.has_first = 0 in self.stage_indices
         self.has_last = len(plan.stages) - 1 in self.stage_indices
         self.loss_src = plan.stages[-1].devices[0]
@@ -177,8 +178,11 @@ class NativePipelineProgram(torch.nn.Module):
             group = self._sharded_over_devices(parallel, plan, device_type)
         for module in self.stage_modules:
             _run_forward_under(module, plan, device_type)
-        self.pipeline_stages = [build_stage(_Stage(module) if parallel is not None else module, s, pipe.info(),
-                                            self.device, group)
+        # a stage that is itself an FSDP2 module is held gathered by torch's stage through the
+        # microbatches and reduced once; under a plain module FSDP2 gathers and reduces in each
+        wrapped = parallel is not None and not parallel.held
+        self.held = parallel is not None and parallel.held
+        self.pipeline_stages = [build_stage(_Stage(module) if wrapped else module, s, pipe.info(), self.device, group)
                                 for s, module in zip(self.stage_indices, self.stage_modules)]
         weighted = [c.node for c in plan.batch_coupling if c.handling == CouplingHandling.WEIGHTED_MICROBATCHES
                     and plan.microbatches > 1]
@@ -204,15 +208,16 @@ class NativePipelineProgram(torch.nn.Module):
             if parallel.token_mean:
                 count_over_devices(module, self.data_group, self.devices)
             blocks = sharded_blocks(module, plan)
-            units = shard_modules(module, blocks, mesh["dp"], mixed_precision_policy(plan.precision), True,
-                                  parallel.within(_parameter_names(module)))
+            units = shard_modules(module, blocks, mesh["dp"], mixed_precision_policy(plan.precision),
+                                  not parallel.held, parallel.within(_parameter_names(module)))
             self.fsdp_groups += units.sharded
         return mesh.get_group("pp")
 
     @property
     def description(self) -> str:
         checkpointed = f", {len(self.checkpointed)} checkpointed layer(s)" if self.checkpointed else ""
-        sharded = f", each stage FSDP2 fully_shard over {self.devices} devices" if self.devices > 1 else ""
+        held = ", held gathered through the microbatches" if self.held else ""
+        sharded = f", each stage FSDP2 fully_shard over {self.devices} devices{held}" if self.devices > 1 else ""
         return (f"native: torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stages cut from "
                 f"the model's own modules, {self.num_microbatches} microbatches{checkpointed}{sharded})")
 
@@ -247,7 +252,7 @@ class NativePipelineProgram(torch.nn.Module):
         counted."""
         counts: Counter[str] = Counter()
         if phase != "optimizer":
-            counts.update(fsdp_collectives(self.fsdp_groups, self.num_microbatches))
+            counts.update(fsdp_collectives(self.fsdp_groups, self.num_microbatches, self.held))
         mine = set(self.stage_indices)
         for c in self.plan.collectives:
             if (c.phase == "optimizer") != (phase == "optimizer") or c.kind == CollectiveKind.SEND_RECV:

@@ -44,7 +44,7 @@ from autoplan.codegen.native_patterns import _recognise_data_parallel, loss_node
 from autoplan.codegen.native_storage import ParameterStorage
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import Plan
+from autoplan.plan_schema import ParamStorage, Plan
 from autoplan.trace.graph import NodeKind, TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
@@ -55,11 +55,15 @@ _SUM = 2  # aten's reduction enum: 0 none, 1 mean, 2 sum
 @dataclass(frozen=True)
 class StageDataParallel:
     """How each stage runs over its ``devices`` (``d``): FSDP2 over the sharded parameters
-    (``storage``), the loss's count all-reduced where ``token_mean``."""
+    (``storage``), the loss's count all-reduced where ``token_mean``; ``held``: every sharded
+    parameter gathered once a step and held through the microbatches, its gradient accumulated
+    whole and reduce-scattered once (:attr:`~autoplan.plan_schema.ParamStorage.held`), else
+    gathered and reduce-scattered in every microbatch."""
 
     devices: int
     storage: ParameterStorage
     token_mean: bool
+    held: bool = False
 
     def within(self, stage_parameters: set[str]) -> ParameterStorage:
         """The storage of one stage's parameters (by the model's names)."""
@@ -73,8 +77,12 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     d = len(plan.stages[0].devices)
     if len(plan.mesh) != 1 or any(stage.mesh != [d] for stage in plan.stages):
         return f"stages on logical meshes {[stage.mesh for stage in plan.stages]}, not one data axis each"
-    if any(s.held for s in plan.storage.values()):
-        return "parameters held gathered through the microbatches"
+    trained = {graph.param_names[name] for name, info in graph.nodes.items()
+               if info.kind == NodeKind.PARAMETER and name in graph.param_names}
+    held = {fqn for fqn, s in plan.storage.items() if s.held}
+    if held and held != trained - set(graph.tied):
+        return "some parameters held gathered through the microbatches, others not"
+    plan = _held_as_sharded(plan) if held else plan
     cut = [name for name in graph.input_names if plan.inputs.get(name, ["R"]) not in (["R"], ["S(0)"])]
     if cut:
         return f"input {cut[0]} is {plan.inputs[cut[0]]}: the schedule splits microbatches on dim 0"
@@ -92,12 +100,21 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     storage = found.storage
     if found.kind != "fsdp" or storage is None:
         return f"the stages are {found.kind}, not FSDP"
-    trained = {graph.param_names[name] for name, info in graph.nodes.items()
-               if info.kind == NodeKind.PARAMETER and name in graph.param_names}
     whole = sorted(trained - set(storage.shard_dims) - set(graph.tied))
     if whole or storage.zero2 or storage.embeddings:
         return "parameters kept whole, ZeRO-2 or tables read in place beside the sharded ones in a stage"
-    return StageDataParallel(d, storage, found.token_mean)
+    return StageDataParallel(d, storage, found.token_mean, bool(held))
+
+
+def _held_as_sharded(plan: Plan) -> Plan:
+    """``plan`` with its held parameters stored as FSDP stores them between steps (in their
+    optimizer state's placements), so that recognition reads them as sharded parameters
+    gathered at use; when the gathers run (once a step) is the program's to carry out."""
+    storage = {fqn: ParamStorage(s.optimizer_state, s.optimizer_state, s.optimizer_state) if s.held else s
+               for fqn, s in plan.storage.items()}
+    params = {fqn: list(plan.storage[fqn].optimizer_state) if fqn in plan.storage and plan.storage[fqn].held
+              else specs for fqn, specs in plan.params.items()}
+    return dataclasses.replace(plan, storage=storage, params=params)
 
 
 def device_rows(plan: Plan, stage_ranks: Sequence[int]) -> bool:
@@ -165,8 +182,11 @@ class DataParallelLoss:
         return weighted + (total / self.devices - weighted.detach())
 
 
-def fsdp_collectives(groups: int, microbatches: int) -> Counter[str]:
-    """What FSDP2 runs in a step of ``microbatches`` over ``groups`` groups resharded after the
-    forward: each gathered before every microbatch's forward and again before its backward, its
-    gradients reduce-scattered after every backward."""
+def fsdp_collectives(groups: int, microbatches: int, held: bool) -> Counter[str]:
+    """What FSDP2 runs in a step of ``microbatches`` over ``groups`` groups: each gathered
+    before every microbatch's forward and again before its backward, its gradients
+    reduce-scattered after every backward; ``held``: each gathered once, before the first
+    forward, and reduce-scattered once, after the last backward."""
+    if held:
+        return Counter({"all_gather": groups, "reduce_scatter": groups})
     return Counter({"all_gather": 2 * groups * microbatches, "reduce_scatter": groups * microbatches})
