@@ -77,6 +77,7 @@ def _sharded_stages() -> dict[str, Plan]:
         "2 stages x FSDP 2 1f1b bf16": _planned(wide, 4, fsdp, schedule="1f1b", precision="bf16"),
         "4 virtual stages x FSDP 2 interleaved": _planned(wide, 4, fsdp, schedule="interleaved1f1b"),
         "2 stages x FSDP 2 held, --manual": _manual(wide, 4, "pp=2,fsdp=2,microbatches=2"),
+        "2 stages x DDP 2 1f1b": _planned(wide, 4, ("pp=2", "dp=2", "microbatches=2"), schedule="1f1b"),
     }
 
 
@@ -95,8 +96,8 @@ def test_stages_of_one_device_each_start_at_the_plans_first_modules(plans: dict[
 
 def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatches(plans: dict[str, Plan]) -> None:
     """What the plans are: each stage on a row of the 2 x 2 device mesh, every parameter stored
-    sharded over it, the values between stages crossing as shards (no activation gathered), the
-    loss's count all-reduced over a stage's devices."""
+    sharded over it (or, DDP, whole on each), the values between stages crossing as shards (no
+    activation gathered), the loss's count all-reduced over a stage's devices."""
     spec = _llama4_wide()
     for label in ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16"):
         plan = plans[label]
@@ -110,6 +111,10 @@ def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatch
     held = plans["2 stages x FSDP 2 held, --manual"]
     assert all(s.held for fqn, s in held.storage.items() if "inv_freq" not in fqn)
     assert _starts(spec, held) == ["model.layers.2"]
+    replicated = plans["2 stages x DDP 2 1f1b"]
+    assert all(s.param == ["R"] for s in replicated.storage.values())
+    assert any(c.tensor == "gradient" and c.kind == "all_reduce" for c in replicated.collectives)
+    assert _starts(spec, replicated) == ["model.layers.2"]
 
 
 def test_stages_that_gather_a_value_before_sending_it_stay_on_the_interpreter(plans: dict[str, Plan]) -> None:
@@ -179,7 +184,8 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
         for label in cases:
             assert found[label]["description"].startswith(NATIVE), found[label]["description"]
             if label in _SHARDED:
-                assert "each stage FSDP2 fully_shard over 2 devices" in found[label]["description"]
+                kind = "replicated over 2 devices" if "DDP" in label else "FSDP2 fully_shard over 2 devices"
+                assert f"each stage {kind}" in found[label]["description"]
             assert ("held gathered through the microbatches" in found[label]["description"]) == ("held" in label)
     if world == 4:
         for label in ("4 stages 1f1b checkpointed bf16", "2 stages x FSDP 2 1f1b checkpointed"):
@@ -188,4 +194,4 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
 
 
 _SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
-            "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual")
+            "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual", "2 stages x DDP 2 1f1b")

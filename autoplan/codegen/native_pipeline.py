@@ -25,7 +25,8 @@ per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the oth
 :func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collective is the
 loss's broadcast (its sends are point-to-point); or every stage on the ``d`` devices of its
 pipeline rank's row of a ``pp × d`` device mesh, data parallel over them with its parameters
-stored sharded (FSDP2, :mod:`autoplan.codegen.stage_data_parallel`: each device runs its slice
+stored sharded (FSDP2) or whole (DDP, FSDP2's ``replicate``)
+(:mod:`autoplan.codegen.stage_data_parallel`: each device runs its slice
 of every microbatch, sends its slice of the boundary values to its peer in the next stage, and
 a bf16 plan's stages are traced with their parameters in bf16, as FSDP2 gathers them); stage
 ``s`` starts at a module of the model
@@ -35,8 +36,8 @@ modules, recomputed fully or selectively; the model is allocated (not on the met
 couples its samples at most through a mean loss over a counted batch; and torch's tracer cuts
 it (one it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs
 on the interpreter). Stages that are tensor parallel, that gather activations over their
-devices, hold parameters gathered through the microbatches or keep some whole beside sharded
-ones, and every other plan, run on the interpreter.
+devices, mix parameters held through the microbatches with others or keep some whole beside
+sharded ones, and every other plan, run on the interpreter.
 
 Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
 autocast are the stages' metadata), and keeps only its stage: a model too large for one device
@@ -66,7 +67,7 @@ from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, sta
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
 from autoplan.codegen.precision import compute_precision, gathered_dtype, mixed_precision_policy
 from autoplan.codegen.stage_data_parallel import (DataParallelLoss, StageDataParallel, count_over_devices,
-    device_rows, fsdp_collectives, local_batch, stage_data_parallel)
+    device_rows, fsdp_collectives, local_batch, replicated_collectives, stage_data_parallel)
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import CouplingHandling, Plan, RecomputeMode
@@ -118,8 +119,9 @@ def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type
     starts = stage_starts(spec, graph, plan)
     if starts is None:
         return None
-    parallel = stage_data_parallel(spec, graph, plan) if len(plan.stages[0].devices) > 1 else None
-    program = NativePipelineProgram(spec, graph, plan, starts, device_type, parallel)  # type: ignore[arg-type]
+    found = stage_data_parallel(spec, graph, plan) if len(plan.stages[0].devices) > 1 else None
+    parallel = found if isinstance(found, StageDataParallel) else None  # (stage_starts has refused the others)
+    program = NativePipelineProgram(spec, graph, plan, starts, device_type, parallel)
     return program if program.matches_plan else None
 
 
@@ -146,6 +148,7 @@ class NativePipelineProgram(torch.nn.Module):
         self.stage_indices = [s for s, rank in enumerate(ranks) if rank == dist.get_rank() // self.devices]
         self.gradient_buckets_launched = 0  # FSDP2 reduces the gradients of stages on several devices
         self.fsdp_groups = 0
+        self.replicate_groups = 0
         self.held = False
         self.has_first = 0 in self.stage_indices
         self.has_last = len(plan.stages) - 1 in self.stage_indices
@@ -180,7 +183,7 @@ class NativePipelineProgram(torch.nn.Module):
             _run_forward_under(module, plan, device_type)
         # a stage that is itself an FSDP2 module is held gathered by torch's stage through the
         # microbatches and reduced once; under a plain module FSDP2 gathers and reduces in each
-        wrapped = parallel is not None and not parallel.held
+        wrapped = parallel is not None and not (parallel.held or parallel.replicated)
         self.held = parallel is not None and parallel.held
         self.pipeline_stages = [build_stage(_Stage(module) if wrapped else module, s, pipe.info(), self.device, group)
                                 for s, module in zip(self.stage_indices, self.stage_modules)]
@@ -197,6 +200,7 @@ class NativePipelineProgram(torch.nn.Module):
         """Shard this rank's stages over their devices (FSDP2 per block and on the stage's
         root), their cross-entropy averaged over the microbatch's counted targets; the process
         group of this rank's peers in the other stages."""
+        from torch.distributed._composable.replicate_with_fsdp import replicate
         from torch.distributed.device_mesh import init_device_mesh
 
         from autoplan.codegen.native_fsdp import shard_modules
@@ -204,12 +208,17 @@ class NativePipelineProgram(torch.nn.Module):
         mesh = init_device_mesh(device_type, (plan.devices // self.devices, self.devices),
                                 mesh_dim_names=("pp", "dp"))
         self.data_group, self.data_index = mesh.get_group("dp"), mesh.get_local_rank("dp")
+        policy = mixed_precision_policy(plan.precision)
         for module in self.stage_modules:
             if parallel.token_mean:
                 count_over_devices(module, self.data_group, self.devices)
+            if parallel.replicated:  # DDP in FSDP2's groups, reduced once a step by torch's stage
+                replicate(module, mesh=mesh["dp"], mp_policy=policy)
+                self.replicate_groups += 1
+                continue
             blocks = sharded_blocks(module, plan)
-            units = shard_modules(module, blocks, mesh["dp"], mixed_precision_policy(plan.precision),
-                                  not parallel.held, parallel.within(_parameter_names(module)))
+            units = shard_modules(module, blocks, mesh["dp"], policy, not parallel.held,
+                                  parallel.within(_parameter_names(module)))
             self.fsdp_groups += units.sharded
         return mesh.get_group("pp")
 
@@ -217,7 +226,9 @@ class NativePipelineProgram(torch.nn.Module):
     def description(self) -> str:
         checkpointed = f", {len(self.checkpointed)} checkpointed layer(s)" if self.checkpointed else ""
         held = ", held gathered through the microbatches" if self.held else ""
-        sharded = f", each stage FSDP2 fully_shard over {self.devices} devices{held}" if self.devices > 1 else ""
+        sharded = "" if self.devices == 1 else \
+            f", each stage replicated over {self.devices} devices (FSDP2's replicate)" if self.replicate_groups else \
+            f", each stage FSDP2 fully_shard over {self.devices} devices{held}"
         return (f"native: torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stages cut from "
                 f"the model's own modules, {self.num_microbatches} microbatches{checkpointed}{sharded})")
 
@@ -253,6 +264,7 @@ class NativePipelineProgram(torch.nn.Module):
         counts: Counter[str] = Counter()
         if phase != "optimizer":
             counts.update(fsdp_collectives(self.fsdp_groups, self.num_microbatches, self.held))
+            counts.update(replicated_collectives(self.replicate_groups))
         mine = set(self.stage_indices)
         for c in self.plan.collectives:
             if (c.phase == "optimizer") != (phase == "optimizer") or c.kind == CollectiveKind.SEND_RECV:

@@ -9,11 +9,15 @@ mesh, row-major); within the stages, the plan is what a data-parallel program of
 (:func:`~autoplan.codegen.native_patterns._recognise_data_parallel` on the plan less its sends and
 the loss's broadcast): the microbatch split over the ``d`` devices, every trained parameter
 stored sharded and gathered at use before the forward and again before the backward, its
-gradient reduce-scattered after every microbatch (not held gathered through the microbatches),
-and activations never gathered (values crossing a stage boundary cross as shards, each device
+gradient reduce-scattered after every microbatch (FSDP2 under a plain module, so that torch's
+pipeline stage runs FSDP2's own backward), or every one held gathered through the microbatches
+and reduced once a step (:attr:`~autoplan.plan_schema.ParamStorage.held`: the stage itself the
+FSDP2 root, ``reshard_after_forward=False``, which torch's stage holds and reduces once), or
+every one whole, its gradient all-reduced once a step (DDP: the stage under FSDP2's
+``replicate``, which torch's stage reduces once), and activations never gathered (values crossing a stage boundary cross as shards, each device
 sending its slice to its peer of the next stage); the loss a mean, or a cross-entropy averaged
-over the targets it counts. Parameters kept whole beside sharded ones, ZeRO-2 and embedding
-tables read in place run on the interpreter.
+over the targets it counts. Parameters kept whole beside sharded ones, ZeRO-2, embedding
+tables read in place and a mix of held and gathered parameters run on the interpreter.
 
 How the program computes one device's loss and gradients. Microbatch ``m`` of the global batch
 is split into ``d`` slices (the interpreter's order: microbatch first, then the device's slice).
@@ -64,6 +68,7 @@ class StageDataParallel:
     storage: ParameterStorage
     token_mean: bool
     held: bool = False
+    replicated: bool = False  # every parameter whole (DDP), its gradient all-reduced once a step
 
     def within(self, stage_parameters: set[str]) -> ParameterStorage:
         """The storage of one stage's parameters (by the model's names)."""
@@ -97,9 +102,11 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     found = _recognise_data_parallel(one, graph, within, d)
     if isinstance(found, str):
         return found
+    if found.kind == "ddp":
+        return StageDataParallel(d, ParameterStorage(), found.token_mean, replicated=True)
     storage = found.storage
     if found.kind != "fsdp" or storage is None:
-        return f"the stages are {found.kind}, not FSDP"
+        return f"the stages are {found.kind}, not FSDP or DDP"
     whole = sorted(trained - set(storage.shard_dims) - set(graph.tied))
     if whole or storage.zero2 or storage.embeddings:
         return "parameters kept whole, ZeRO-2 or tables read in place beside the sharded ones in a stage"
@@ -180,6 +187,12 @@ class DataParallelLoss:
         total = weighted.detach().clone()
         dist.all_reduce(total, group=self.group)
         return weighted + (total / self.devices - weighted.detach())
+
+
+def replicated_collectives(groups: int) -> Counter[str]:
+    """What ``replicate`` on a stage runs in a step under torch's pipeline stage: one gradient
+    all-reduce per group, after the last microbatch's backward."""
+    return Counter({"all_reduce": groups})
 
 
 def fsdp_collectives(groups: int, microbatches: int, held: bool) -> Counter[str]:
