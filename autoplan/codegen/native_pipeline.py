@@ -84,6 +84,13 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
     """The module each stage but the first starts at, where ``plan`` is one this program runs
     (the module docstring's conditions that the plan and the model show before tracing); None
     otherwise."""
+    form = _native_form(spec, graph, plan)
+    return form[0] if form is not None else None
+
+
+def _native_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
+                 ) -> tuple[list[str], StageDataParallel | None] | None:
+    """:func:`stage_starts` and, for stages of several devices, how they run data parallel."""
     if len(plan.stages) < 2 or len({len(stage.devices) for stage in plan.stages}) != 1:
         return None
     d = len(plan.stages[0].devices)
@@ -93,7 +100,8 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
         return None
     if d == 1 and any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) for c in plan.collectives):
         return None
-    if d > 1 and isinstance(stage_data_parallel(spec, graph, plan), str):
+    parallel = stage_data_parallel(spec, graph, plan) if d > 1 else None
+    if isinstance(parallel, str):
         return None
     if any(c.handling != CouplingHandling.WEIGHTED_MICROBATCHES for c in plan.batch_coupling):
         return None
@@ -109,18 +117,17 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
         for fqn in stage.params:
             if owners.setdefault(graph.tied.get(fqn, fqn), s) != s:
                 return None  # read by two stages
-    return starts
+    return starts, parallel
 
 
 def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type: str
                     ) -> NativePipelineProgram | None:
     """This rank's :class:`NativePipelineProgram` for ``plan``, or None where the plan is not
     one it runs (the same answer on every rank: each traces the same model)."""
-    starts = stage_starts(spec, graph, plan)
-    if starts is None:
+    form = _native_form(spec, graph, plan)
+    if form is None:
         return None
-    found = stage_data_parallel(spec, graph, plan) if len(plan.stages[0].devices) > 1 else None
-    parallel = found if isinstance(found, StageDataParallel) else None  # (stage_starts has refused the others)
+    starts, parallel = form
     program = NativePipelineProgram(spec, graph, plan, starts, device_type, parallel)
     return program if program.matches_plan else None
 
