@@ -213,6 +213,12 @@ class PlannedCollective:
     stages: list[int] = field(default_factory=list)  # the pipeline stages whose ranks run it (empty: every rank)
 
 
+def copies_summed(fqn: str) -> str:
+    """The ``where`` of the collective summing the gradients of a weight's copies held by
+    several pipeline ranks (a token table that is also the head), once a step."""
+    return f"{fqn}: its copies' gradients"
+
+
 @dataclass
 class MemoryEstimate:
     """Bytes per device. ``peak`` is what a device keeps through the step (the kept values);

@@ -8,15 +8,16 @@ from __future__ import annotations
 import torch
 
 
-def _llama(vocab: int, hidden: int, batch: int, seq: int, ignored: list[tuple[int, slice]]
-           ) -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+def _llama(vocab: int, hidden: int, batch: int, seq: int, ignored: list[tuple[int, slice]], tied: bool = False,
+           device: str = "cpu") -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)
-    model = LlamaForCausalLM(config)
+                         tie_word_embeddings=tied)
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (batch, seq))
     labels = ids.clone()
     for row, positions in ignored:
@@ -29,9 +30,25 @@ def llama4() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     return _llama(128, 32, 8, 16, [(1, slice(3, None)), (2, slice(None, 5))])
 
 
+def llama4_meta() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """:func:`llama4` on the meta device (allocated shard by shard where it runs)."""
+    return _llama(128, 32, 8, 16, [(1, slice(3, None)), (2, slice(None, 5))], device="meta")
+
+
+def llama4_tied() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """:func:`llama4` with its head tied to its token table (``tie_word_embeddings``, as Gemma's
+    and the small Llamas'): the first and the last stage each hold it."""
+    return _llama(128, 32, 8, 16, [(1, slice(3, None)), (2, slice(None, 5))], tied=True)
+
+
 def llama4_wide() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     """Wide enough that the values crossing a stage boundary (a microbatch's hidden states:
     256 KiB in fp32, 128 KiB in bf16) are worth sending as shards on the ``cpu`` cluster (more
     than a link's latency of transfer), so that its stages of two devices are data parallel;
     the devices' slices count different numbers of targets."""
     return _llama(512, 128, 16, 64, [(1, slice(3, None)), (5, slice(None, 20)), (12, slice(7, None))])
+
+
+def llama4_wide_tied() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """:func:`llama4_wide` with its head tied to its token table."""
+    return _llama(512, 128, 16, 64, [(1, slice(3, None)), (5, slice(None, 20)), (12, slice(7, None))], tied=True)

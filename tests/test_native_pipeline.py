@@ -35,6 +35,14 @@ def _llama4():
     return make_model_spec(*pipeline_cases.llama4(), name="llama4")
 
 
+def _llama4_tied():
+    return make_model_spec(*pipeline_cases.llama4_tied(), name="llama4_tied")
+
+
+def _nanogpt():
+    return make_model_spec(*fsdp_cases.nanogpt(), name="nanogpt")  # its head is its token table
+
+
 def _llama4_wide():
     return make_model_spec(*pipeline_cases.llama4_wide(), name="llama4_wide")
 
@@ -63,6 +71,9 @@ def plans() -> dict[str, Plan]:
         "2 stages of two devices": _planned(spec, 4, ("stages=2", "microbatches=2")),
         "2 stages x FSDP 2, values crossing whole": _planned(spec, 4, ("pp=2", "fsdp=2", "microbatches=2"),
                                                             schedule="1f1b"),
+        "nanogpt 2 stages, its token table the head": _planned(_nanogpt(), 2, ("stages=2", "microbatches=2")),
+        "4 virtual stages interleaved, head tied": _planned(_llama4_tied(), 2, ("stages=2", "microbatches=2"),
+                                                            schedule="interleaved1f1b"),
         **_sharded_stages(),
     }
 
@@ -78,6 +89,8 @@ def _sharded_stages() -> dict[str, Plan]:
         "4 virtual stages x FSDP 2 interleaved": _planned(wide, 4, fsdp, schedule="interleaved1f1b"),
         "2 stages x FSDP 2 held, --manual": _manual(wide, 4, "pp=2,fsdp=2,microbatches=2"),
         "2 stages x DDP 2 1f1b": _planned(wide, 4, ("pp=2", "dp=2", "microbatches=2"), schedule="1f1b"),
+        "2 stages x FSDP 2 1f1b, head tied": _planned(make_model_spec(*pipeline_cases.llama4_wide_tied(), name="tied"),
+                                                      4, fsdp, schedule="1f1b"),
     }
 
 
@@ -92,6 +105,24 @@ def test_stages_of_one_device_each_start_at_the_plans_first_modules(plans: dict[
     interleaved = plans["4 virtual stages interleaved"]  # two stages on each of two ranks, looped
     assert [stage.devices for stage in interleaved.stages] == [[0], [1], [0], [1]]
     assert _starts(_llama4(), interleaved) == ["model.layers.1", "model.layers.2", "model.layers.3"]
+
+
+def test_a_weight_tied_across_pipeline_ranks_is_held_by_each_and_its_copies_gradients_summed(
+        plans: dict[str, Plan]) -> None:
+    """nanoGPT's token table is its head, the tied Llamas' head their token table: the first and
+    the last stage (on two pipeline ranks, of one device or two each, FSDP over them) each hold
+    it, and the plan sums its copies' gradients over them once a step, which the program does
+    too (the launch below)."""
+    for spec, label, stages, starts in (
+            (_nanogpt(), "nanogpt 2 stages, its token table the head", [0, 1], ["h.1"]),
+            (_llama4_tied(), "4 virtual stages interleaved, head tied", [0, 3],
+             ["model.layers.1", "model.layers.2", "model.layers.3"]),
+            (make_model_spec(*pipeline_cases.llama4_wide_tied(), name="tied"), "2 stages x FSDP 2 1f1b, head tied",
+             [0, 1], ["model.layers.2"])):
+        plan = plans[label]
+        summed = [c for c in plan.collectives if c.kind == "all_reduce" and c.tensor == "gradient"]
+        assert [(c.where.endswith("its copies' gradients"), c.stages) for c in summed] == [(True, stages)], label
+        assert _starts(spec, plan) == starts, label
 
 
 def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatches(plans: dict[str, Plan]) -> None:
@@ -128,15 +159,14 @@ def test_stages_that_gather_a_value_before_sending_it_stay_on_the_interpreter(pl
     assert stage_starts(spec, graph, plan) is None
 
 
-@pytest.mark.parametrize("why", ["stages of two devices computing the same", "a weight tied across stages"])
+@pytest.mark.parametrize("why", ["stages of two devices computing the same", "a model on the meta device"])
 def test_other_pipelines_stay_on_the_interpreter(why: str, plans: dict[str, Plan]) -> None:
     if why == "stages of two devices computing the same":  # the narrow Llama's values cross whole
         spec, plan = _llama4(), plans["2 stages of two devices"]
         assert {len(stage.devices) for stage in plan.stages} == {2}
         assert not any(c.kind in ("reduce_scatter", "all_gather") for c in plan.collectives)
-    else:
-        spec = make_model_spec(*fsdp_cases.nanogpt(), name="nanogpt")  # its head is its token table
-        plan = _planned(spec, 2, ("stages=2", "microbatches=2"))
+    else:  # allocated shard by shard where it runs, which the interpreter does
+        spec, plan = make_model_spec(*pipeline_cases.llama4_meta(), name="llama4"), plans["4 stages gpipe"]
     assert _starts(spec, plan) is None
 
 
@@ -172,13 +202,19 @@ def test_values_read_stages_later_are_handed_on_through_the_stages_between() -> 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Plan], tmp_path) -> None:
-    """Four stages on four processes, one each (GPipe; 1F1B checkpointed in bf16), and on two
-    processes two virtual stages each (interleaved 1F1B, interleaved zero bubble)."""
+    """Four stages on four processes, one each (GPipe; 1F1B checkpointed in bf16) and two of two
+    devices each (FSDP, DDP; FSDP with the head tied to the token table), and on two processes two virtual stages each (interleaved 1F1B,
+    interleaved zero bubble; interleaved with the head tied to the token table) and nanoGPT's two
+    stages, each holding its token table, which is its head."""
     labels = {4: ["4 stages gpipe", "4 stages 1f1b checkpointed bf16", *_SHARDED],
-              2: ["4 virtual stages interleaved", "4 virtual stages zero bubble"]}[world]
-    cases = {label: ("llama4_wide" if label in _SHARDED else "llama4", plans[label]) for label in labels}
-    write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py", "llama4_wide": "pipeline_cases.py"})
-    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=420)
+              2: ["4 virtual stages interleaved", "4 virtual stages zero bubble",
+                  "nanogpt 2 stages, its token table the head", "4 virtual stages interleaved, head tied"]}[world]
+    cases = {label: (_TIED.get(label) or ("llama4_wide" if label in _SHARDED else "llama4"), plans[label])
+             for label in labels}
+    write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py", "llama4_wide": "pipeline_cases.py",
+                                        "llama4_tied": "pipeline_cases.py", "llama4_wide_tied": "pipeline_cases.py",
+                                        "nanogpt": "fsdp_cases.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=540)
     assert_checks_passed(results, cases)
     for found in results.values():
         for label in cases:
@@ -193,5 +229,8 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
             assert "checkpointed layer" in results[0][label]["description"]
 
 
+_TIED = {"nanogpt 2 stages, its token table the head": "nanogpt", "4 virtual stages interleaved, head tied": "llama4_tied",
+         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied"}
 _SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
-            "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual", "2 stages x DDP 2 1f1b")
+            "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual", "2 stages x DDP 2 1f1b",
+            "2 stages x FSDP 2 1f1b, head tied")

@@ -22,16 +22,20 @@ lists it.
 Which plans (recognition reads the plan and the model, and the cut is checked against the
 plan once traced): every stage on one device, on the rank torch's schedule gives it (one stage
 per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the others:
-:func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collective is the
-loss's broadcast (its sends are point-to-point); or every stage on the ``d`` devices of its
-pipeline rank's row of a ``pp × d`` device mesh, data parallel over them with its parameters
+:func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collectives are the
+loss's broadcast and the sums of a tied weight's copies (its sends are point-to-point); or
+every stage on the ``d`` devices of its pipeline rank's row of a ``pp × d`` device mesh, data parallel over them with its parameters
 stored sharded (FSDP2) or whole (DDP, FSDP2's ``replicate``)
 (:mod:`autoplan.codegen.stage_data_parallel`: each device runs its slice
 of every microbatch, sends its slice of the boundary values to its peer in the next stage, and
 a bf16 plan's stages are traced with their parameters in bf16, as FSDP2 gathers them); stage
 ``s`` starts at a module of the model
-(the plan's first layer of the stage) and holds exactly the parameters the plan gives it, none
-read by two stages (a tied weight would be copied into each); its recomputed layers are
+(the plan's first layer of the stage) and holds exactly the parameters the plan gives it; a
+weight several stages read (a token table that is also the head: nanoGPT's, Gemma's, a Llama's
+under ``tie_word_embeddings``) is held by each, on pipeline ranks of their own, its names in one
+stage tied again to one parameter (torch's cut gives each name a copy), and its copies'
+gradients summed after the schedule among the devices holding the same part of it, as the plan
+sums them (``"its copies' gradients"``: every stage stores it alike); its recomputed layers are
 modules, recomputed fully or selectively; the model is allocated (not on the meta device) and
 couples its samples at most through a mean loss over a counted batch; and torch's tracer cuts
 it (one it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs
@@ -47,6 +51,7 @@ its shards.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import operator
@@ -58,6 +63,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map
 
 from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.loss_weights import microbatch_weights
@@ -70,9 +77,9 @@ from autoplan.codegen.stage_data_parallel import (DataParallelLoss, StageDataPar
     device_rows, fsdp_collectives, local_batch, replicated_collectives, stage_data_parallel)
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import CouplingHandling, Plan, RecomputeMode
+from autoplan.plan_schema import CouplingHandling, Plan, RecomputeMode, copies_summed
 from autoplan.trace.batch_coupling import count_program
-from autoplan.trace.graph import NodeKind, TracedGraph
+from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
 __all__ = ["NativePipelineProgram", "native_pipeline", "stage_starts"]
@@ -98,7 +105,13 @@ def _native_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
         return None  # each stage on its pipeline rank's devices, that rank the one torch's schedule gives it
     if has_meta_tensors(spec.module):
         return None
-    if d == 1 and any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) for c in plan.collectives):
+    ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices // d)
+    shared = shared_parameters(graph, plan)
+    if any(len({ranks[s] for s in stages}) < len(stages) for stages in shared.values()):
+        return None  # a weight two stages of one rank read: torch's cut would give that rank two copies
+    summed = {copies_summed(fqn) for fqn in shared}
+    if d == 1 and any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST)
+                      and not (c.kind == CollectiveKind.ALL_REDUCE and c.where in summed) for c in plan.collectives):
         return None
     parallel = stage_data_parallel(spec, graph, plan) if d > 1 else None
     if isinstance(parallel, str):
@@ -112,12 +125,18 @@ def _native_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
     starts = [stage.layers[0] for stage in plan.stages[1:]]
     if any(not name or name not in modules for name in starts):
         return None
-    owners: dict[str, int] = {}
-    for s, stage in enumerate(plan.stages):
-        for fqn in stage.params:
-            if owners.setdefault(graph.tied.get(fqn, fqn), s) != s:
-                return None  # read by two stages
     return starts, parallel
+
+
+def shared_parameters(graph: TracedGraph, plan: Plan) -> dict[str, list[int]]:
+    """The trained parameters that several stages read (a token table that is also the head),
+    by the name the graph reads them under, with those stages."""
+    trained = graph.parameter_fqns
+    readers: dict[str, list[int]] = {}
+    for s, stage in enumerate(plan.stages):
+        for fqn in {graph.tied.get(name, name) for name in stage.params} & trained:
+            readers.setdefault(fqn, []).append(s)
+    return {fqn: stages for fqn, stages in readers.items() if len(stages) > 1}
 
 
 def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type: str
@@ -173,11 +192,15 @@ class NativePipelineProgram(torch.nn.Module):
             self.matches_plan = False
             return
         self.matches_plan = _handed_on_stage_by_stage(pipe.split_gm) and pipe.num_stages == len(plan.stages) \
-            and all(_parameter_names(pipe.get_stage_module(s)) == _planned_parameters(plan, graph, s)
+            and all(_parameter_names(pipe.get_stage_module(s), graph) == _planned_parameters(plan, graph, s)
                     for s in range(pipe.num_stages))
         if not self.matches_plan:
             return
+        for s in range(pipe.num_stages):
+            _received_and_sent_contiguous(pipe.get_stage_module(s))
         self.stage_modules = torch.nn.ModuleList(pipe.get_stage_module(s) for s in self.stage_indices)
+        for module in self.stage_modules:
+            _tied_again(module, graph)
         for module in self.stage_modules:  # traced with the parameters as FSDP2 gathers them; stored fp32
             for name, p in module.named_parameters():
                 p.data = masters.get(name, p.data)
@@ -185,7 +208,9 @@ class NativePipelineProgram(torch.nn.Module):
         self.checkpointed = [name for module in self.stage_modules for name in _checkpoint(module, plan)]
         group, self.data_group, self.data_index = None, None, 0
         if parallel is not None:  # (before the forward is wrapped: it recompiles the last stage)
-            group = self._sharded_over_devices(parallel, plan, device_type)
+            group = self._sharded_over_devices(parallel, plan, graph, device_type)
+        self.tied_copies = self._tied_copies(graph, plan, ranks)  # (FSDP2's parameters: after sharding)
+        self._summed_here = {copies_summed(fqn) for fqn in shared_parameters(graph, plan)}
         for module in self.stage_modules:
             _run_forward_under(module, plan, device_type)
         # a stage that is itself an FSDP2 module is held gathered by torch's stage through the
@@ -202,8 +227,26 @@ class NativePipelineProgram(torch.nn.Module):
         loss = DataParallelLoss(self.data_group, self.devices)
         self.schedule = cls(stages, plan.microbatches, loss_fn=loss, scale_grads=False)
 
-    def _sharded_over_devices(self, parallel: StageDataParallel, plan: Plan, device_type: str
-                              ) -> dist.ProcessGroup:
+    def _tied_copies(self, graph: TracedGraph, plan: Plan, ranks: Sequence[int]
+                     ) -> list[tuple[torch.nn.Parameter, dist.ProcessGroup]]:
+        """This rank's copies of the weights several pipeline ranks hold (a token table that
+        is also the head), each with the process group of the devices holding the same part
+        of it (the same position in their stage's devices: each stage stores it alike), among
+        which its gradient is summed after the schedule (the plan's "its copies' gradients").
+        Every rank makes every group, in the same order."""
+        mine = {graph.tied.get(name, name): p for module in self.stage_modules
+                for name, p in module.named_parameters(remove_duplicate=False)}
+        d, position = self.devices, dist.get_rank() % self.devices
+        summed = []
+        for fqn, stages in sorted(shared_parameters(graph, plan).items()):
+            for k in range(d):
+                group = dist.new_group(sorted(ranks[s] * d + k for s in stages))
+                if fqn in mine and k == position:
+                    summed.append((mine[fqn], group))
+        return summed
+
+    def _sharded_over_devices(self, parallel: StageDataParallel, plan: Plan, graph: TracedGraph,
+                              device_type: str) -> dist.ProcessGroup:
         """Shard this rank's stages over their devices (FSDP2 per block and on the stage's
         root), their cross-entropy averaged over the microbatch's counted targets; the process
         group of this rank's peers in the other stages."""
@@ -224,8 +267,8 @@ class NativePipelineProgram(torch.nn.Module):
                 self.replicate_groups += 1
                 continue
             blocks = sharded_blocks(module, plan)
-            units = shard_modules(module, blocks, mesh["dp"], policy, not parallel.held,
-                                  parallel.within(_parameter_names(module)))
+            names = {name: graph.tied.get(name, name) for name, _ in module.named_parameters()}
+            units = shard_modules(module, blocks, mesh["dp"], policy, not parallel.held, parallel.within(names))
             self.fsdp_groups += units.sharded
         return mesh.get_group("pp")
 
@@ -241,7 +284,8 @@ class NativePipelineProgram(torch.nn.Module):
 
     def named_plan_parameters(self) -> dict[str, torch.nn.Parameter]:
         """This rank's parameters, by the model's names."""
-        return {name: p for module in self.stage_modules for name, p in module.named_parameters()}
+        return {name: p for module in self.stage_modules
+                for name, p in module.named_parameters(remove_duplicate=False)}
 
     def train_step(self, *inputs: torch.Tensor) -> torch.Tensor:
         """One schedule step on the GLOBAL batch (the same on every rank): forward and backward of
@@ -256,6 +300,11 @@ class NativePipelineProgram(torch.nn.Module):
         with gradients_added(list(self.stage_modules.parameters())):
             self.schedule.step(*(inputs if self.has_first else ()), target=weights if self.has_last else None,
                                losses=losses, return_outputs=False)
+            for param, group in self.tied_copies:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
         loss = torch.stack([x.detach() for x in losses]).sum() if self.has_last and losses \
             else torch.zeros((), device=self.device)
         loss = loss.to(torch.float32).contiguous()
@@ -276,7 +325,9 @@ class NativePipelineProgram(torch.nn.Module):
         for c in self.plan.collectives:
             if (c.phase == "optimizer") != (phase == "optimizer") or c.kind == CollectiveKind.SEND_RECV:
                 continue
-            if c.tensor in ("parameter", "gradient") or (c.stages and not mine & set(c.stages)):
+            if c.tensor in ("parameter", "gradient") and c.where not in self._summed_here:
+                continue  # (FSDP2 gathers and reduces by groups, counted above)
+            if c.stages and not mine & set(c.stages):
                 continue
             if not_run_again(c, self._rerun):
                 continue
@@ -397,18 +448,48 @@ def _given_back(split: torch.fx.GraphModule, stage: torch.fx.Node, value: torch.
         return graph.call_function(operator.getitem, (stage, len(given)))
 
 
+def _received_and_sent_contiguous(stage_module: torch.nn.Module) -> None:
+    """The stage's inputs and outputs recorded as contiguous tensors: torch's stage allocates
+    its receive buffers (of the inputs, and of the outputs' gradients) with the recorded
+    strides, and a process group sends and receives only contiguous tensors (the outputs are
+    made contiguous as they are sent: :func:`_run_forward_under`)."""
+    graph = stage_module.graph  # type: ignore[union-attr]
+    for node in _placeholders(stage_module) + _output_nodes(graph):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and not value.is_contiguous():
+            with value.fake_mode if hasattr(value, "fake_mode") else contextlib.nullcontext():
+                node.meta["val"] = torch.empty(value.shape, dtype=value.dtype, device=value.device)
+
+
+def _output_nodes(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    found: list[torch.fx.Node] = []
+    torch.fx.node.map_arg(graph.output_node().args, found.append)
+    return found
+
+
 def _placeholders(module: torch.nn.Module) -> list[torch.fx.Node]:
     return [n for n in module.graph.nodes if n.op == "placeholder"]  # type: ignore[union-attr]
 
 
-def _parameter_names(module: torch.nn.Module) -> set[str]:
-    return {name for name, _ in module.named_parameters()}
+def _parameter_names(module: torch.nn.Module, graph: TracedGraph) -> set[str]:
+    """The parameters ``module`` holds, by the names the graph reads them under."""
+    return {graph.tied.get(name, name) for name, _ in module.named_parameters(remove_duplicate=False)}
+
+
+def _tied_again(module: torch.nn.Module, graph: TracedGraph) -> None:
+    """The names of one tied weight in a stage (a token table and the head) made to hold one
+    parameter again: torch's cut gives each name its own copy."""
+    held: dict[str, torch.nn.Parameter] = {}
+    for name, param in list(module.named_parameters(remove_duplicate=False)):
+        kept = held.setdefault(graph.tied.get(name, name), param)
+        if kept is not param:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner).register_parameter(attr, kept)
 
 
 def _planned_parameters(plan: Plan, graph: TracedGraph, stage: int) -> set[str]:
-    """The trained parameters the plan gives ``stage``, by the names the model holds them under."""
-    trained = {fqn for name, fqn in graph.param_names.items() if graph.nodes[name].kind == NodeKind.PARAMETER}
-    return {graph.tied.get(fqn, fqn) for fqn in plan.stages[stage].params if fqn in trained}
+    """The trained parameters the plan gives ``stage``, by the names the graph reads them under."""
+    return {graph.tied.get(fqn, fqn) for fqn in plan.stages[stage].params} & graph.parameter_fqns
 
 
 def _checkpoint(stage_module: torch.nn.Module, plan: Plan) -> list[str]:
@@ -427,12 +508,14 @@ def _checkpoint(stage_module: torch.nn.Module, plan: Plan) -> list[str]:
 
 def _run_forward_under(stage_module: torch.nn.Module, plan: Plan, device_type: str) -> None:
     """The stage's forward run under the plan's precision (``torch.autocast`` for bf16, as the
-    model was traced and the interpreter runs its stages); the backward runs in the dtypes the
-    forward chose."""
+    model was traced and the interpreter runs its stages; the backward runs in the dtypes the
+    forward chose), its outputs made contiguous: torch's stage sends them as they are, and a
+    transposed value (Whisper's encoder states handed on) cannot be sent."""
     forward = stage_module.forward
 
     def in_precision(*args: Any, **kwargs: Any) -> Any:
         with compute_precision(plan.precision, device_type):
-            return forward(*args, **kwargs)
+            outputs = forward(*args, **kwargs)
+        return tree_map(lambda x: x.contiguous() if isinstance(x, torch.Tensor) else x, outputs)
 
     stage_module.forward = in_precision

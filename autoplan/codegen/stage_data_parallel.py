@@ -48,8 +48,8 @@ from autoplan.codegen.native_patterns import _recognise_data_parallel, loss_node
 from autoplan.codegen.native_storage import ParameterStorage
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import ParamStorage, Plan
-from autoplan.trace.graph import NodeKind, TracedGraph
+from autoplan.plan_schema import ParamStorage, Plan, copies_summed
+from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
 _CROSS_ENTROPY = torch.ops.aten.cross_entropy_loss.default
@@ -70,9 +70,12 @@ class StageDataParallel:
     held: bool = False
     replicated: bool = False  # every parameter whole (DDP), its gradient all-reduced once a step
 
-    def within(self, stage_parameters: set[str]) -> ParameterStorage:
-        """The storage of one stage's parameters (by the model's names)."""
-        dims = {fqn: d for fqn, d in self.storage.shard_dims.items() if fqn in stage_parameters}
+    def within(self, stage_parameters: dict[str, str]) -> ParameterStorage:
+        """The storage of one stage's parameters, by the names the stage holds them under
+        (``stage_parameters`` maps each to the name the plan stores it under: a tied weight's
+        head may be stored as its token table)."""
+        dims = {own: self.storage.shard_dims[planned] for own, planned in stage_parameters.items()
+                if planned in self.storage.shard_dims}
         return dataclasses.replace(self.storage, shard_dims=dims)
 
 
@@ -82,8 +85,7 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     d = len(plan.stages[0].devices)
     if len(plan.mesh) != 1 or any(stage.mesh != [d] for stage in plan.stages):
         return f"stages on logical meshes {[stage.mesh for stage in plan.stages]}, not one data axis each"
-    trained = {graph.param_names[name] for name, info in graph.nodes.items()
-               if info.kind == NodeKind.PARAMETER and name in graph.param_names}
+    trained = graph.parameter_fqns
     held = {fqn for fqn, s in plan.storage.items() if s.held}
     if held and held != trained - set(graph.tied):
         return "some parameters held gathered through the microbatches, others not"
@@ -96,8 +98,10 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
             and (loss is None or c.where.split(" -> ")[0] != loss.name)]
     if sent:
         return f"the plan gathers a value over a stage's devices before sending it on ({sent[0]})"
+    summed = {copies_summed(fqn) for fqn in graph.parameter_fqns}  # a tied weight's copies: the pipeline's
     within = dataclasses.replace(plan, collectives=[
-        c for c in plan.collectives if c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST)])
+        c for c in plan.collectives
+        if c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST) and c.where not in summed])
     one = spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
     found = _recognise_data_parallel(one, graph, within, d)
     if isinstance(found, str):

@@ -111,6 +111,12 @@ class TracedGraph:
         return {name: i for i, name in enumerate(self.fx_nodes)}
 
     @functools.cached_property
+    def parameter_fqns(self) -> frozenset[str]:
+        """The model's parameters (not its buffers), by FQN, each name of a tied one included."""
+        return frozenset(fqn for name, fqn in self.param_names.items()
+                         if name in self.nodes and self.nodes[name].kind == NodeKind.PARAMETER)
+
+    @functools.cached_property
     def trained_values(self) -> frozenset[str]:
         """The nodes whose value depends on a floating parameter (their gradient is computed):
         such parameters, and the op nodes and activations computed from them."""

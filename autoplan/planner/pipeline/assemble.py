@@ -11,7 +11,8 @@ from autoplan.cost_models.backward_overlap import overlaps_regathers
 from autoplan.cost_models.step_costs import is_floating, model_flops_utilization
 from autoplan.errors import MemoryInfeasibleError
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import MemoryEstimate, ParamStorage, Plan, PlannedCollective, Prediction, StagePlan
+from autoplan.plan_schema import (MemoryEstimate, ParamStorage, Plan, PlannedCollective, Prediction, StagePlan,
+    copies_summed)
 from autoplan.planner.api import PlannerOptions
 from autoplan.planner.assemble import node_plans, placements, predict, prefetched_gathers, sharded_storage, solver_stats
 from autoplan.planner.mesh_plan import emit_warnings
@@ -154,7 +155,7 @@ def after_schedule(graph: TracedGraph, stages: list[StagePlan], params: dict[str
         spec = spec_from_json(params.get(fqn, ["R"] * len(stages[owners[0]].mesh)))
         nbytes = math.prod(local_shape(info.shape, spec, tuple(stages[owners[0]].mesh))) * info.itemsize
         seconds[ALL_REDUCE] = seconds.get(ALL_REDUCE, 0.0) + collective_time(ALL_REDUCE, nbytes, len(blocks), link)
-        collectives.append(PlannedCollective(ALL_REDUCE, "backward", -1, nbytes, 1, f"{fqn}: its copies' gradients",
+        collectives.append(PlannedCollective(ALL_REDUCE, "backward", -1, nbytes, 1, copies_summed(fqn),
                                              "gradient", stages=owners))
     loss_bytes = 4.0  # the float32 scalar
     seconds[BROADCAST] = collective_time(BROADCAST, loss_bytes, options.devices, link)
