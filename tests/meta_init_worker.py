@@ -4,9 +4,9 @@
 
 Builds the planned program of a Llama built on the meta device (``meta_llama`` below, about
 1.1 GB of fp32 weights), measures this process's peak resident memory before and after, and
-writes OUT_DIR/rank{r}.json: the growth of the peak, the bytes of parameters it holds, and
-the mean and standard deviation of its shards of the matrices (Hugging Face initialises them
-from N(0, 0.02)) and of the norms (ones).
+writes OUT_DIR/rank{r}.json: the growth of the peak, the bytes of parameters it holds, the mean
+and standard deviation of its shards of the matrices (Hugging Face initialises them from N(0,
+0.02)) and of the norms (ones), and the loss of one training step on the example batch.
 """
 
 from __future__ import annotations
@@ -58,7 +58,8 @@ def main(out_dir: Path, plan_file: Path) -> None:
                                                                             for t in local),
                   matrix_mean=matrices.mean().item(), matrix_std=matrices.std().item(),
                   norm_min=norms.min().item(), norm_max=norms.max().item(), program=pm.description,
-                  meta_left=any(t.is_meta for t in local))
+                  meta_left=any(t.is_meta for t in local),
+                  loss=float(pm.forward_backward(*spec.example_inputs)))  # the program runs a step
     (out_dir / f"rank{ctx.rank}.json").write_text(json.dumps(result))
 
 

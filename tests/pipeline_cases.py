@@ -18,7 +18,7 @@ def _llama(vocab: int, hidden: int, batch: int, seq: int, ignored: list[tuple[in
                          tie_word_embeddings=tied)
     with torch.device(device):
         model = LlamaForCausalLM(config)
-    ids = torch.randint(0, vocab, (batch, seq))
+    ids = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(1))  # on meta too
     labels = ids.clone()
     for row, positions in ignored:
         labels[row, positions] = -100
@@ -47,6 +47,11 @@ def llama4_wide() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     than a link's latency of transfer), so that its stages of two devices are data parallel;
     the devices' slices count different numbers of targets."""
     return _llama(512, 128, 16, 64, [(1, slice(3, None)), (5, slice(None, 20)), (12, slice(7, None))])
+
+
+def llama4_wide_meta() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """:func:`llama4_wide` on the meta device, its inputs the same."""
+    return _llama(512, 128, 16, 64, [(1, slice(3, None)), (5, slice(None, 20)), (12, slice(7, None))], device="meta")
 
 
 def llama4_wide_tied() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:

@@ -7,6 +7,7 @@ stages of two devices that shard their parameters over them (FSDP2)."""
 from __future__ import annotations
 
 import copy
+import json
 import operator
 import sys
 
@@ -198,6 +199,31 @@ def test_values_read_stages_later_are_handed_on_through_the_stages_between() -> 
         expected = spec.loss_fn(spec.call(copy.deepcopy(spec.module), example), *example)
         (loss,) = pipe(*example)
         assert torch.allclose(loss, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_a_model_on_the_meta_device_runs_its_stages_allocated_where_they_run(tmp_path) -> None:
+    """The wide Llama built on the meta device (as a model larger than a device is): each rank
+    traces it as fake tensors on its device and allocates only its stages (FSDP2's shards of
+    them); with the allocated model's weights loaded (``save_pretrained``'s safetensors), the
+    first step's loss is the allocated model's on one device (in bf16, within its rounding)."""
+    model, inputs, _ = pipeline_cases.llama4_wide()
+    model.save_pretrained(tmp_path / "hf")
+    with torch.no_grad():
+        expected = model(**inputs).loss.item()
+    meta, fsdp = make_model_spec(*pipeline_cases.llama4_wide_meta(), name="meta"), ("pp=2", "fsdp=2", "microbatches=2")
+    plans = {"4 stages gpipe": _planned(meta, 4, ("stages=4", "microbatches=2"), schedule="gpipe"),
+             "2 stages x FSDP 2 1f1b": _planned(meta, 4, fsdp, schedule="1f1b"),
+             "2 stages x FSDP 2 1f1b bf16": _planned(meta, 4, fsdp, schedule="1f1b", precision="bf16")}
+    cases = []
+    for label, plan in plans.items():
+        (tmp_path / f"{label}.json").write_text(plan.to_json())
+        cases.append({"name": label, "plan": str(tmp_path / f"{label}.json")})
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    results = launch_worker(ROOT / "tests" / "meta_pipeline_worker.py", 4, tmp_path, timeout=420)
+    for rank, found in results.items():
+        for label in plans:
+            assert found[label]["description"].startswith(NATIVE), (rank, found[label]["description"])
+            assert found[label]["loss"] == pytest.approx(expected, rel=2e-2 if "bf16" in label else 1e-5), (rank, label)
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -11,6 +11,7 @@ rtol 1e-5, step by step, with an uninterrupted run of the same plan.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -204,7 +205,7 @@ def test_a_weights_folder_of_nothing_it_can_read_is_named_in_one_line(tmp_path, 
 
 @pytest.mark.parametrize("text, program", [("fsdp=4", "native: FSDP2 fully_shard"),
                                            ("fsdp=2,tp=2", "native: parallelize_module on axis 1"),
-                                           ("pp=2,fsdp=2,microbatches=2", "torch.distributed.pipelining")])
+                                           ("pp=2,fsdp=2,microbatches=2", "native: torch.distributed.pipelining")])
 def test_a_meta_model_three_times_a_ranks_budget_initialises_sharded_within_it(tmp_path, text, program):
     sys.path.insert(0, str(ROOT / "tests"))
     from launcher import launch_worker
@@ -223,3 +224,7 @@ def test_a_meta_model_three_times_a_ranks_budget_initialises_sharded_within_it(t
         # the model's own initialisation ran on the shards: N(0, 0.02) matrices, norms of ones
         assert found["matrix_std"] == pytest.approx(0.02, rel=0.05) and abs(found["matrix_mean"]) < 1e-3
         assert found["norm_min"] == found["norm_max"] == 1.0
+        # and the program runs a step: weights that small predict every token about alike (the
+        # target's own logit, the same token at every position, moves the loss by about one)
+        assert abs(found["loss"] - math.log(32000)) < 1.5
+        assert found["loss"] == results[0]["loss"]

@@ -24,29 +24,34 @@ plan once traced): every stage on one device, on the rank torch's schedule gives
 per rank for ``gpipe`` and ``1f1b``, virtual stages looped or in a V for the others:
 :func:`~autoplan.codegen.pipeline_layout.stage_ranks`), so the plan's only collectives are the
 loss's broadcast and the sums of a tied weight's copies (its sends are point-to-point); or
-every stage on the ``d`` devices of its pipeline rank's row of a ``pp × d`` device mesh, data parallel over them with its parameters
-stored sharded (FSDP2) or whole (DDP, FSDP2's ``replicate``)
-(:mod:`autoplan.codegen.stage_data_parallel`: each device runs its slice
-of every microbatch, sends its slice of the boundary values to its peer in the next stage, and
-a bf16 plan's stages are traced with their parameters in bf16, as FSDP2 gathers them); stage
-``s`` starts at a module of the model
-(the plan's first layer of the stage) and holds exactly the parameters the plan gives it; a
-weight several stages read (a token table that is also the head: nanoGPT's, Gemma's, a Llama's
-under ``tie_word_embeddings``) is held by each, on pipeline ranks of their own, its names in one
-stage tied again to one parameter (torch's cut gives each name a copy), and its copies'
-gradients summed after the schedule among the devices holding the same part of it, as the plan
-sums them (``"its copies' gradients"``: every stage stores it alike); its recomputed layers are
-modules, recomputed fully or selectively; the model is allocated (not on the meta device) and
-couples its samples at most through a mean loss over a counted batch; and torch's tracer cuts
-it (one it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs
-on the interpreter). Stages that are tensor parallel, that gather activations over their
-devices, mix parameters held through the microbatches with others or keep some whole beside
-sharded ones, and every other plan, run on the interpreter.
+every stage on the ``d`` devices of its pipeline rank's row of a ``pp × d`` device mesh, data
+parallel over them with its parameters stored sharded (FSDP2) or whole (DDP, FSDP2's
+``replicate``) (:mod:`autoplan.codegen.stage_data_parallel`: each device runs its slice of every
+microbatch, sends its slice of the boundary values to its peer in the next stage, and a bf16
+plan's stages are traced with their parameters in bf16, as FSDP2 gathers them); stage ``s``
+starts at a module of the model (the plan's first layer of the stage) and holds exactly the
+parameters the plan gives it; a weight several stages read (a token table that is also the
+head: nanoGPT's, Gemma's, a Llama's under ``tie_word_embeddings``) is held by each, on pipeline
+ranks of their own, its names in one stage tied again to one parameter (torch's cut gives each
+name a copy), and its copies' gradients summed after the schedule among the devices holding the
+same part of it, as the plan sums them (``"its copies' gradients"``: every stage stores it
+alike); its recomputed layers are modules, recomputed fully or selectively; the model couples
+its samples at most through a mean loss over a counted batch; and torch's tracer cuts it (one
+it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs on the
+interpreter). Stages that are tensor parallel, that gather activations over their devices, mix
+parameters held through the microbatches with others or keep some whole beside sharded ones,
+and every other plan, run on the interpreter.
 
 Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
-autocast are the stages' metadata), and keeps only its stage: a model too large for one device
-is planned on the meta device, and such a model runs on the interpreter, which allocates only
-its shards.
+autocast are the stages' metadata), and keeps only its stages. A model built on the meta device
+(one larger than a device) is traced as fake tensors on the device (torch's ``FakeTensorMode``:
+nothing allocated, the dtypes still the autocast's); this rank's stages are then made meta,
+sharded (FSDP2 on the meta modules), allocated (``to_empty``: the shards only) and initialised
+by the model's own initialisation, as :mod:`autoplan.codegen.materialize` initialises every
+program, a tied weight's copies made equal to its first stage's; weights are loaded into them
+as into any program (``--weights``). A stage's inputs and outputs are recorded contiguous and
+sent so: torch's stage allocates its receive buffers with the recorded strides, and a process
+group sends only contiguous tensors.
 """
 
 from __future__ import annotations
@@ -63,12 +68,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.loss_weights import microbatch_weights
-from autoplan.codegen.materialize import has_meta_tensors
+from autoplan.codegen.materialize import has_meta_tensors, initialise
 from autoplan.codegen.native import not_run_again, rerun_nodes, sharded_blocks
 from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, stage_ranks
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
@@ -103,8 +109,6 @@ def _native_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
     d = len(plan.stages[0].devices)
     if plan.devices % d or not device_rows(plan, stage_ranks(plan.schedule, len(plan.stages), plan.devices // d)):
         return None  # each stage on its pipeline rank's devices, that rank the one torch's schedule gives it
-    if has_meta_tensors(spec.module):
-        return None
     ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices // d)
     shared = shared_parameters(graph, plan)
     if any(len({ranks[s] for s in stages}) < len(stages) for stages in shared.values()):
@@ -179,11 +183,18 @@ class NativePipelineProgram(torch.nn.Module):
         self.has_first = 0 in self.stage_indices
         self.has_last = len(plan.stages) - 1 in self.stage_indices
         self.loss_src = plan.stages[-1].devices[0]
-        model = _returning_the_loss(spec, copy.deepcopy(spec.module).to(self.device))
+        # a model on the meta device is traced as fake tensors on this device (nothing
+        # allocated, its dtypes under the plan's autocast as it will run), and only this rank's
+        # stages are allocated, shard by shard (:meth:`_materialised`)
+        self.meta = has_meta_tensors(spec.module)
+        fake = FakeTensorMode(allow_non_fake_inputs=True) if self.meta else None
+        model = copy.deepcopy(spec.module)
+        with fake or contextlib.nullcontext():
+            model = _returning_the_loss(spec, model.to_empty(device=self.device) if fake else model.to(self.device))
         gathered = gathered_dtype(plan.precision) if parallel is not None else None
         masters = _cast_parameters(model, gathered) if gathered is not None else {}
         # each device's slice of a microbatch: the stages' metadata
-        example = tuple(x.to(self.device) if isinstance(x, torch.Tensor) else x
+        example = tuple(_on_device(x, self.device, fake)
                         for x in microbatch_inputs(spec.example_inputs, plan.microbatches * self.devices))
         try:
             with compute_precision(plan.precision, device_type):  # traced as it runs: its dtypes are the stages'
@@ -204,6 +215,8 @@ class NativePipelineProgram(torch.nn.Module):
         for module in self.stage_modules:  # traced with the parameters as FSDP2 gathers them; stored fp32
             for name, p in module.named_parameters():
                 p.data = masters.get(name, p.data)
+            if self.meta:
+                _on_meta(module)
         self._rerun = rerun_nodes(graph, plan)
         self.checkpointed = [name for module in self.stage_modules for name in _checkpoint(module, plan)]
         group, self.data_group, self.data_index = None, None, 0
@@ -211,6 +224,8 @@ class NativePipelineProgram(torch.nn.Module):
             group = self._sharded_over_devices(parallel, plan, graph, device_type)
         self.tied_copies = self._tied_copies(graph, plan, ranks)  # (FSDP2's parameters: after sharding)
         self._summed_here = {copies_summed(fqn) for fqn in shared_parameters(graph, plan)}
+        if self.meta:
+            self._materialised(spec)
         for module in self.stage_modules:
             _run_forward_under(module, plan, device_type)
         # a stage that is itself an FSDP2 module is held gathered by torch's stage through the
@@ -244,6 +259,23 @@ class NativePipelineProgram(torch.nn.Module):
                 if fqn in mine and k == position:
                     summed.append((mine[fqn], group))
         return summed
+
+    def _materialised(self, spec: ModelSpec) -> None:
+        """This rank's stages of a meta-device model allocated (FSDP2's shards only) and
+        initialised by the model's own initialisation (:mod:`autoplan.codegen.materialize`);
+        a tied weight's copies then made equal to its first stage's, each part among the
+        devices holding it."""
+        names = {name for name, _ in [*spec.module.named_parameters(remove_duplicate=False),
+                                      *spec.module.named_buffers(remove_duplicate=False)]}
+        tensors: dict[str, torch.Tensor] = {}
+        for module in self.stage_modules:
+            module.to_empty(device=self.device)
+            tensors.update((name, t) for name, t in [*module.named_parameters(remove_duplicate=False),
+                                                     *module.named_buffers(remove_duplicate=False)] if name in names)
+        initialise(spec.module, tensors, spec.init_weights)
+        with torch.no_grad():
+            for param, group in self.tied_copies:
+                dist.broadcast(param.to_local() if isinstance(param, DTensor) else param, group=group, group_src=0)
 
     def _sharded_over_devices(self, parallel: StageDataParallel, plan: Plan, graph: TracedGraph,
                               device_type: str) -> dist.ProcessGroup:
@@ -352,6 +384,35 @@ class _Stage(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.stage(*args, **kwargs)
+
+
+def _on_device(value: Any, device: torch.device, fake: FakeTensorMode | None) -> Any:
+    """An example input on ``device``: a fake tensor there for a meta-device model's trace."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if fake is None:
+        return value.to(device)
+    with fake:
+        return torch.empty(value.shape, dtype=value.dtype, device=device)
+
+
+def _on_meta(module: torch.nn.Module) -> None:
+    """The fake parameters and buffers of a stage traced from a meta-device model replaced by
+    meta tensors (one for each tensor, however many names it has), to be sharded and allocated
+    as the model's own meta tensors are."""
+    made: dict[int, torch.Tensor] = {}
+
+    def on_meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            made[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        return made[id(t)]
+
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = on_meta(t)  # type: ignore[assignment]
 
 
 def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:

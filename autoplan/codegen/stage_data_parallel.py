@@ -46,6 +46,7 @@ import torch.fx
 
 from autoplan.codegen.native_patterns import _recognise_data_parallel, loss_node
 from autoplan.codegen.native_storage import ParameterStorage
+from autoplan.codegen.token_mean import share_of_global_mean
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import ParamStorage, Plan, copies_summed
@@ -157,9 +158,7 @@ class GlobalTokenMeanLoss(torch.nn.Module):
     def forward(self, logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                 reduction: int = 1, ignore_index: int = -100, label_smoothing: float = 0.0) -> torch.Tensor:
         summed = _CROSS_ENTROPY(logits, target, weight, _SUM, ignore_index, label_smoothing)
-        count = (target != ignore_index).sum()
-        dist.all_reduce(count, group=self.group)
-        return summed * (self.devices / count)
+        return share_of_global_mean(summed, target, ignore_index, [self.group], self.devices)
 
 
 def count_over_devices(stage_module: torch.fx.GraphModule, group: dist.ProcessGroup, devices: int) -> bool:

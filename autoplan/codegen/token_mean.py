@@ -48,12 +48,20 @@ class GlobalTokenMean(TorchFunctionMode):
         given = bound.arguments
         if not _is_token_mean(given):
             return func(*args, **kwargs)
-        summed = func(**{**given, "reduction": "sum"})
-        count = (given["target"] != given["ignore_index"]).sum()
-        for group in self.groups:
-            dist.all_reduce(count, group=group)
         self.calls += 1
-        return summed * (self.ranks / count)
+        return share_of_global_mean(func(**{**given, "reduction": "sum"}), given["target"], given["ignore_index"],
+                                    self.groups, self.ranks)
+
+
+def share_of_global_mean(summed: torch.Tensor, target: torch.Tensor, ignore_index: int,
+                         groups: Sequence[dist.ProcessGroup], ranks: int) -> torch.Tensor:
+    """``L_r = S_r · N / C`` (module docstring): a rank's summed cross-entropy ``summed`` times
+    the ``ranks`` over the count of targets not ignored, all-reduced over each of ``groups`` in
+    turn."""
+    count = (target != ignore_index).sum()
+    for group in groups:
+        dist.all_reduce(count, group=group)
+    return summed * (ranks / count)
 
 
 def _is_token_mean(given: dict[str, Any]) -> bool:

@@ -182,6 +182,11 @@ def count_program(graph: TracedGraph, node_name: str) -> fx.GraphModule:
     for node in ancestors:
         if node not in env:
             env[node] = new.node_copy(node, lambda n: env[n])
+            if env[node].kwargs.get("device") == torch.device("meta") \
+                    and getattr(node.target, "overloadpacket", None) in (aten.to, aten._to_copy):
+                # a model traced on the meta device moves the targets there (HF's
+                # ``labels.to(logits.device)``): the count stays on the inputs' device
+                env[node].kwargs = {k: v for k, v in env[node].kwargs.items() if k != "device"}
     kept = new.call_function(aten.ne.Scalar, (env[target], ignore_index))
     new.output(new.call_function(aten.sum.default, (kept,)))
     return fx.GraphModule(graph.graph_module, new)
