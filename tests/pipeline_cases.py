@@ -30,11 +30,6 @@ def llama4() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     return _llama(128, 32, 8, 16, [(1, slice(3, None)), (2, slice(None, 5))])
 
 
-def llama4_meta() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
-    """:func:`llama4` on the meta device (allocated shard by shard where it runs)."""
-    return _llama(128, 32, 8, 16, [(1, slice(3, None)), (2, slice(None, 5))], device="meta")
-
-
 def llama4_tied() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     """:func:`llama4` with its head tied to its token table (``tie_word_embeddings``, as Gemma's
     and the small Llamas'): the first and the last stage each hold it."""

@@ -160,14 +160,16 @@ def test_stages_that_gather_a_value_before_sending_it_stay_on_the_interpreter(pl
     assert stage_starts(spec, graph, plan) is None
 
 
-@pytest.mark.parametrize("why", ["stages of two devices computing the same", "a model on the meta device"])
+@pytest.mark.parametrize("why", ["stages of two devices computing the same", "stages tensor parallel"])
 def test_other_pipelines_stay_on_the_interpreter(why: str, plans: dict[str, Plan]) -> None:
     if why == "stages of two devices computing the same":  # the narrow Llama's values cross whole
         spec, plan = _llama4(), plans["2 stages of two devices"]
         assert {len(stage.devices) for stage in plan.stages} == {2}
         assert not any(c.kind in ("reduce_scatter", "all_gather") for c in plan.collectives)
-    else:  # allocated shard by shard where it runs, which the interpreter does
-        spec, plan = make_model_spec(*pipeline_cases.llama4_meta(), name="llama4"), plans["4 stages gpipe"]
+    else:  # its linears' weights sharded over each stage's two devices
+        spec = _llama4_wide()
+        plan = _planned(spec, 4, ("pp=2", "tp=2", "microbatches=2"), schedule="1f1b")
+        assert any(s == ["S(1)"] for fqn, s in plan.params.items() if "o_proj" in fqn)
     assert _starts(spec, plan) is None
 
 

@@ -21,7 +21,9 @@ initialiser sets (one computed in ``__init__``) would be left uninitialised: a m
 buffers needs the ``init_weights`` hook. Under a pipeline, the tensors of other ranks' stages
 stay on the meta device (initialisers do nothing there). Data parallelism (DDP, one device)
 holds a whole copy by design: there the module is allocated whole with ``to_empty`` and
-initialised the same way.
+initialised the same way. Pipeline stages cut from a meta-device model are traced as fake
+tensors on the device (:func:`on_device`), then made meta again (:func:`tensors_on_meta`) and
+sharded, allocated and initialised like the rest.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor import empty as dtensor_empty
@@ -126,3 +129,33 @@ def synchronise_replicas(tensors: Iterable[torch.Tensor]) -> None:
             if placement.is_replicate() and tensor.device_mesh.size(axis) > 1:
                 with torch.no_grad():
                     dist.broadcast(local, group=tensor.device_mesh.get_group(axis), group_src=0)
+
+
+def tensors_on_meta(module: torch.nn.Module) -> None:
+    """Every parameter and buffer of ``module`` replaced by an empty meta tensor of its shape and
+    dtype (one for each tensor, however many names it has): a pipeline stage traced as fake
+    tensors from a meta-device model, to be sharded and allocated as the model's own meta
+    tensors are."""
+    made: dict[int, torch.Tensor] = {}
+
+    def on_meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            made[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
+        return made[id(t)]
+
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for name, t in table.items():
+                if t is not None:
+                    table[name] = on_meta(t)  # type: ignore[assignment]
+
+
+def on_device(value: Any, device: torch.device, fake: FakeTensorMode | None) -> Any:
+    """An example input on ``device``: a fake tensor there for a meta-device model's trace."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if fake is None:
+        return value.to(device)
+    with fake:
+        return torch.empty(value.shape, dtype=value.dtype, device=device)

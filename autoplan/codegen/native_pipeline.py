@@ -74,7 +74,7 @@ from torch.utils._pytree import tree_map
 
 from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.loss_weights import microbatch_weights
-from autoplan.codegen.materialize import has_meta_tensors, initialise
+from autoplan.codegen.materialize import has_meta_tensors, initialise, on_device, tensors_on_meta
 from autoplan.codegen.native import not_run_again, rerun_nodes, sharded_blocks
 from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, stage_ranks
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
@@ -194,7 +194,7 @@ class NativePipelineProgram(torch.nn.Module):
         gathered = gathered_dtype(plan.precision) if parallel is not None else None
         masters = _cast_parameters(model, gathered) if gathered is not None else {}
         # each device's slice of a microbatch: the stages' metadata
-        example = tuple(_on_device(x, self.device, fake)
+        example = tuple(on_device(x, self.device, fake)
                         for x in microbatch_inputs(spec.example_inputs, plan.microbatches * self.devices))
         try:
             with compute_precision(plan.precision, device_type):  # traced as it runs: its dtypes are the stages'
@@ -216,7 +216,7 @@ class NativePipelineProgram(torch.nn.Module):
             for name, p in module.named_parameters():
                 p.data = masters.get(name, p.data)
             if self.meta:
-                _on_meta(module)
+                tensors_on_meta(module)
         self._rerun = rerun_nodes(graph, plan)
         self.checkpointed = [name for module in self.stage_modules for name in _checkpoint(module, plan)]
         group, self.data_group, self.data_index = None, None, 0
@@ -384,35 +384,6 @@ class _Stage(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.stage(*args, **kwargs)
-
-
-def _on_device(value: Any, device: torch.device, fake: FakeTensorMode | None) -> Any:
-    """An example input on ``device``: a fake tensor there for a meta-device model's trace."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    if fake is None:
-        return value.to(device)
-    with fake:
-        return torch.empty(value.shape, dtype=value.dtype, device=device)
-
-
-def _on_meta(module: torch.nn.Module) -> None:
-    """The fake parameters and buffers of a stage traced from a meta-device model replaced by
-    meta tensors (one for each tensor, however many names it has), to be sharded and allocated
-    as the model's own meta tensors are."""
-    made: dict[int, torch.Tensor] = {}
-
-    def on_meta(t: torch.Tensor) -> torch.Tensor:
-        if id(t) not in made:
-            empty = torch.empty(t.shape, dtype=t.dtype, device="meta")
-            made[id(t)] = torch.nn.Parameter(empty, t.requires_grad) if isinstance(t, torch.nn.Parameter) else empty
-        return made[id(t)]
-
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for name, t in table.items():
-                if t is not None:
-                    table[name] = on_meta(t)  # type: ignore[assignment]
 
 
 def _cast_parameters(module: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
