@@ -207,10 +207,9 @@ class NativePipelineProgram(torch.nn.Module):
                     for s in range(pipe.num_stages))
         if not self.matches_plan:
             return
-        for s in range(pipe.num_stages):
-            _received_and_sent_contiguous(pipe.get_stage_module(s))
         self.stage_modules = torch.nn.ModuleList(pipe.get_stage_module(s) for s in self.stage_indices)
         for module in self.stage_modules:
+            _received_and_sent_contiguous(module)
             _tied_again(module, graph)
         for module in self.stage_modules:  # traced with the parameters as FSDP2 gathers them; stored fp32
             for name, p in module.named_parameters():
@@ -222,8 +221,9 @@ class NativePipelineProgram(torch.nn.Module):
         group, self.data_group, self.data_index = None, None, 0
         if parallel is not None:  # (before the forward is wrapped: it recompiles the last stage)
             group = self._sharded_over_devices(parallel, plan, graph, device_type)
-        self.tied_copies = self._tied_copies(graph, plan, ranks)  # (FSDP2's parameters: after sharding)
-        self._summed_here = {copies_summed(fqn) for fqn in shared_parameters(graph, plan)}
+        shared = shared_parameters(graph, plan)
+        self.tied_copies = self._tied_copies(graph, shared, ranks)  # (FSDP2's parameters: after sharding)
+        self._summed_here = {copies_summed(fqn) for fqn in shared}
         if self.meta:
             self._materialised(spec)
         for module in self.stage_modules:
@@ -242,18 +242,18 @@ class NativePipelineProgram(torch.nn.Module):
         loss = DataParallelLoss(self.data_group, self.devices)
         self.schedule = cls(stages, plan.microbatches, loss_fn=loss, scale_grads=False)
 
-    def _tied_copies(self, graph: TracedGraph, plan: Plan, ranks: Sequence[int]
+    def _tied_copies(self, graph: TracedGraph, shared: dict[str, list[int]], ranks: Sequence[int]
                      ) -> list[tuple[torch.nn.Parameter, dist.ProcessGroup]]:
         """This rank's copies of the weights several pipeline ranks hold (a token table that
         is also the head), each with the process group of the devices holding the same part
         of it (the same position in their stage's devices: each stage stores it alike), among
         which its gradient is summed after the schedule (the plan's "its copies' gradients").
-        Every rank makes every group, in the same order."""
+        ``shared``: :func:`shared_parameters`. Every rank makes every group, in the same order."""
         mine = {graph.tied.get(name, name): p for module in self.stage_modules
                 for name, p in module.named_parameters(remove_duplicate=False)}
         d, position = self.devices, dist.get_rank() % self.devices
         summed = []
-        for fqn, stages in sorted(shared_parameters(graph, plan).items()):
+        for fqn, stages in sorted(shared.items()):
             for k in range(d):
                 group = dist.new_group(sorted(ranks[s] * d + k for s in stages))
                 if fqn in mine and k == position:
