@@ -126,3 +126,33 @@ def test_held_programs_pass_check(tmp_path) -> None:
     plans["nanogpt 2 microbatches accumulated, searched, bf16"] = ("nanogpt", searched)
     write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py", "nanogpt4": "fsdp_cases.py"})
     assert_checks_passed(launch_worker(ROOT / "tests" / "check_worker.py", 4, tmp_path, timeout=600), plans)
+
+
+def _accumulated_llama(recompute: str) -> Plan:
+    """The search's plan of a Llama on 2 devices, two microbatches accumulated in bf16, under a
+    budget that replicated Adam state exceeds: data parallel, some weights held through the step."""
+    spec = make_model_spec(*fsdp_cases.llama_accumulated(), name="llama")
+
+    def planned(budget: float | None) -> Plan:
+        return plan_model(spec, PlanOptions(2, "cpu", stages=1, microbatches=2, mesh=(2,), recompute=recompute,
+                                            precision="bf16", memory_per_device=budget))
+
+    free = planned(None).predicted.memory_bytes
+    return planned(free.peak_with_transient - 0.5 * free.optimizer)
+
+
+def test_held_weights_of_accumulated_microbatches_run_on_fsdp2(tmp_path) -> None:
+    """A data-parallel plan that holds weights gathered through its microbatches runs on FSDP2
+    (``reshard_after_forward=False``, neither resharded nor reduced but after the last
+    microbatch's backward): ``--check`` passes, and the executed collectives (one gather and one
+    reduce-scatter per group a step) are the plan's."""
+    plans = {"llama held accumulated bf16": ("llama_accumulated", _accumulated_llama("none")),
+             "llama held accumulated checkpointed bf16": ("llama_accumulated", _accumulated_llama("all"))}
+    for label, (_, plan) in plans.items():
+        assert _held(plan) and plan.inputs["input_ids"] == ["S(0)"], label
+    write_check_cases(tmp_path, plans, {"llama_accumulated": "fsdp_cases.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=600)
+    assert_checks_passed(results, plans)
+    for found in results.values():
+        for label in plans:
+            assert "held gathered through the microbatches" in found[label]["description"], found[label]["description"]

@@ -9,7 +9,8 @@ collectives up to DDP's bucketing) and provably computes the same loss and gradi
 
 Patterns (1-D meshes but for the 2-D ones of HSDP and FSDP x TP, one stage, one microbatch; DDP,
 FSDP, HSDP, ZeRO-2 and FSDP x TP also with microbatches accumulated, each microbatch through this
-program: :mod:`autoplan.codegen.native_accumulation`):
+program, and their sharded parameters then also held gathered through the step:
+:mod:`autoplan.codegen.native_accumulation`):
 
 ``"single"`` — a plan of one device: the user's module (a copy) itself.
 
@@ -177,7 +178,8 @@ class NativeProgram(torch.nn.Module):
     def __init__(self, kind: str, module: torch.nn.Module, spec: ModelSpec, graph: TracedGraph, plan: Plan,
                  mesh: DeviceMesh, styles: dict[str, tuple[str, DPlacement | None]], fsdp_groups: int = 0,
                  token_mean: bool = False, reshard_after_forward: bool = True, replicate_groups: int = 0,
-                 held_groups: int = 0, storage: ParameterStorage | None = None, table_groups: int = 0) -> None:
+                 held_groups: int = 0, storage: ParameterStorage | None = None, table_groups: int = 0,
+                 held_through_step: bool = False) -> None:
         super().__init__()
         self.token_mean = token_mean  # the cross-entropy divides by the global batch's token count
         self.fsdp_groups = fsdp_groups  # fully_shard units: one all-gather (and reduce-scatter) each
@@ -187,6 +189,9 @@ class NativeProgram(torch.nn.Module):
         self.table_groups = table_groups  # tables read in place, FSDP over axis 0 of a 2-D mesh
         # False: ZeRO-2, a group's parameters gathered in the forward and held through the backward
         self.reshard_after_forward = reshard_after_forward
+        # the sharded groups held gathered through the step's microbatches, their gradients
+        # accumulated whole and reduce-scattered once a step (the plan's held storage)
+        self.held_through_step = held_through_step
         self.kind = kind
         self.mesh = mesh
         self.plan = plan
@@ -342,6 +347,8 @@ class NativeProgram(torch.nn.Module):
 
     @property
     def _zero2_text(self) -> str:
+        if self.held_through_step:
+            return ", held gathered through the microbatches, gradients reduced once a step"
         return "" if self.reshard_after_forward else ", not resharded after the forward: ZeRO-2"
 
     # -- what ShardedProgram offers -----------------------------------------------------------
@@ -410,6 +417,10 @@ class NativeProgram(torch.nn.Module):
                 f"FSDP2: per fully_shard group ({self.fsdp_groups}), one all-gather in the forward, one in the "
                 "backward and one reduce-scatter of the gradients (HSDP: and one all-reduce of the reduced shard "
                 "over axis 0); the same bytes in fewer calls" if self.reshard_after_forward else
+                f"FSDP2 without resharding after the forward, held through the microbatches: per fully_shard "
+                f"group ({self.fsdp_groups}), one all-gather before the first microbatch's forward and one "
+                "reduce-scatter of the accumulated gradients in the last one's backward (HSDP: and one all-reduce "
+                "of the reduced shard over axis 0); the same bytes in fewer calls" if self.held_through_step else
                 f"FSDP2 without resharding after the forward (ZeRO-2): per fully_shard group ({self.fsdp_groups}), "
                 "one reduce-scatter of the gradients in the backward (HSDP: and one all-reduce of the reduced "
                 "shard over axis 0), and the all-gather of the updated shards that the plan runs after the "
@@ -461,11 +472,13 @@ class NativeProgram(torch.nn.Module):
             if phase == "forward":  # ZeRO-2 modules and tables beside FSDP's groups: likewise
                 counts["all_gather"] += self.held_groups + self.table_groups
             if phase == "backward":
-                counts["reduce_scatter"] += (self.fsdp_groups + self.held_groups + self.table_groups) * m
+                # held through the step: the sharded groups' gradients accumulate whole, reduced once
+                reduced = self.fsdp_groups * (1 if self.held_through_step else m)
+                counts["reduce_scatter"] += reduced + (self.held_groups + self.table_groups) * m
                 if self.replicate_groups:  # once per step: their gradients accumulate whole
                     counts["all_reduce"] += self.replicate_groups
                 if self.kind == "hsdp":  # HSDP's groups all-reduce their reduced shards over axis 0
-                    counts["all_reduce"] += (self.fsdp_groups + self.held_groups) * m
+                    counts["all_reduce"] += reduced + self.held_groups * m
         for c in self.plan.collectives_in(phase):
             if self._grouped_by_fsdp(c) or self._not_run_again(c):
                 continue
@@ -620,7 +633,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         # the plan re-gathers every weight a backward reads
         if found.kind == "fsdp_tp":
             mesh = mesh[data]
-        resharded = found.reshard_after_forward  # False: ZeRO-2, gathered once per step
+        resharded = found.reshard_after_forward  # False: ZeRO-2 or held, gathered once per step
         units = shard_modules(module, sharded_blocks(module, plan), mesh, mixed_precision_policy(plan.precision),
                               resharded, found.storage)
         if meta:
@@ -629,7 +642,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
                              fsdp_groups=units.sharded, replicate_groups=units.replicated, held_groups=units.held,
                              table_groups=tables,
                              storage=found.storage,
-                             token_mean=found.token_mean, reshard_after_forward=resharded)
+                             token_mean=found.token_mean, reshard_after_forward=resharded,
+                             held_through_step=found.held_through_step)
     if found.kind == "ddp":
         from torch.nn.parallel import DistributedDataParallel
 

@@ -23,10 +23,15 @@ backward ends the step, so that each reduces and gathers as often as the plan sa
   before the first forward and, told not to reshard after the backward of any microbatch but
   the last (``set_reshard_after_backward``), holds it through the others, reduce-scattering
   after each.
+- Parameters held gathered through the step (:attr:`~autoplan.plan_schema.ParamStorage.held`:
+  stored sharded, gathered once a step, their gradients accumulated whole and reduced into
+  the shard once, after the last microbatch): FSDP2 with ``reshard_after_forward=False``,
+  told for every microbatch but the last neither to reshard after the backward nor to reduce
+  (``set_requires_gradient_sync``): it gathers each group before the first forward, keeps the
+  gathered parameters and their summed gradients (in the reduction's dtype) through the
+  others, and reduce-scatters the sum in the last backward.
 
-Parameters held gathered with their gradients accumulated whole (FSDP2 under a pipeline,
-:attr:`~autoplan.plan_schema.ParamStorage.held`) and every other pattern run on the
-interpreter inside ``torch.distributed.pipelining``'s schedule.
+Every other pattern runs on the interpreter inside ``torch.distributed.pipelining``'s schedule.
 """
 
 from __future__ import annotations
@@ -80,16 +85,19 @@ class AccumulatedProgram(torch.nn.Module):
 
     def _backward_of(self, index: int) -> AbstractContextManager[Any]:
         """How microbatch ``index``'s forward and backward run: DDP without its all-reduce but
-        for the last; ZeRO-2's groups held gathered after every backward but the last."""
+        for the last; ZeRO-2's groups held gathered after every backward but the last; groups
+        held through the step also without their reduce-scatter but for the last."""
         last = index == self.microbatches - 1
         if self.program.kind == "ddp":
             return nullcontext() if last else self.program.module.no_sync()
-        held = {id(m) for m in self.program.held_modules()}
+        zero2 = {id(m) for m in self.program.held_modules()}
         for module in self._fsdp_modules():
             if isinstance(module, ReplicateModule):  # reduced once per step, as DDP's
                 module.set_requires_gradient_sync(last, recurse=False)
-            elif not self.program.reshard_after_forward or id(module) in held:
+            elif not self.program.reshard_after_forward or id(module) in zero2:
                 module.set_reshard_after_backward(last, recurse=False)
+                if self.program.held_through_step and id(module) not in zero2:  # reduced once per step
+                    module.set_requires_gradient_sync(last, recurse=False)
         return nullcontext()
 
     def train_step(self, *inputs: Any) -> torch.Tensor:

@@ -6,6 +6,7 @@ collectives each native program runs in place of the plan's."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.native_fsdp import root_holds_replicated
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import ATTENTION_OPS, NodePlan, Plan, RecomputeMode, kept_outputs
+from autoplan.plan_schema import ATTENTION_OPS, NodePlan, ParamStorage, Plan, RecomputeMode, kept_outputs
 from autoplan.sharding import parse_placement
 from autoplan.strategies.letters import op_name
 from autoplan.trace.batch_coupling import op_argument
@@ -65,6 +66,10 @@ class Recognised:
     storage: ParameterStorage | None = None
     # per layer recomputed by the per-op policy, the submodules whose products it keeps (:func:`kept_modules`)
     kept_modules: dict[str, list[str]] = field(default_factory=dict)
+    # the sharded parameters held gathered through the step's microbatches, their gradients
+    # reduced once a step (:attr:`~autoplan.plan_schema.ParamStorage.held`; with
+    # ``reshard_after_forward=False``)
+    held_through_step: bool = False
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,6 +200,17 @@ def _storage_kind(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str | Para
     if root_holds_replicated(spec.module, managed):
         return "the root module holds a parameter kept whole beside sharded ones"
     return found
+
+
+def held_as_sharded(plan: Plan) -> Plan:
+    """``plan`` with its held parameters stored as FSDP stores them between steps (in their
+    optimizer state's placements), so that recognition reads them as sharded parameters
+    gathered at use; when the gathers run (once a step) is the program's to carry out."""
+    storage = {fqn: ParamStorage(s.optimizer_state, s.optimizer_state, s.optimizer_state) if s.held else s
+               for fqn, s in plan.storage.items()}
+    params = {fqn: list(plan.storage[fqn].optimizer_state) if fqn in plan.storage and plan.storage[fqn].held
+              else specs for fqn, specs in plan.params.items()}
+    return dataclasses.replace(plan, storage=storage, params=params)
 
 
 def split_axes(specs: Sequence[str]) -> tuple[int | None, int]:
@@ -454,8 +470,17 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
         return Recognised("none", {}, f"mesh {plan.mesh} has more than two axes")
     if len(plan.stages) > 1:
         return Recognised("none", {}, "pipeline stages")
-    if any(s.held for s in plan.storage.values()):
-        return Recognised("none", {}, "parameters held gathered through the microbatches")
+    held = {fqn for fqn, s in plan.storage.items() if s.held}
+    if held:
+        found = recognise(spec, graph, held_as_sharded(plan))
+        if found.kind not in ("fsdp", "hsdp", "fsdp_tp"):
+            return found if found.kind == "none" else \
+                Recognised("none", {}, f"parameters held gathered through the microbatches under {found.kind}")
+        gathered = set(found.storage.shard_dims) if found.storage is not None else held
+        if gathered != held:
+            return Recognised("none", {}, "some parameters held gathered through the microbatches, others "
+                                          "gathered in every microbatch")
+        return dataclasses.replace(found, reshard_after_forward=False, held_through_step=True)
     unrecomputable = _unrecomputable(spec, plan)
     if unrecomputable:
         return Recognised("none", {}, unrecomputable)

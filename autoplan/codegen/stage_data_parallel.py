@@ -44,12 +44,12 @@ import torch
 import torch.distributed as dist
 import torch.fx
 
-from autoplan.codegen.native_patterns import _recognise_data_parallel, loss_node
+from autoplan.codegen.native_patterns import _recognise_data_parallel, held_as_sharded, loss_node
 from autoplan.codegen.native_storage import ParameterStorage
 from autoplan.codegen.token_mean import share_of_global_mean
 from autoplan.cost_models.communication import CollectiveKind
 from autoplan.load import ModelSpec
-from autoplan.plan_schema import ParamStorage, Plan, copies_summed
+from autoplan.plan_schema import Plan, copies_summed
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
@@ -90,7 +90,7 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     held = {fqn for fqn, s in plan.storage.items() if s.held}
     if held and held != trained - set(graph.tied):
         return "some parameters held gathered through the microbatches, others not"
-    plan = _held_as_sharded(plan) if held else plan
+    plan = held_as_sharded(plan) if held else plan
     cut = [name for name in graph.input_names if plan.inputs.get(name, ["R"]) not in (["R"], ["S(0)"])]
     if cut:
         return f"input {cut[0]} is {plan.inputs[cut[0]]}: the schedule splits microbatches on dim 0"
@@ -116,17 +116,6 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     if whole or storage.zero2 or storage.embeddings:
         return "parameters kept whole, ZeRO-2 or tables read in place beside the sharded ones in a stage"
     return StageDataParallel(d, storage, found.token_mean, bool(held))
-
-
-def _held_as_sharded(plan: Plan) -> Plan:
-    """``plan`` with its held parameters stored as FSDP stores them between steps (in their
-    optimizer state's placements), so that recognition reads them as sharded parameters
-    gathered at use; when the gathers run (once a step) is the program's to carry out."""
-    storage = {fqn: ParamStorage(s.optimizer_state, s.optimizer_state, s.optimizer_state) if s.held else s
-               for fqn, s in plan.storage.items()}
-    params = {fqn: list(plan.storage[fqn].optimizer_state) if fqn in plan.storage and plan.storage[fqn].held
-              else specs for fqn, specs in plan.params.items()}
-    return dataclasses.replace(plan, storage=storage, params=params)
 
 
 def device_rows(plan: Plan, stage_ranks: Sequence[int]) -> bool:
