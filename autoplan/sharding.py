@@ -158,8 +158,9 @@ def boundary_spec(shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> Shardi
     finds none leaves it replicated. Rank ``i`` of the sender's sub-mesh sends its shard to
     rank ``i`` of the receiver's, so both must lay the value out alike: a value whose way from
     the stage computing it to the last reading it passes a stage on another logical mesh
-    crosses whole instead, and so does a value smaller than the link moves in one latency
-    (``planner.pipeline.range_costs.whole_below``; the plan names those values). torchtitan's
+    crosses whole instead, and so do a value smaller than the link moves in one latency
+    (``planner.pipeline.range_costs.whole_below``) and one the same for every sample (a rotary
+    table: ``NodeInfo.batch_free``), which batch shards read whole (the plan names those values). torchtitan's
     pipeline stages hand on their tensor-parallel shards the same way; a large value sent whole
     costs every rank the whole value in transfer and in the memory of every microbatch in
     flight."""

@@ -111,3 +111,36 @@ def test_a_pipeline_plan_records_what_crosses_whole() -> None:
     assert Plan.from_dict(data).crossing_whole == plan.crossing_whole
     del data["crossing_whole"]
     assert Plan.from_dict(data).crossing_whole == []
+
+
+def test_a_rotary_table_crosses_whole_and_is_not_gathered_again() -> None:
+    """Hugging Face Llama computes its rotary ``cos`` and ``sin`` once, before the blocks, from
+    positions alone: the same for every sample (``batch_free``; a mask expanded to the batch is
+    not). Every block of a later stage reads them beside its batch shards, so they cross whole;
+    sharded on the sequence, as their shape alone would have them, the next stage gathered them
+    in every block (Llama-7B's shape under ``--manual pp=2,fsdp=4``: 64 all-gathers a step)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from autoplan.planner.front_door import with_decisions
+    from autoplan.planner.manual import parse_manual, plan_manual
+    from autoplan.planner.options import PlanOptions
+    from autoplan.trace.microbatch import microbatch_inputs
+    from autoplan.trace.tracer import trace
+
+    config = LlamaConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                         intermediate_size=1024, vocab_size=256, max_position_embeddings=4096)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+        ids = torch.randint(0, 256, (4, 4096))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama")
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, 2)))
+    tables = [name for name, info in graph.nodes.items() if info.batch_free and info.shape == (1, 4096, 128)]
+    assert len(tables) >= 2, tables  # cos and sin (after their casts too)
+    assert not any(info.batch_free for info in graph.nodes.values() if info.shape and info.shape[0] == 2)
+    options = PlanOptions(4, "h100", plan_only=True)
+    plan = with_decisions(plan_manual(spec, options.planner_options(), parse_manual("pp=2,fsdp=2,microbatches=2")),
+                          options)
+    assert len(plan.stages) == 2 and set(tables) & set(plan.crossing_whole)
+    gathered = [c.where for c in plan.collectives if c.kind == "all_gather" and c.tensor == "activation"]
+    assert not gathered, gathered

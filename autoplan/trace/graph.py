@@ -39,7 +39,8 @@ class NodeInfo:
     ``params`` are the FQNs of parameters (and buffers) among the op's direct inputs;
     ``fqn`` is the FQN of a parameter/buffer placeholder itself. ``full_precision``: the model
     turned ``torch.autocast`` off around the op (:mod:`autoplan.trace.wrapped_regions`), so it
-    computes in its traced dtype whatever the plan's precision.
+    computes in its traced dtype whatever the plan's precision. ``batch_free``: an op output
+    that no user input and no parameter flows into (:func:`autoplan.trace.tracer.batch_free_values`).
     """
 
     name: str
@@ -58,6 +59,10 @@ class NodeInfo:
     # computes it from trained parameters, so that its gradient goes back to that stage
     carries_grad: bool = True
     full_precision: bool = False
+    # an op output computed from no user input and no parameter (a rotary table, position ids,
+    # a mask made from shapes): the same for every sample, so it crosses a pipeline stage
+    # boundary whole (sharded, the next stage would gather it wherever batch shards read it)
+    batch_free: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", NodeKind(self.kind))  # a bad kind fails here, named

@@ -13,6 +13,8 @@ Every node then gets a :class:`NodeInfo`: shape and dtype (:mod:`values`), FLOPs
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.export
 import torch.fx
 
@@ -45,6 +47,8 @@ def describe(gm: torch.fx.GraphModule, exported: torch.export.ExportedProgram, r
     written like it: :mod:`autoplan.trace.rescale`)."""
     names = placeholder_names(exported.graph_signature)
     nodes = {node.name: _node_info(node, names, root) for node in gm.graph.nodes}
+    for name in batch_free_values(gm, nodes):
+        nodes[name] = dataclasses.replace(nodes[name], batch_free=True)
     return TracedGraph(
         graph_module=gm,
         nodes=nodes,
@@ -54,6 +58,28 @@ def describe(gm: torch.fx.GraphModule, exported: torch.export.ExportedProgram, r
         exported=exported,
         tied=tied_parameters(gm, names.fqn, root),
     )
+
+
+def batch_free_values(gm: torch.fx.GraphModule, nodes: dict[str, NodeInfo]) -> list[str]:
+    """The op outputs of ``gm`` that no user input and no parameter flows into, transitively
+    (computed from buffers, constants and shapes alone: Hugging Face's rotary ``cos``/``sin``
+    from ``inv_freq`` and an ``arange`` of positions), and whose dim 0 is not the batch's (a
+    mask expanded to the batch has it, and splits with the batch). None where the batch is
+    of one sample, or unknown: every value's dim 0 may then be the batch's."""
+    sizes = [nodes[n.name].shape[0] for n in gm.graph.nodes
+             if nodes[n.name].kind == "input" and nodes[n.name].shape]
+    if not sizes or sizes[0] < 2:
+        return []
+    batch = sizes[0]
+    fed: set[str] = set()  # what a user input or a parameter flows into
+    free: list[str] = []
+    for node in gm.graph.nodes:
+        info = nodes[node.name]
+        if info.kind in ("input", "parameter") or any(i.name in fed for i in node.all_input_nodes):
+            fed.add(node.name)
+        elif info.kind == "op" and info.shape is not None and not (info.shape and info.shape[0] % batch == 0):
+            free.append(node.name)
+    return free
 
 
 def _node_info(node: torch.fx.Node, names: PlaceholderNames, root: torch.nn.Module) -> NodeInfo:

@@ -325,7 +325,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ..
     """``out[c]``: bytes of the values that layers before ``c`` hand to layers at or after it
     (one microbatch), for every cut 0..len(layers): what each rank of a stage on ``mesh_shape``
     sends the next, its shard of each value (:func:`~autoplan.sharding.boundary_spec`; no
-    mesh, a value in ``whole`` or one smaller than ``below`` bytes: the whole value). A value produced in
+    mesh, a value in ``whole`` or one :func:`crosses_whole`: the whole value). A value produced in
     layer i and last read in layer j (or, the loss, by the graph's output) crosses the cuts
     i+1..j. (Sizes in the traced dtype: pipeline stages send their values so, under bf16
     autocast too.)"""
@@ -339,7 +339,7 @@ def cut_bytes(graph: TracedGraph, layers: list[Layer], mesh_shape: tuple[int, ..
         info = graph.nodes[name]
         if last > i and info.shape is not None:
             nbytes = math.prod(info.shape) * info.itemsize
-            if name not in whole and nbytes >= below:
+            if name not in whole and not crosses_whole(info, below):
                 nbytes /= boundary_shards(info.shape, mesh_shape)
             diff[i + 1] += nbytes
             diff[last + 1] -= nbytes
@@ -356,15 +356,17 @@ def whole_below(options: PlannerOptions) -> float:
     return rates.latency * rates.bandwidth
 
 
-def is_small(info: NodeInfo, below: float) -> bool:
-    """Whether a value is smaller than ``below`` bytes (in its traced dtype): it crosses whole."""
-    return info.shape is not None and math.prod(info.shape) * info.itemsize < below
+def crosses_whole(info: NodeInfo, below: float) -> bool:
+    """Whether a value crosses a stage boundary whole: it is smaller than ``below`` bytes (in
+    its traced dtype), or the same for every sample (:attr:`NodeInfo.batch_free`: a rotary
+    table, which batch shards read whole)."""
+    return info.shape is not None and (info.batch_free or math.prod(info.shape) * info.itemsize < below)
 
 
 def small_whole(sub: TracedGraph, below: float) -> TracedGraph:
-    """``sub`` (a layer's or a stage's graph) with its values smaller than ``below`` bytes
-    crossing whole (:func:`whole_below`)."""
-    small = frozenset(name for name, info in sub.nodes.items() if is_small(info, below))
+    """``sub`` (a layer's or a stage's graph) with its values smaller than ``below`` bytes,
+    and those the same for every sample, crossing whole (:func:`crosses_whole`)."""
+    small = frozenset(name for name, info in sub.nodes.items() if crosses_whole(info, below))
     return replace(sub, whole_values=sub.whole_values | small) if small else sub
 
 
@@ -897,7 +899,7 @@ def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool 
                  mesh_shape: tuple[int, ...] = (), below: float = 0.0) -> list[dict[str, tuple[int, float]]]:
     """For each layer, the values it reads that an earlier layer produced: name -> (producing
     layer, bytes of the value as it arrives on a device of ``mesh_shape``: its shard, as it
-    crosses a stage boundary, or, smaller than ``below`` bytes, the whole value). Parameters,
+    crosses a stage boundary, or the whole value where it :func:`crosses_whole`). Parameters,
     buffers and user inputs are not listed."""
     layer_of = layer_index(layers)
     fx_nodes = graph.fx_nodes
@@ -910,7 +912,7 @@ def layer_inputs(graph: TracedGraph, layers: list[Layer], mixed_precision: bool 
                 info = graph.nodes.get(source.name)
                 if producer != i and info is not None and info.kind == "op" and info.shape is not None:
                     nbytes = math.prod(info.shape) * value_itemsize(info, mixed_precision)
-                    shards = 1 if is_small(info, below) else boundary_shards(info.shape, mesh_shape)
+                    shards = 1 if crosses_whole(info, below) else boundary_shards(info.shape, mesh_shape)
                     reads[source.name] = (producer, nbytes / shards)
         out.append(reads)
     return out
