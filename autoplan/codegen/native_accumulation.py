@@ -25,7 +25,8 @@ backward ends the step, so that each reduces and gathers as often as the plan sa
   after each.
 - Parameters held gathered through the step (:attr:`~autoplan.plan_schema.ParamStorage.held`:
   stored sharded, gathered once a step, their gradients accumulated whole and reduced into
-  the shard once, after the last microbatch): FSDP2 with ``reshard_after_forward=False``,
+  the shard once, after the last microbatch) on a 1-D mesh (HSDP and FSDP x TP so held stay on
+  the interpreter): FSDP2 with ``reshard_after_forward=False``,
   told for every microbatch but the last neither to reshard after the backward nor to reduce
   (``set_requires_gradient_sync``): it gathers each group before the first forward, keeps the
   gathered parameters and their summed gradients (in the reduction's dtype) through the

@@ -473,7 +473,7 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     held = {fqn for fqn, s in plan.storage.items() if s.held}
     if held:
         found = recognise(spec, graph, held_as_sharded(plan))
-        if found.kind not in ("fsdp", "hsdp", "fsdp_tp"):
+        if found.kind != "fsdp":  # (HSDP and FSDP x TP held: on the interpreter, untried natively)
             return found if found.kind == "none" else \
                 Recognised("none", {}, f"parameters held gathered through the microbatches under {found.kind}")
         gathered = set(found.storage.shard_dims) if found.storage is not None else held
