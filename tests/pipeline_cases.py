@@ -14,7 +14,7 @@ def _llama(vocab: int, hidden: int, batch: int, seq: int, ignored: list[tuple[in
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max(64, seq),
                          tie_word_embeddings=tied)
     with torch.device(device):
         model = LlamaForCausalLM(config)
@@ -52,3 +52,11 @@ def llama4_wide_meta() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
 def llama4_wide_tied() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     """:func:`llama4_wide` with its head tied to its token table."""
     return _llama(512, 128, 16, 64, [(1, slice(3, None)), (5, slice(None, 20)), (12, slice(7, None))], tied=True)
+
+
+def llama4_long() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """Sequences of 512 tokens and heads of 64 dims: its rotary tables (``[1, 512, 64]``, 128 KiB
+    in fp32) are larger than a link's latency of transfer on the ``cpu`` cluster, and the same
+    for every sample, so they cross a stage boundary whole where the hidden states cross as
+    shards."""
+    return _llama(128, 256, 4, 512, [(1, slice(100, None)), (2, slice(None, 300))])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import operator
 import sys
 
@@ -92,6 +93,7 @@ def _sharded_stages() -> dict[str, Plan]:
         "2 stages x DDP 2 1f1b": _planned(wide, 4, ("pp=2", "dp=2", "microbatches=2"), schedule="1f1b"),
         "2 stages x FSDP 2 1f1b, head tied": _planned(make_model_spec(*pipeline_cases.llama4_wide_tied(), name="tied"),
                                                       4, fsdp, schedule="1f1b"),
+        _LONG: _planned(make_model_spec(*pipeline_cases.llama4_long(), name="long"), 4, fsdp, schedule="1f1b"),
     }
 
 
@@ -147,6 +149,24 @@ def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatch
     assert all(s.param == ["R"] for s in replicated.storage.values())
     assert any(c.tensor == "gradient" and c.kind == "all_reduce" for c in replicated.collectives)
     assert _starts(spec, replicated) == ["model.layers.2"]
+
+
+def test_rotary_tables_cross_whole_into_data_parallel_stages(plans: dict[str, Plan]) -> None:
+    """A Llama's rotary tables, larger than a link's latency of transfer and the same for every
+    sample, cross whole (the plan names them) beside the hidden states crossing as shards, and
+    no stage gathers them: the stages run data parallel, cut from the model."""
+    from autoplan.planner.api import make_options
+    from autoplan.planner.pipeline.range_costs import whole_below
+
+    spec = make_model_spec(*pipeline_cases.llama4_long(), name="long")
+    plan = plans[_LONG]
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
+    below = whole_below(make_options(4, "cpu"))
+    tables = {name for name, info in graph.nodes.items()
+              if info.batch_free and info.shape and math.prod(info.shape) * info.itemsize >= below}
+    assert tables & set(plan.crossing_whole), (sorted(tables), plan.crossing_whole)
+    assert not [c.where for c in plan.collectives if c.tensor == "activation" and c.kind == "all_gather"]
+    assert _starts(spec, plan) == ["model.layers.2"]
 
 
 def test_stages_that_gather_a_value_before_sending_it_stay_on_the_interpreter(plans: dict[str, Plan]) -> None:
@@ -241,6 +261,7 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
              for label in labels}
     write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py", "llama4_wide": "pipeline_cases.py",
                                         "llama4_tied": "pipeline_cases.py", "llama4_wide_tied": "pipeline_cases.py",
+                                        "llama4_long": "pipeline_cases.py",
                                         "nanogpt": "fsdp_cases.py"})
     results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=540)
     assert_checks_passed(results, cases)
@@ -257,8 +278,9 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
             assert "checkpointed layer" in results[0][label]["description"]
 
 
+_LONG = "2 stages x FSDP 2 1f1b, rotary tables crossing whole"
 _TIED = {"nanogpt 2 stages, its token table the head": "nanogpt", "4 virtual stages interleaved, head tied": "llama4_tied",
-         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied"}
+         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied", _LONG: "llama4_long"}
 _SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
             "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual", "2 stages x DDP 2 1f1b",
-            "2 stages x FSDP 2 1f1b, head tied")
+            "2 stages x FSDP 2 1f1b, head tied", _LONG)
