@@ -476,7 +476,7 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
         if found.kind != "fsdp":  # (HSDP and FSDP x TP held: on the interpreter, untried natively)
             return found if found.kind == "none" else \
                 Recognised("none", {}, f"parameters held gathered through the microbatches under {found.kind}")
-        gathered = set(found.storage.shard_dims) if found.storage is not None else held
+        gathered = set(found.storage.shard_dims) if found.storage is not None else set()
         if gathered != held:
             return Recognised("none", {}, "some parameters held gathered through the microbatches, others "
                                           "gathered in every microbatch")
