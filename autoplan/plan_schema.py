@@ -369,6 +369,10 @@ class Plan:
     # the backward gathers a block's parameters again while the block after it runs its
     # backward (on a GPU: :mod:`autoplan.cost_models.backward_overlap`)
     prefetch_regathers: bool = False
+    # which program runs the plan, read when planned: PyTorch's own (FSDP2, DDP, the parallel
+    # styles, stages cut from the model) or the DTensor interpreter, and why
+    # (:func:`autoplan.codegen.program_choice.program_choice`)
+    program: str = ""
     format: str = PLAN_FORMAT
 
     def to_dict(self) -> dict[str, Any]:
@@ -425,6 +429,7 @@ class Plan:
                 prefetch=[PrefetchedGather(str(p["at"]), [(str(c), int(i)) for c, i in p["reads"]])
                           for p in data.get("prefetch", [])],
                 prefetch_regathers=bool(data.get("prefetch_regathers", False)),
+                program=str(data.get("program", "")),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise AutoplanError(f"plan is malformed ({type(e).__name__}: {e}): plan again") from None

@@ -3,12 +3,13 @@ HSDP, FSDP x TP, Megatron styles) or autoplan's DTensor interpreter, and why.
 
     .venv/bin/python benchmarks/native_coverage.py [--case NAME ...]
 
-Each case is built on the meta device (no weights), planned as ``autoplan model.py --devices N``
-plans it (the pipeline search included, the cluster's precision), and its microbatch traced
-and read by the same recognition the program runs (:func:`autoplan.codegen.native.native_pattern`):
-nothing is run. Cases: Hugging Face ``LlamaForCausalLM`` of Llama-7B's shape (seq 4096, global
-batch 16) on 8, 16 and 32 H100s, Llama 3.1 8B's (seq 8192, vocab 128256, global batch 8, and 16 as
-torchtitan's recipe) on 8, and GPT-2 124M (seq 1024, batch 8) on 8.
+Each case is built on the meta device (no weights) and planned as ``autoplan model.py --devices
+N`` plans it (the pipeline search included, the cluster's precision); the program is the plan's
+own (``Plan.program``: read when planned by the recognition the runtime runs,
+:mod:`autoplan.codegen.program_choice`): nothing is run. Cases: Hugging Face
+``LlamaForCausalLM`` of Llama-7B's shape (seq 4096, global batch 16) on 8, 16 and 32 H100s,
+Llama 3.1 8B's (seq 8192, vocab 128256, global batch 8, and 16 as torchtitan's recipe) on 8,
+and GPT-2 124M (seq 1024, batch 8) on 8.
 """
 
 from __future__ import annotations
@@ -28,15 +29,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpt2  # noqa: E402
 from planning_time import _llama, plan_shape  # noqa: E402
 
-from autoplan.codegen.native import native_pattern  # noqa: E402
-from autoplan.codegen.native_patterns import recognise  # noqa: E402
-from autoplan.codegen.native_pipeline import stage_starts  # noqa: E402
-from autoplan.codegen.stage_data_parallel import stage_data_parallel  # noqa: E402
 from autoplan.load import make_model_spec  # noqa: E402
 from autoplan.planner.front_door import plan_model  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
-from autoplan.trace.microbatch import microbatch_inputs  # noqa: E402
-from autoplan.trace.tracer import trace  # noqa: E402
 
 
 def _llama31_8b(batch: int):
@@ -62,22 +57,6 @@ def _cases() -> Iterator[tuple[str, str, int, Callable[[], tuple], Callable | No
                               seq=1024, device="meta"), gpt2.loss_fn)
 
 
-def _pipeline_program(spec, graph, plan) -> str:
-    """Which program runs a pipelined plan: stages cut from the model (how each runs over its
-    devices), or the interpreter and why (what recognition reads before torch's tracer cuts)."""
-    if stage_starts(spec, graph, plan) is not None:
-        d = len(plan.stages[0].devices)
-        if d == 1:
-            return "native pipeline: stages cut from the model, one device each"
-        parallel = stage_data_parallel(spec, graph, plan)
-        form = "DDP (replicate)" if parallel.replicated else "FSDP2, held" if parallel.held else "FSDP2"
-        return f"native pipeline: stages cut from the model, {form} over {d} devices each"
-    if len(plan.stages[0].mesh) > 1:
-        return f"interpreter: stages on {plan_shape(plan).split(', ')[0].split(' x ')[1]} meshes (tensor parallel)"
-    why = stage_data_parallel(spec, graph, plan) if len(plan.stages[0].devices) > 1 else None
-    return f"interpreter: {why}" if isinstance(why, str) else "interpreter: pipeline stages"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--case", action="append", choices=[c[0] for c in _cases()],
@@ -92,15 +71,7 @@ def main() -> None:
         model, inputs = build()
         spec = make_model_spec(model, inputs, loss_fn, name=name)
         plan = plan_model(spec, PlanOptions(devices, "h100", plan_only=True))
-        one = spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
-        graph = trace(one)
-        if len(plan.stages) > 1:
-            program = _pipeline_program(spec, graph, plan)
-        else:
-            found = native_pattern(spec, graph, plan)
-            program = f"native {found.kind}" if found else \
-                f"interpreter: {recognise(one, graph, plan).reason or 'per-op kept products are not module calls'}"
-        print(f"{key:14s} {name:24s} {devices:7d} {plan_shape(plan):38s} {program}  "
+        print(f"{key:14s} {name:24s} {devices:7d} {plan_shape(plan):38s} {plan.program}  "
               f"({time.perf_counter() - start:.1f} s)", flush=True)
 
 

@@ -44,11 +44,13 @@ def run_case(case: dict) -> dict:
     model, inputs, loss_fn = built if isinstance(built, tuple) else (built.model, built.example_inputs,
                                                                       built.loss_fn)
     spec = make_model_spec(model, inputs, loss_fn, name=case["name"])
-    pm = build_parallel_module(spec, Plan.load(case["plan"]))
+    plan = Plan.load(case["plan"])
+    pm = build_parallel_module(spec, plan)
     report = check_against_single_device(spec, pm, steps=2)
     regathered = [m.gathered for m in pm.modules() if isinstance(getattr(m, "gathered", None), GatheredParameters)]
     recomputed = [m.prefetched for m in pm.modules() if isinstance(getattr(m, "prefetched", None), PrefetchedGathers)]
     return {"ok": report.ok, "text": report.text(), "moved": report.moved, "description": pm.description,
+            "planned_program": plan.program,
             "prefetched_regathers": sum(g.prefetched for g in regathered)
             + sum(p.recomputation_gathers for p in recomputed)}
 

@@ -13,6 +13,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+from autoplan.codegen.program_choice import INTERPRETER_PROGRAM
+
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_SCALE_ENV = "AUTOPLAN_TEST_TIMEOUT_SCALE"
 DEFAULT_TIMEOUT_SCALE = 4.0
@@ -64,8 +66,20 @@ def write_check_cases(out_dir: Path, plans: dict, files: dict[str, str] | None =
 
 
 def assert_checks_passed(results: dict[int, dict], names) -> None:
-    """Every case of ``names`` passed ``--check`` on every rank."""
+    """Every case of ``names`` passed ``--check`` on every rank, on the program its plan named."""
     for rank, found in results.items():
         for name in names:
             assert "error" not in found[name], f"{name}, rank {rank}: {found[name].get('traceback')}"
             assert found[name]["ok"], f"{name}, rank {rank}:\n{found[name]['text']}"
+            assert_program_as_planned(found[name], f"{name}, rank {rank}")
+
+
+def assert_program_as_planned(result: dict, where: str) -> None:
+    """The program that ran (a check worker's ``description``) is of the kind the plan named
+    when it was planned (``planned_program``, :attr:`Plan.program`; a plan without it passes):
+    PyTorch's own, or the DTensor interpreter."""
+    planned = result.get("planned_program", "")
+    if planned:
+        native_planned = not planned.startswith(INTERPRETER_PROGRAM)
+        native_ran = result["description"].startswith("native")
+        assert native_planned == native_ran, f"{where}: planned {planned!r}, ran {result['description']!r}"

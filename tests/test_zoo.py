@@ -18,7 +18,7 @@ from autoplan.load import make_model_spec
 from autoplan.plan_schema import Plan
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.options import PlanOptions
-from launcher import ROOT, launch_worker
+from launcher import ROOT, assert_program_as_planned, launch_worker
 
 sys.path.insert(0, str(ROOT / "tests"))
 from zoo import ALL_CASES  # noqa: E402
@@ -98,6 +98,7 @@ def _passed(zoo: dict, world: int, name: str) -> None:
         res = results[name]
         assert "error" not in res, f"{name} on {world} processes, rank {rank}: {res.get('traceback')}"
         assert res["ok"], f"{name} on {world} processes, rank {rank}:\n{res['text']}"
+        assert_program_as_planned(res, f"{name} on {world} processes, rank {rank}")
 
 
 @pytest.mark.parametrize("name", list(ALL_CASES))

@@ -88,7 +88,7 @@ from autoplan.trace.batch_coupling import count_program
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import microbatch_inputs
 
-__all__ = ["NativePipelineProgram", "native_pipeline", "stage_starts"]
+__all__ = ["NativePipelineProgram", "native_pipeline", "native_pipeline_form", "stage_starts"]
 
 _RECOMPUTED_HERE = (RecomputeMode.FULL, RecomputeMode.SELECTIVE)
 
@@ -97,38 +97,47 @@ def stage_starts(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> list[str] |
     """The module each stage but the first starts at, where ``plan`` is one this program runs
     (the module docstring's conditions that the plan and the model show before tracing); None
     otherwise."""
-    form = _native_form(spec, graph, plan)
-    return form[0] if form is not None else None
+    form = native_pipeline_form(spec, graph, plan)
+    return None if isinstance(form, str) else form[0]
 
 
-def _native_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
-                 ) -> tuple[list[str], StageDataParallel | None] | None:
-    """:func:`stage_starts` and, for stages of several devices, how they run data parallel."""
-    if len(plan.stages) < 2 or len({len(stage.devices) for stage in plan.stages}) != 1:
-        return None
+def native_pipeline_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
+                         ) -> tuple[list[str], StageDataParallel | None] | str:
+    """:func:`stage_starts` and, for stages of several devices, how they run data parallel; or
+    why the plan is not one this program runs."""
+    if len(plan.stages) < 2:
+        return "one stage"
+    if len({len(stage.devices) for stage in plan.stages}) != 1:
+        return "stages on different numbers of devices"
     d = len(plan.stages[0].devices)
-    if plan.devices % d or not device_rows(plan, stage_ranks(plan.schedule, len(plan.stages), plan.devices // d)):
-        return None  # each stage on its pipeline rank's devices, that rank the one torch's schedule gives it
-    ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices // d)
+    ranks = stage_ranks(plan.schedule, len(plan.stages), plan.devices // d) if plan.devices % d == 0 else []
+    if not ranks or not device_rows(plan, ranks):
+        return "stages not on the rows of a pipeline x data device mesh that torch's schedule gives them"
     shared = shared_parameters(graph, plan)
     if any(len({ranks[s] for s in stages}) < len(stages) for stages in shared.values()):
-        return None  # a weight two stages of one rank read: torch's cut would give that rank two copies
+        return "a weight two stages of one pipeline rank read (torch's cut would give that rank two copies)"
     summed = {copies_summed(fqn) for fqn in shared}
     if d == 1 and any(c.kind not in (CollectiveKind.SEND_RECV, CollectiveKind.BROADCAST)
                       and not (c.kind == CollectiveKind.ALL_REDUCE and c.where in summed) for c in plan.collectives):
-        return None
+        return "stages of one device each with collectives inside them"
+    split = [stage.mesh for stage in plan.stages if sum(n > 1 for n in stage.mesh) > 1]
+    if split:
+        return f"stages on {'x'.join(map(str, split[0]))} meshes (tensor parallelism inside stages)"
     parallel = stage_data_parallel(spec, graph, plan) if d > 1 else None
     if isinstance(parallel, str):
-        return None
-    if any(c.handling != CouplingHandling.WEIGHTED_MICROBATCHES for c in plan.batch_coupling):
-        return None
+        return parallel
+    coupled = [c for c in plan.batch_coupling if c.handling != CouplingHandling.WEIGHTED_MICROBATCHES]
+    if coupled:
+        return f"{coupled[0].node} couples the samples of a microbatch beyond a weighted mean loss"
     modules = dict(spec.module.named_modules())
-    if any(layer.mode not in _RECOMPUTED_HERE or not layer.layer or layer.layer not in modules
-           for layer in plan.recompute):
-        return None
+    for layer in plan.recompute:
+        if layer.mode not in _RECOMPUTED_HERE or not layer.layer or layer.layer not in modules:
+            return f"layer {layer.layer or '(ops)'} recomputed {layer.mode} is not a module recomputed whole or " \
+                   "selectively"
     starts = [stage.layers[0] for stage in plan.stages[1:]]
-    if any(not name or name not in modules for name in starts):
-        return None
+    missing = [name for name in starts if not name or name not in modules]
+    if missing:
+        return f"a stage starts at {missing[0] or 'an op'}, not at a module of the model"
     return starts, parallel
 
 
@@ -147,8 +156,8 @@ def native_pipeline(spec: ModelSpec, graph: TracedGraph, plan: Plan, device_type
                     ) -> NativePipelineProgram | None:
     """This rank's :class:`NativePipelineProgram` for ``plan``, or None where the plan is not
     one it runs (the same answer on every rank: each traces the same model)."""
-    form = _native_form(spec, graph, plan)
-    if form is None:
+    form = native_pipeline_form(spec, graph, plan)
+    if isinstance(form, str):
         return None
     starts, parallel = form
     program = NativePipelineProgram(spec, graph, plan, starts, device_type, parallel)

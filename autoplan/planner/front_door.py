@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from autoplan.codegen.program_choice import program_choice
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import ParamStorage, PinCost, PinRecord, Plan, PrecisionPlan
@@ -30,7 +31,7 @@ from autoplan.planner.meshes import candidate_meshes
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pin_check import check_layer_pins, check_pins
 from autoplan.planner.pins import PinKind, PinSet
-from autoplan.planner.pipeline import plan_pipeline
+from autoplan.planner.pipeline import plan_pipeline_traced
 from autoplan.solvers import format_bytes
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import make_layers
@@ -47,12 +48,16 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     if options.pin_set:  # checked on the model before any solving
         planner_options, pin_holds = checked_pins(spec, options, planner_options)
     if options.pipeline:
-        plan = plan_pipeline(spec, planner_options, options.pipeline_options())
+        plan, graph = plan_pipeline_traced(spec, planner_options, options.pipeline_options())
     else:
-        plan = plan_spec(spec, planner_options)[0]
+        plan, graph = plan_spec(spec, planner_options)
+    parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
+    clock = time.perf_counter()
+    plan = with_decisions(plan, options)
+    plan.program = program_choice(spec, graph, plan).line()
+    parts["program"] = time.perf_counter() - clock
     unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written
     plan.alternatives += [cost_manual(spec, unpinned, m) for m in manual]
-    parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     if manual:
         parts["manual plans"] = time.perf_counter() - start - sum(parts.values())
     if options.pin_set:
@@ -65,7 +70,7 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     for note in (replication_note(plan, spec), transient_note(plan)):
         if note:
             plan.warnings.append(note)
-    return with_decisions(plan, options)
+    return plan
 
 
 def pin_meshes(options: PlanOptions) -> list[tuple[int, ...]]:

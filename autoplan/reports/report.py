@@ -132,6 +132,7 @@ def summary_section(plan: Plan) -> Section:
                                  f"bubble {format_seconds(p.bubble_s)})")],
         ["predicted MFU", f"{p.mfu:.1%} (the model's forward and backward FLOPs over the devices' peak)"],
         ["training", training_text(plan)],
+        ["program", plan.program or "(not recorded in this plan)"],
         ["activation checkpointing", f"{len(plan.recompute)} layers recomputed in the backward"
                                      f"{recompute_modes_text(plan)}" if plan.recompute else "none"],
         ["memory per device (peak)", format_bytes(m.peak) + (f" of {format_bytes(budget)} "

@@ -217,6 +217,8 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     if saved:
         lines.append(saved)
     lines.append(f"training: {training_text(plan)}")
+    if plan.program:
+        lines.append(f"program: {plan.program}")
     if plan.solver:
         s = plan.solver
         gap = "" if s.status == "optimal" else f", gap {s.gap if s.gap is not None else 'unknown'}"

@@ -161,6 +161,7 @@ from autoplan.planner.pipeline.search import (REFINED, cluster_shape, on_traced_
 from autoplan.planner.recompute import RecomputeMode, RecomputePolicy
 from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
+from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import batch_size
 from autoplan.trace.rescale import BatchSizeGraphs
 
@@ -211,10 +212,17 @@ def _warnings_once(plans: list[Plan]) -> Iterator[None]:
 
 def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()) -> Plan:
     """Search stages × sub-meshes × logical meshes × microbatches and plan the best pipeline."""
-    planned: list[Plan] = []
+    return plan_pipeline_traced(spec, options, popts)[0]
+
+
+def plan_pipeline_traced(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()
+                         ) -> tuple[Plan, TracedGraph]:
+    """:func:`plan_pipeline`, and the trace of one microbatch the plan was planned on."""
+    planned: list[Plan] = []  # its warnings given once the block ends
     with _warnings_once(planned), _cyclic_gc_paused():
-        planned.append(_plan_pipeline(spec, options, popts))
-    return planned[0]
+        plan, graph = _plan_pipeline(spec, options, popts)
+        planned.append(plan)
+    return plan, graph
 
 
 def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions
@@ -407,7 +415,7 @@ def _rival_options(options: PlannerOptions, rivals: int) -> PlannerOptions:
     return options if rivals <= max(1, options.jobs) else replace(options, canonical=False)
 
 
-def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> Plan:
+def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> tuple[Plan, TracedGraph]:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
     start = time.perf_counter()
@@ -497,4 +505,4 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
                                       f"{format_seconds(c.step_time_s)} per step in the stage search",
                                       estimate_s=c.step_time_s)
                           for c in [c for c in candidates if id(c) not in searched][:max(0, 6 - len(planned))]]
-    return plan
+    return plan, best.graph
