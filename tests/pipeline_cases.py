@@ -60,3 +60,17 @@ def llama4_long() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
     for every sample, so they cross a stage boundary whole where the hidden states cross as
     shards."""
     return _llama(128, 256, 4, 512, [(1, slice(100, None)), (2, slice(None, 300))])
+
+
+def opt_odd() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """A Hugging Face OPT of hidden size 45, which two devices cannot divide: FSDP over two keeps
+    its norms, biases and attention weights whole beside its MLP weights and tables, and its
+    16 sequences of 128 tokens cross a stage boundary as shards."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(0)
+    config = OPTConfig(vocab_size=128, hidden_size=45, num_attention_heads=3, ffn_dim=90, num_hidden_layers=2,
+                       max_position_embeddings=128, word_embed_proj_dim=45, dropout=0.0, attention_dropout=0.0)
+    model = OPTForCausalLM(config)
+    ids = torch.randint(0, 128, (16, 128), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}, None

@@ -94,7 +94,12 @@ def _sharded_stages() -> dict[str, Plan]:
         "2 stages x FSDP 2 1f1b, head tied": _planned(make_model_spec(*pipeline_cases.llama4_wide_tied(), name="tied"),
                                                       4, fsdp, schedule="1f1b"),
         _LONG: _planned(make_model_spec(*pipeline_cases.llama4_long(), name="long"), 4, fsdp, schedule="1f1b"),
+        _WHOLE_BESIDE: _manual(_opt_odd(), 4, "pp=2,fsdp=2,microbatches=2"),
     }
+
+
+def _opt_odd():
+    return make_model_spec(*pipeline_cases.opt_odd(), name="opt_odd")
 
 
 def _manual(spec, devices: int, text: str) -> Plan:
@@ -149,6 +154,22 @@ def test_stages_of_two_devices_shard_their_parameters_and_split_their_microbatch
     assert all(s.param == ["R"] for s in replicated.storage.values())
     assert any(c.tensor == "gradient" and c.kind == "all_reduce" for c in replicated.collectives)
     assert _starts(spec, replicated) == ["model.layers.2"]
+
+
+def test_parameters_kept_whole_beside_held_ones_run_in_fsdp2_stages(plans: dict[str, Plan]) -> None:
+    """An OPT whose hidden size two devices cannot divide, ``--manual pp=2,fsdp=2``: its MLP
+    weights and tables held gathered through the microbatches, its norms, biases and attention
+    weights kept whole; each stage runs FSDP2 held, the whole ones under ``replicate`` inside it
+    (both reduced once a step by torch's stage)."""
+    spec, plan = _opt_odd(), plans[_WHOLE_BESIDE]
+    held = {fqn for fqn, s in plan.storage.items() if s.held}
+    whole = {fqn for fqn, s in plan.storage.items() if not s.held and s.param == s.grad == ["R"]}
+    assert held and whole and held | whole == set(plan.storage), plan.storage
+    assert any("self_attn_layer_norm" in fqn for fqn in whole) and any("fc1" in fqn for fqn in held)
+    graph = trace(spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches)))
+    parallel = stage_data_parallel(spec, graph, plan)
+    assert not isinstance(parallel, str) and parallel.held and set(parallel.storage.shard_dims) == held, parallel
+    assert stage_starts(spec, graph, plan) is not None
 
 
 def test_rotary_tables_cross_whole_into_data_parallel_stages(plans: dict[str, Plan]) -> None:
@@ -261,7 +282,7 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
              for label in labels}
     write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py", "llama4_wide": "pipeline_cases.py",
                                         "llama4_tied": "pipeline_cases.py", "llama4_wide_tied": "pipeline_cases.py",
-                                        "llama4_long": "pipeline_cases.py",
+                                        "llama4_long": "pipeline_cases.py", "opt_odd": "pipeline_cases.py",
                                         "nanogpt": "fsdp_cases.py"})
     results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=540)
     assert_checks_passed(results, cases)
@@ -272,6 +293,7 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
                 kind = "replicated over 2 devices" if "DDP" in label else "FSDP2 fully_shard over 2 devices"
                 assert f"each stage {kind}" in found[label]["description"]
             assert ("held gathered through the microbatches" in found[label]["description"]) == ("held" in label)
+            assert ("replicate group(s) beside" in found[label]["description"]) == (label == _WHOLE_BESIDE)
     if world == 4:
         for label in ("4 stages 1f1b checkpointed bf16", "2 stages x FSDP 2 1f1b checkpointed"):
             assert plans[label].recompute
@@ -279,8 +301,9 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
 
 
 _LONG = "2 stages x FSDP 2 1f1b, rotary tables crossing whole"
+_WHOLE_BESIDE = "2 stages x FSDP 2 held, norms and attention kept whole beside, --manual"
 _TIED = {"nanogpt 2 stages, its token table the head": "nanogpt", "4 virtual stages interleaved, head tied": "llama4_tied",
-         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied", _LONG: "llama4_long"}
+         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied", _LONG: "llama4_long", _WHOLE_BESIDE: "opt_odd"}
 _SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
             "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual", "2 stages x DDP 2 1f1b",
-            "2 stages x FSDP 2 1f1b, head tied", _LONG)
+            "2 stages x FSDP 2 1f1b, head tied", _LONG, _WHOLE_BESIDE)

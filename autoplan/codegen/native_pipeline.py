@@ -39,8 +39,9 @@ alike); its recomputed layers are modules, recomputed fully or selectively; the 
 its samples at most through a mean loss over a counted batch; and torch's tracer cuts it (one
 it does not, such as a model with a ``torch.autocast`` region under a bf16 trace, runs on the
 interpreter). Stages that are tensor parallel, that gather activations over their devices, mix
-parameters held through the microbatches with others or keep some whole beside sharded ones,
-and every other plan, run on the interpreter.
+parameters held through the microbatches with ones gathered in every microbatch, keep some whole
+beside ones gathered in every microbatch (whole beside held ones run natively), and every other
+plan, run on the interpreter.
 
 Every rank traces the whole model on its device, as it will run (its dtypes under the plan's
 autocast are the stages' metadata), and keeps only its stages. A model built on the meta device
@@ -303,23 +304,30 @@ class NativePipelineProgram(torch.nn.Module):
         for module in self.stage_modules:
             if parallel.token_mean:
                 count_over_devices(module, self.data_group, self.devices)
-            if parallel.replicated:  # DDP in FSDP2's groups, reduced once a step by torch's stage
+            names = {name: graph.tied.get(name, name) for name, _ in module.named_parameters()}
+            within = parallel.within(names)
+            if parallel.replicated or not within.shard_dims:
+                # DDP in FSDP2's groups (a held plan's stage of whole parameters too), reduced once
+                # a step by torch's stage
                 replicate(module, mesh=mesh["dp"], mp_policy=policy)
                 self.replicate_groups += 1
                 continue
-            blocks = sharded_blocks(module, plan)
-            names = {name: graph.tied.get(name, name) for name, _ in module.named_parameters()}
-            units = shard_modules(module, blocks, mesh["dp"], policy, not parallel.held, parallel.within(names))
+            # held: the stage is FSDP2's root, and torch's stage holds and reduces its groups (the
+            # replicate groups of the parameters kept whole beside them too) once a step
+            units = shard_modules(module, sharded_blocks(module, plan), mesh["dp"], policy, not parallel.held, within)
             self.fsdp_groups += units.sharded
+            self.replicate_groups += units.replicated
         return mesh.get_group("pp")
 
     @property
     def description(self) -> str:
         checkpointed = f", {len(self.checkpointed)} checkpointed layer(s)" if self.checkpointed else ""
         held = ", held gathered through the microbatches" if self.held else ""
+        whole = f", {self.replicate_groups} replicate group(s) beside" if self.fsdp_groups and self.replicate_groups \
+            else ""
         sharded = "" if self.devices == 1 else \
-            f", each stage replicated over {self.devices} devices (FSDP2's replicate)" if self.replicate_groups else \
-            f", each stage FSDP2 fully_shard over {self.devices} devices{held}"
+            f", each stage FSDP2 fully_shard over {self.devices} devices{held}{whole}" if self.fsdp_groups else \
+            f", each stage replicated over {self.devices} devices (FSDP2's replicate)"
         return (f"native: torch.distributed.pipelining ({self.plan.schedule}, {len(self.plan.stages)} stages cut from "
                 f"the model's own modules, {self.num_microbatches} microbatches{checkpointed}{sharded})")
 

@@ -108,7 +108,9 @@ def program_choice(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> ProgramCh
         within = f"each data parallel over {devices} devices (FSDP2's replicate)"
     else:
         held = ", held gathered through the microbatches" if parallel.held else ""
-        within = f"each FSDP2 fully_shard over {devices} devices{held}"
+        whole = graph.parameter_fqns - set(parallel.storage.shard_dims) - set(graph.tied)
+        beside = f", {len(whole)} parameter(s) kept whole under FSDP2's replicate" if whole else ""
+        within = f"each FSDP2 fully_shard over {devices} devices{held}{beside}"
     return ProgramChoice(ProgramKind.NATIVE_PIPELINE,
                          f"{len(plan.stages)} stages cut from the model's own modules by torch.distributed.pipelining "
                          f"({plan.schedule}, {plan.microbatches} microbatches), {within}")

@@ -10,14 +10,18 @@ mesh, row-major); within the stages, the plan is what a data-parallel program of
 the loss's broadcast): the microbatch split over the ``d`` devices, every trained parameter
 stored sharded and gathered at use before the forward and again before the backward, its
 gradient reduce-scattered after every microbatch (FSDP2 under a plain module, so that torch's
-pipeline stage runs FSDP2's own backward), or every one held gathered through the microbatches
-and reduced once a step (:attr:`~autoplan.plan_schema.ParamStorage.held`: the stage itself the
-FSDP2 root, ``reshard_after_forward=False``, which torch's stage holds and reduces once), or
-every one whole, its gradient all-reduced once a step (DDP: the stage under FSDP2's
-``replicate``, which torch's stage reduces once), and activations never gathered (values crossing a stage boundary cross as shards, each device
-sending its slice to its peer of the next stage); the loss a mean, or a cross-entropy averaged
-over the targets it counts. Parameters kept whole beside sharded ones, ZeRO-2, embedding
-tables read in place and a mix of held and gathered parameters run on the interpreter.
+pipeline stage runs FSDP2's own backward), or every sharded one held gathered through the
+microbatches and reduced once a step (:attr:`~autoplan.plan_schema.ParamStorage.held`: the stage
+itself the FSDP2 root, ``reshard_after_forward=False``, which torch's stage holds and reduces
+once), the others kept whole, their gradients all-reduced once a step (FSDP2's ``replicate`` on
+the modules holding them, inside that root, which torch's stage reduces once with its groups;
+a stage of whole parameters only is one ``replicate`` group), or every one whole (DDP: the
+stage under ``replicate``, which torch's stage reduces once), and activations never gathered
+(values crossing a stage boundary cross as shards, each device sending its slice to its peer of
+the next stage); the loss a mean, or a cross-entropy averaged over the targets it counts.
+Parameters kept whole beside ones gathered in every microbatch (``replicate`` would all-reduce
+them after every microbatch's backward, the plan once a step), ZeRO-2, embedding tables read in
+place and a mix of held and gathered parameters run on the interpreter.
 
 How the program computes one device's loss and gradients. Microbatch ``m`` of the global batch
 is split into ``d`` slices (the interpreter's order: microbatch first, then the device's slice).
@@ -88,8 +92,6 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
         return f"stages on logical meshes {[stage.mesh for stage in plan.stages]}, not one data axis each"
     trained = graph.parameter_fqns
     held = {fqn for fqn, s in plan.storage.items() if s.held}
-    if held and held != trained - set(graph.tied):
-        return "some parameters held gathered through the microbatches, others not"
     plan = held_as_sharded(plan) if held else plan
     cut = [name for name in graph.input_names if plan.inputs.get(name, ["R"]) not in (["R"], ["S(0)"])]
     if cut:
@@ -112,9 +114,16 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     storage = found.storage
     if found.kind != "fsdp" or storage is None:
         return f"the stages are {found.kind}, not FSDP or DDP"
+    if held and set(storage.shard_dims) != held:
+        return "some parameters held gathered through the microbatches, others gathered in every microbatch"
+    if storage.zero2 or storage.embeddings:
+        return "ZeRO-2 parameters or tables read in place beside the sharded ones in a stage"
     whole = sorted(trained - set(storage.shard_dims) - set(graph.tied))
-    if whole or storage.zero2 or storage.embeddings:
-        return "parameters kept whole, ZeRO-2 or tables read in place beside the sharded ones in a stage"
+    if whole and not held:  # FSDP2's replicate would all-reduce them after every microbatch's backward
+        return f"{whole[0]} kept whole beside parameters gathered in every microbatch"
+    on_root = [fqn for fqn in whole if "." not in fqn]
+    if on_root:
+        return f"{on_root[0]} kept whole by the model's root module (a stage's root is FSDP2's)"
     return StageDataParallel(d, storage, found.token_mean, bool(held))
 
 
