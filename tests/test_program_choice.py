@@ -89,3 +89,15 @@ def test_tensor_parallelism_inside_stages_names_the_interpreter(llama) -> None:
     plan = _planned(llama, 8, "pp=2", "fsdp=2", "tp=2", "microbatches=2")
     assert all(stage.mesh == [2, 2] for stage in plan.stages), [stage.mesh for stage in plan.stages]
     assert plan.program == f"{INTERPRETER_PROGRAM} (stages on 2x2 meshes (tensor parallelism inside stages))"
+
+
+def test_a_program_that_cannot_be_read_leaves_the_plan_whole_with_a_warning(wide_batch, monkeypatch) -> None:
+    import autoplan.planner.front_door as front_door
+
+    def unreadable(*args):
+        raise KeyError("linear_3")
+
+    monkeypatch.setattr(front_door, "program_choice", unreadable)
+    with pytest.warns(UserWarning, match="the program that runs the plan was not read"):
+        plan = _planned(wide_batch, 2, "fsdp=2", pipeline=False)
+    assert plan.program == "" and plan.params

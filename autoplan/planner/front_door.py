@@ -6,14 +6,16 @@ saved plan all come here, so one model with one set of options gets one plan:
 the user's pins checked on the traced model (:mod:`autoplan.planner.pin_check`) → the pipeline
 search (:mod:`autoplan.planner.pipeline`, which plans one stage too) or, with
 ``pipeline=False``, the intra-op search over logical meshes (:mod:`autoplan.planner.api`)
-→ hand-written ``manual`` plans costed beside it → every decision the program carries out
-(optimizer, precision, recomputed regions, parameter storage, the options themselves)
-written into the Plan → with pins, the search run again without them, for what they cost.
+→ every decision the program carries out (optimizer, precision, recomputed regions,
+parameter storage, the options themselves) written into the Plan, and the program that will
+carry them out named (:mod:`autoplan.codegen.program_choice`) → hand-written ``manual`` plans
+costed beside it → with pins, the search run again without them, for what they cost.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -54,7 +56,7 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     clock = time.perf_counter()
     plan = with_decisions(plan, options)
-    plan.program = program_choice(spec, graph, plan).line()
+    plan.program = named_program(spec, graph, plan)
     parts["program"] = time.perf_counter() - clock
     unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written
     plan.alternatives += [cost_manual(spec, unpinned, m) for m in manual]
@@ -71,6 +73,17 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
         if note:
             plan.warnings.append(note)
     return plan
+
+
+def named_program(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
+    """The program that will run ``plan`` (:func:`program_choice`), in a line; where reading
+    it fails, the plan stands and says so (the run prints the program it builds)."""
+    try:
+        return program_choice(spec, graph, plan).line()
+    except Exception as e:  # noqa: BLE001 - the plan is whole without it
+        warnings.warn(f"the program that runs the plan was not read ({type(e).__name__}: {e}); the run prints it",
+                      stacklevel=2)
+        return ""
 
 
 def pin_meshes(options: PlanOptions) -> list[tuple[int, ...]]:
