@@ -2,7 +2,8 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node N tests/check_worker.py OUT_DIR
 
-``OUT_DIR/cases.json`` lists the cases: ``{"name", "file", "builder", "plan"}``. ``builder`` is a
+``OUT_DIR/cases.json`` lists the cases: ``{"name", "file", "builder", "plan"}`` (and
+``"interpreter": true`` to run the plan on the DTensor interpreter whatever program it names). ``builder`` is a
 function of the module ``file`` (a file under tests/) (or a key of its ``ALL_CASES``) returning ``(model, example_inputs, loss_fn)`` or a
 ``zoo.ZooCase`` (the same model on every rank: it seeds itself); ``plan`` is the path of a plan.json the test planned
 beforehand. Each case's program is built and checked against one device (outputs, loss, every
@@ -45,12 +46,13 @@ def run_case(case: dict) -> dict:
                                                                       built.loss_fn)
     spec = make_model_spec(model, inputs, loss_fn, name=case["name"])
     plan = Plan.load(case["plan"])
-    pm = build_parallel_module(spec, plan)
+    interpreter = bool(case.get("interpreter"))  # the DTensor interpreter asked for, whatever the plan names
+    pm = build_parallel_module(spec, plan, prefer_native=not interpreter)
     report = check_against_single_device(spec, pm, steps=2)
     regathered = [m.gathered for m in pm.modules() if isinstance(getattr(m, "gathered", None), GatheredParameters)]
     recomputed = [m.prefetched for m in pm.modules() if isinstance(getattr(m, "prefetched", None), PrefetchedGathers)]
     return {"ok": report.ok, "text": report.text(), "moved": report.moved, "description": pm.description,
-            "planned_program": plan.program,
+            "planned_program": "" if interpreter else plan.program,
             "prefetched_regathers": sum(g.prefetched for g in regathered)
             + sum(p.recomputation_gathers for p in recomputed)}
 

@@ -101,3 +101,13 @@ def test_a_program_that_cannot_be_read_leaves_the_plan_whole_with_a_warning(wide
     with pytest.warns(UserWarning, match="the program that runs the plan was not read"):
         plan = _planned(wide_batch, 2, "fsdp=2", pipeline=False)
     assert plan.program == "" and plan.params
+
+
+def test_a_plan_replicating_everything_runs_the_model_itself_on_every_device(llama) -> None:
+    """Every value and parameter whole and no collective (pinned here; the search's choice for
+    small models on devices whose links cost more than the work they would split): each
+    device runs the model itself, with no DTensor in the way."""
+    plan = _planned(llama, 2, "*=[R]", pipeline=False)
+    assert not plan.collectives
+    choice = _choice(llama, plan)
+    assert choice.kind == ProgramKind.NATIVE and plan.program.startswith("the model itself on every device"), plan

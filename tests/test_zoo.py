@@ -26,6 +26,10 @@ from zoo import ALL_CASES  # noqa: E402
 ZOO_FILE = ROOT / "tests" / "zoo.py"
 SHARDING_BUDGETS = (0.3, 0.45, 0.6, 0.75, 0.9)  # of the replicated plan's memory, tried in turn
 SOLVE_LIMIT_S = 20.0  # seconds per ILP solve under those budgets
+# models with ops DTensor has no rule for (hardswish_backward, as_strided_, mkldnn_rnn_layer):
+# their replicated two-device plans run natively (the model itself on each device), and also on
+# the interpreter, which runs those ops on local tensors
+LOCAL_OPS = ("mobilenet_v3", "convnext", "torch_lstm")
 
 
 def _spec(name: str):
@@ -85,6 +89,9 @@ def zoo(tmp_path_factory) -> dict:
             path.write_text(plan.to_json())
             by_world[world].append({"name": f"{name}/{label}", "file": str(ZOO_FILE), "builder": name,
                                     "plan": str(path)})
+            if name in LOCAL_OPS and world == 2:
+                by_world[2].append({"name": f"{name}/interpreter", "file": str(ZOO_FILE), "builder": name,
+                                    "plan": str(path), "interpreter": True})
     for world, listed in by_world.items():
         folder = out / f"procs{world}"
         folder.mkdir()
@@ -116,6 +123,13 @@ def test_zoo_default_plan_passes_check_on_4(zoo, name: str) -> None:
 @pytest.mark.parametrize("name", list(ALL_CASES))
 def test_zoo_two_device_plan_passes_check_on_2(zoo, name: str) -> None:
     _passed(zoo, 2, f"{name}/default")
+
+
+@pytest.mark.parametrize("name", LOCAL_OPS)
+def test_zoo_ops_without_a_dtensor_rule_run_on_local_tensors_in_the_interpreter(zoo, name: str) -> None:
+    _passed(zoo, 2, f"{name}/interpreter")
+    for results in zoo["launches"][2].values():
+        assert not results[f"{name}/interpreter"]["description"].startswith("native"), results
 
 
 FIRST_OF_FAMILY = list({ALL_CASES[name]().family: name for name in reversed(ALL_CASES)}.values())

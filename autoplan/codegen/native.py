@@ -14,6 +14,10 @@ program, and their sharded parameters then also held gathered through the step:
 
 ``"single"`` — a plan of one device: the user's module (a copy) itself.
 
+``"replicated"`` — a plan of several devices that each compute the whole step alike (every
+input, parameter and value whole, no collective: a small model whose links cost more than the
+work they would split): the user's module (a copy) itself on every device, as ``"single"``.
+
 ``"ddp"`` — pure data parallelism. Every parameter and buffer is ``R``; the user inputs are
 ``S(d)`` (their batch dim; ``R`` inputs are passed whole) with the batch divisible by the mesh;
 every op keeps the batch sharded (no activation collective in the plan besides the loss's
@@ -242,7 +246,7 @@ class NativeProgram(torch.nn.Module):
         if len(inputs) != len(self.input_names):
             raise TypeError(f"the program takes {len(self.input_names)} inputs, got {len(inputs)}")
         rep = (Replicate(),)
-        if self.kind == "single":
+        if self.kind in ("single", "replicated"):
             output = self._call(self.module, tuple(inputs))
             local_loss = self.loss_fn(output, *inputs)
             loss = DTensor.from_local(local_loss, self.mesh, rep, run_check=False)
@@ -298,7 +302,9 @@ class NativeProgram(torch.nn.Module):
     def description(self) -> str:
         """What runs the plan, in a few words."""
         checkpointed = f", {len(self.plan.recompute)} checkpointed layer(s)" if self.plan.recompute else ""
-        runs = {"single": "the model itself on one device", "ddp": "DistributedDataParallel",
+        runs = {"single": "the model itself on one device",
+                "replicated": "the model itself on every device, the step computed alike (no collective)",
+                "ddp": "DistributedDataParallel",
                 "fsdp": f"FSDP2 fully_shard ({self.fsdp_groups} groups{self._zero2_text}{self._held_text}"
                         f"{self._replicate_text}{self._embeddings_text})",
                 "hsdp": f"FSDP2 fully_shard on a 2-D mesh, HSDP ({self.fsdp_groups} groups{self._zero2_text}"
@@ -608,7 +614,7 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
     module = _without_cache(copy.deepcopy(spec.module))
     if not meta:
         module.to(mesh.device_type)
-    elif found.kind in ("single", "ddp"):  # a whole copy on every rank, by design
+    elif found.kind in ("single", "replicated", "ddp"):  # a whole copy on every rank, by design
         materialise_whole(module, mesh.device_type, spec.init_weights)
     if found.kind == "fsdp_tp":  # tensor parallelism first, then checkpointing and FSDP, as torchtitan
         data, tensor = mesh.mesh_dim_names or ()
@@ -624,8 +630,8 @@ def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceM
         # under tensor parallelism the whole layer again, its last all-reduces included, as planned
         # (torch's early stop would end the recomputation at the last tensor the backward needs)
         checkpoint(module.get_submodule(layer.layer), early_stop=found.kind != "fsdp_tp", **selective)
-    if found.kind == "single":
-        return NativeProgram("single", module, spec, graph, plan, mesh, {})
+    if found.kind in ("single", "replicated"):
+        return NativeProgram(found.kind, module, spec, graph, plan, mesh, {})
     if found.kind in ("fsdp", "hsdp", "fsdp_tp"):
         # on a 2-D mesh FSDP2 replicates over axis 0 and shards over axis 1 (HSDP), or shards over
         # axis 0 the tensor-parallel shards of axis 1 (FSDP x TP, as torchtitan composes them);

@@ -460,8 +460,18 @@ def _mark_downstream(node: torch.fx.Node, seen: set[str]) -> None:
         stack.extend(cur.users)
 
 
+def replicated_throughout(plan: Plan) -> bool:
+    """Whether every device of ``plan`` computes the whole step alike: every input, parameter
+    (its gradient and optimizer state too) and value whole, and not one collective (a small
+    model on devices whose links cost more than the work they would split)."""
+    return not plan.collectives and all(is_whole(specs) for specs in plan.inputs.values()) \
+        and all(is_whole(specs) for specs in plan.params.values()) \
+        and all(is_whole(s.param) and is_whole(s.grad) and is_whole(s.optimizer_state) for s in plan.storage.values()) \
+        and all(is_whole(out) for node in plan.nodes for out in node.outputs)
+
+
 def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
-    """Which native pattern ``plan`` reduces to: ``kind`` is ``"single"``, ``"ddp"``,
+    """Which native pattern ``plan`` reduces to: ``kind`` is ``"single"``, ``"replicated"``, ``"ddp"``,
     ``"fsdp"``, ``"hsdp"``, ``"fsdp_tp"`` or ``"tensor_parallel"``, or ``"none"`` (then
     ``reason`` says why, for the pattern that came closest). A plan of one stage that
     accumulates microbatches is recognised on ``spec`` and ``graph`` of one microbatch, as
@@ -489,6 +499,8 @@ def recognise(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
     if n == 1:
         return Recognised("single", {}) if not accumulated else \
             Recognised("none", {}, "microbatches accumulated on one device")
+    if not accumulated and replicated_throughout(plan):
+        return Recognised("replicated", {})
     found = _recognise_data_parallel(spec, graph, plan, n)
     if isinstance(found, Recognised):
         return found

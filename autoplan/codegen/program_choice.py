@@ -53,6 +53,7 @@ class ProgramChoice:
 
 _ONE_STAGE = {
     "single": "the model itself on one device",
+    "replicated": "the model itself on every device, each computing the whole step (the plan has no collective)",
     "ddp": "PyTorch's DistributedDataParallel",
     "fsdp": "PyTorch's FSDP2 (fully_shard per block)",
     "hsdp": "PyTorch's FSDP2 on a 2-D mesh (HSDP: sharded within a node, replicated across)",
