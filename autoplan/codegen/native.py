@@ -588,15 +588,23 @@ def sharded_blocks(module: torch.nn.Module, plan: Plan) -> list[torch.nn.Module]
 
 
 def native_pattern(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised | None:
-    """The native pattern ``plan`` reduces to (:func:`recognise` on ``spec`` as ``graph`` was
-    traced: one microbatch's inputs), or None where the interpreter runs it."""
+    """The native pattern ``plan`` reduces to (:func:`recognised_pattern`), or None where the
+    interpreter runs it."""
+    found = recognised_pattern(spec, graph, plan)
+    return None if found.kind == "none" else found
+
+
+def recognised_pattern(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recognised:
+    """:func:`recognise` on ``spec`` as ``graph`` was traced (one microbatch's inputs), with the
+    modules whose products per-op recomputation keeps; kind ``"none"`` and the reason where the
+    interpreter runs the plan."""
     kept = kept_modules(graph, plan)
-    if isinstance(kept, str):
-        return None  # a per-op layer's kept products are not module calls: the interpreter keeps them by node
+    if isinstance(kept, str):  # the interpreter keeps such products by node
+        return Recognised("none", {}, kept)
     one = spec if plan.microbatches == 1 else \
         spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
     found = recognise(one, graph, plan)
-    return None if found.kind == "none" else dataclasses.replace(found, kept_modules=kept)
+    return found if found.kind == "none" else dataclasses.replace(found, kept_modules=kept)
 
 
 def native_module(spec: ModelSpec, graph: TracedGraph, plan: Plan, mesh: DeviceMesh,

@@ -3,7 +3,7 @@ itself, DDP, FSDP2, HSDP, FSDP x TP, ``parallelize_module``, stages cut from the
 ``torch.distributed.pipelining``) or autoplan's DTensor interpreter, and why.
 
 :func:`program_choice` reads the plan and the traced model with the recognition the runtime
-uses (:func:`autoplan.codegen.runtime.build_parallel_module`: :func:`~autoplan.codegen.native.native_pattern`
+uses (:func:`autoplan.codegen.runtime.build_parallel_module`: :func:`~autoplan.codegen.native.recognised_pattern`
 for one stage, accumulated microbatches included, :func:`~autoplan.codegen.native_pipeline.native_pipeline_form`
 for several), so the summary names the program ``train.py`` builds. One thing only the run can
 tell: a pipeline's stages are cut by torch's tracer, which may not cut a model (a
@@ -16,14 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from autoplan.codegen.native import native_pattern
-from autoplan.codegen.native_patterns import Recognised, recognise
+from autoplan.codegen.native import recognised_pattern
+from autoplan.codegen.native_patterns import Recognised
 from autoplan.codegen.native_pipeline import native_pipeline_form
 from autoplan.codegen.native_storage import TableRead
 from autoplan.load import ModelSpec
 from autoplan.plan_schema import Plan
 from autoplan.trace.graph import TracedGraph
-from autoplan.trace.microbatch import microbatch_inputs
 
 __all__ = ["INTERPRETER_PROGRAM", "ProgramChoice", "ProgramKind", "program_choice"]
 
@@ -91,13 +90,8 @@ def program_choice(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> ProgramCh
     """The program ``train.py`` builds for ``plan`` (module docstring); ``graph``: the trace of
     one microbatch of ``spec``, as the plan was planned on."""
     if len(plan.stages) == 1:
-        found = native_pattern(spec, graph, plan)
-        if found is not None:
-            return _one_stage(found, plan)
-        one = spec if plan.microbatches == 1 else \
-            spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
-        reason = recognise(one, graph, plan).reason
-        return _interpreter(reason or "a layer recomputed per op whose kept products are not module calls")
+        found = recognised_pattern(spec, graph, plan)
+        return _interpreter(found.reason) if found.kind == "none" else _one_stage(found, plan)
     form = native_pipeline_form(spec, graph, plan)
     if isinstance(form, str):
         return _interpreter(form)
@@ -109,8 +103,7 @@ def program_choice(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> ProgramCh
         within = f"each data parallel over {devices} devices (FSDP2's replicate)"
     else:
         held = ", held gathered through the microbatches" if parallel.held else ""
-        whole = graph.parameter_fqns - set(parallel.storage.shard_dims) - set(graph.tied)
-        beside = f", {len(whole)} parameter(s) kept whole under FSDP2's replicate" if whole else ""
+        beside = f", {len(parallel.whole)} parameter(s) kept whole under FSDP2's replicate" if parallel.whole else ""
         within = f"each FSDP2 fully_shard over {devices} devices{held}{beside}"
     return ProgramChoice(ProgramKind.NATIVE_PIPELINE,
                          f"{len(plan.stages)} stages cut from the model's own modules by torch.distributed.pipelining "

@@ -74,6 +74,7 @@ class StageDataParallel:
     token_mean: bool
     held: bool = False
     replicated: bool = False  # every parameter whole (DDP), its gradient all-reduced once a step
+    whole: frozenset[str] = frozenset()  # beside held ones: kept whole, under FSDP2's replicate
 
     def within(self, stage_parameters: dict[str, str]) -> ParameterStorage:
         """The storage of one stage's parameters, by the names the stage holds them under
@@ -124,7 +125,7 @@ def stage_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Stag
     on_root = [fqn for fqn in whole if "." not in fqn]
     if on_root:
         return f"{on_root[0]} kept whole by the model's root module (a stage's root is FSDP2's)"
-    return StageDataParallel(d, storage, found.token_mean, bool(held))
+    return StageDataParallel(d, storage, found.token_mean, bool(held), whole=frozenset(whole))
 
 
 def device_rows(plan: Plan, stage_ranks: Sequence[int]) -> bool:
