@@ -6,11 +6,17 @@
 
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.plan_schema import Plan
-from autoplan.planner.front_door import plan
-from autoplan.planner.options import PlanOptions
 
 
-def __getattr__(name: str):  # parallelize pulls in torch.distributed: import it on first use
+def __getattr__(name: str):  # what imports torch is imported on first use (``autoplan --help`` needs none of it)
+    if name == "plan":
+        from autoplan.planner.front_door import plan
+
+        return plan
+    if name == "PlanOptions":
+        from autoplan.planner.options import PlanOptions
+
+        return PlanOptions
     if name == "parallelize":
         from autoplan.parallelize import parallelize
 

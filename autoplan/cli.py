@@ -20,19 +20,18 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from autoplan.codegen.script import render_train_script
+from typing import TYPE_CHECKING
+
+# what the parser needs imports no torch, so that ``--help`` and a mistyped option answer at once;
+# the planner, the loader and the reports are imported once the arguments are read
 from autoplan.cost_models.presets import PRESET_NAMES
 from autoplan.errors import AutoplanError
-from autoplan.load import load_model_file
 from autoplan.plan_schema import OPTIMIZER_NAMES, PRECISIONS
-from autoplan.planner.front_door import plan_model
-from autoplan.planner.meshes import mesh_label, parse_mesh
-from autoplan.planner.options import PlanOptions
-from autoplan.planner.pins import pin_file_texts
-from autoplan.reports.summary import summary_text
-from autoplan.reports.timeline import write_timeline
-from autoplan.solvers import SOLVER_NAMES
+from autoplan.solvers.intra_op import SOLVER_NAMES
 from autoplan.stdout_redirect import stdout_fd_redirected
+
+if TYPE_CHECKING:
+    from autoplan.planner.options import PlanOptions
 
 SUBCOMMANDS = ("plan", "calibrate")
 
@@ -128,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def options_from_args(args: argparse.Namespace) -> PlanOptions:
     """The command line's options, checked, as the Python API takes them."""
+    from autoplan.planner.meshes import parse_mesh
+    from autoplan.planner.options import PlanOptions
+    from autoplan.planner.pins import pin_file_texts
+
     if args.steps < 1:
         raise AutoplanError(f"--steps must be at least 1, got {args.steps}")
     for flag, value in (("--checkpoint-every", args.checkpoint_every), ("--max-restarts", args.max_restarts)):
@@ -186,6 +189,13 @@ def _show_warnings(caught: list[warnings.WarningMessage]) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from autoplan.codegen.script import render_train_script
+    from autoplan.load import load_model_file
+    from autoplan.planner.front_door import plan_model
+    from autoplan.planner.meshes import mesh_label
+    from autoplan.reports.summary import summary_text
+    from autoplan.reports.timeline import write_timeline
+
     options = options_from_args(args)
     out = Path(args.out)
     _check_out_folder(out)

@@ -158,3 +158,16 @@ def test_run_with_a_checkpoint_folder_saves_resumes_and_restarts() -> None:
 def test_restart_and_checkpoint_flags_are_checked_before_planning(flags: list[str], needle: str) -> None:
     with pytest.raises(AutoplanError, match=needle):
         run([str(ROOT / "examples" / "mlp.py"), "--devices", "2", "--run", *flags])
+
+
+def test_help_and_a_missing_option_answer_without_importing_torch() -> None:
+    """The parser needs no torch: ``autoplan --help`` and a mistyped command line answer before
+    the planner (and torch with it) is imported."""
+    code = ("import sys\nfrom autoplan import cli\n"
+            "for argv in (['--help'], ['calibrate', '--help'], ['model.py']):\n"
+            "    try:\n        cli.run(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), e.code\n"
+            "print('torch imported' if 'torch' in sys.modules else 'no torch')")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=backstop(30))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "no torch"
+    assert "the following arguments are required: --devices" in done.stderr
