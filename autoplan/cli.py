@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 # what the parser needs imports no torch, so that ``--help`` and a mistyped option answer at once;
 # the planner, the loader and the reports are imported once the arguments are read
@@ -34,6 +34,15 @@ if TYPE_CHECKING:
     from autoplan.planner.options import PlanOptions
 
 SUBCOMMANDS = ("plan", "calibrate")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line, as every other error of the command: the
+    problem, and where the options are listed (argparse's own prints the whole usage first).
+    Sub-command parsers are made of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"autoplan: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
@@ -111,7 +120,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     from autoplan.calibrate import add_calibrate_arguments
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="autoplan",
         description="Plan how to parallelize a PyTorch model over many devices, and emit the program.",
         epilog="`autoplan model.py --devices 8` is short for `autoplan plan model.py --devices 8`.",

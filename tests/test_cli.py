@@ -102,6 +102,10 @@ def test_stdout_holds_the_summary_and_no_solver_banner(tmp_path: Path) -> None:
     (["{mlp}", "--devices", "8", "--stages", "2", "--no-pipeline"], "pins a pipeline but pipelines are turned off"),
     (["{mlp}", "--devices", "8", "--mesh", "2x4", "--stages", "2"], "each of the 2 stages of 8 devices has 4"),
     (["{mlp}", "--devices", "8", "--out", "{file}"], "is a file, not a folder"),
+    (["{mlp}"], "the following arguments are required: --devices (`autoplan plan --help` lists the options)"),
+    (["{mlp}", "--devices", "eight"], "argument --devices: invalid int value: 'eight'"),
+    (["{mlp}", "--devices", "8", "--precision", "fp16"], "argument --precision: invalid choice: 'fp16'"),
+    (["calibrate", "--quick"], "the following arguments are required: --devices (`autoplan calibrate --help`"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args: list[str], needle: str, tmp_path: Path) -> None:
     (tmp_path / "a_file").write_text("not a folder")
@@ -170,4 +174,4 @@ def test_help_and_a_missing_option_answer_without_importing_torch() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=backstop(30))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "no torch"
-    assert "the following arguments are required: --devices" in done.stderr
+    assert "autoplan: error: the following arguments are required: --devices" in done.stderr
