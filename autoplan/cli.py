@@ -18,12 +18,11 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any
 
 # what the parser needs imports no torch, so that ``--help`` and a mistyped option answer at once;
 # the planner, the loader and the reports are imported once the arguments are read
+from autoplan.arguments import OneLineParser
 from autoplan.cost_models.presets import PRESET_NAMES
 from autoplan.errors import AutoplanError
 from autoplan.plan_schema import OPTIMIZER_NAMES, PRECISIONS
@@ -34,15 +33,6 @@ if TYPE_CHECKING:
     from autoplan.planner.options import PlanOptions
 
 SUBCOMMANDS = ("plan", "calibrate")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An argument parser whose errors are one line, as every other error of the command: the
-    problem, and where the options are listed (argparse's own prints the whole usage first).
-    Sub-command parsers are made of the same class."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"autoplan: error: {message} (`{self.prog} --help` lists the options)\n")
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:

@@ -70,6 +70,11 @@ def test_written_files_are_readable_and_train_py_is_relocatable(tmp_path: Path) 
     moved = tmp_path / "moved"
     project.rename(moved)
     assert (moved / "out" / line.group(1)).resolve() == (moved / "examples" / "mlp.py").resolve()
+    # a mistyped flag of train.py is one line too (printed by rank 0 under torchrun), before any work
+    bad = subprocess.run([sys.executable, str(moved / "out" / "train.py"), "--stepz", "3"], capture_output=True,
+                         text=True, cwd=tmp_path, timeout=backstop(60))
+    assert bad.returncode == 2 and bad.stderr.strip() == \
+        "autoplan: error: unrecognized arguments: --stepz 3 (`train.py --help` lists the options)", bad.stderr
 
 
 def test_replicated_plan_says_why(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -169,7 +174,7 @@ def test_help_and_a_missing_option_answer_without_importing_torch() -> None:
     the planner (and torch with it) is imported."""
     code = ("import sys\nfrom autoplan import cli\n"
             "for argv in (['--help'], ['calibrate', '--help'], ['model.py']):\n"
-            "    try:\n        cli.run(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), e.code\n"
+            "    try:\n        cli.main(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), e.code\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=backstop(30))
     assert done.returncode == 0, done.stderr

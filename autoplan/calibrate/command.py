@@ -9,6 +9,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from autoplan.arguments import OneLineParser
 from autoplan.calibrate.cluster_file import calibration_toml, drift_text, refusal_text
 from autoplan.calibrate.measure import calibrate
 from autoplan.calibrate.results import DRIFT_WARNING, CalibrateSettings, format_si
@@ -28,7 +29,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="autoplan calibrate",
         description="Measure this machine (matmul throughput, memory bandwidth, collectives over N processes) "
                     "and write a cluster TOML file for `autoplan MODEL.py --cluster FILE`.",

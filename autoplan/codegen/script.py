@@ -30,7 +30,6 @@ with torch.distributed.checkpoint; --resume continues from the newest complete c
 which may have been written under another plan or device count.
 """
 
-import argparse
 import gc
 import os
 import sys
@@ -40,6 +39,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from autoplan.arguments import OneLineParser
 from autoplan.codegen.pretrained import load_pretrained
 from autoplan.codegen.runtime import build_parallel_module, init_distributed
 from autoplan.codegen.training_checkpoint import TrainingCheckpoints
@@ -55,7 +55,7 @@ PLAN_FILE = Path(__file__).resolve().with_name("plan.json")
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])  # a mistyped flag: one line, on rank 0
     parser.add_argument("--steps", type=int, default=10, help="the total number of steps, counted across resumes")
     parser.add_argument("--check", action="store_true", help="compare with the model on one device")
     parser.add_argument("--checkpoint-dir", default=None, help="save checkpoints here (torch.distributed.checkpoint)")
