@@ -107,6 +107,17 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                              "with --run, the measured step times and losses too")
 
 
+def _installed_version() -> str:
+    """autoplan's version as installed (pyproject.toml's), or "(not installed)" for a source tree
+    on the path."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("autoplan")
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     from autoplan.calibrate import add_calibrate_arguments
 
@@ -115,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Plan how to parallelize a PyTorch model over many devices, and emit the program.",
         epilog="`autoplan model.py --devices 8` is short for `autoplan plan model.py --devices 8`.",
     )
+    parser.add_argument("--version", action="version", version=f"autoplan {_installed_version()}")
     commands = parser.add_subparsers(dest="command", metavar="{plan,calibrate}")
     _add_plan_arguments(commands.add_parser("plan", help="plan a model (the default command)",
                                             description="Plan a model and write plan.json and train.py."))
@@ -270,7 +282,7 @@ def launch(script: Path, devices: int, steps: int, check: bool, output: list[str
 
 def run(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help"):
+    if argv and argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help", "--version"):
         argv = ["plan", *argv]
     args = build_parser().parse_args(argv)
     if args.command is None:

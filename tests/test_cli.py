@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,10 +174,11 @@ def test_help_and_a_missing_option_answer_without_importing_torch() -> None:
     """The parser needs no torch: ``autoplan --help`` and a mistyped command line answer before
     the planner (and torch with it) is imported."""
     code = ("import sys\nfrom autoplan import cli\n"
-            "for argv in (['--help'], ['calibrate', '--help'], ['model.py']):\n"
+            "for argv in (['--help'], ['--version'], ['calibrate', '--help'], ['model.py']):\n"
             "    try:\n        cli.main(argv)\n    except SystemExit as e:\n        assert e.code in (0, 2), e.code\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=backstop(30))
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "no torch"
     assert "autoplan: error: the following arguments are required: --devices" in done.stderr
+    assert re.search(r"^autoplan \d+\.\d+", done.stdout, re.M), done.stdout  # --version
