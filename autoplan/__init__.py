@@ -4,28 +4,28 @@
 ``autoplan.parallelize(model, example_inputs, devices=N) -> ParallelModule`` (in a torchrun job)
 """
 
+import importlib
+from typing import Any
+
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
 from autoplan.plan_schema import Plan
 
+# names whose modules import torch, imported on first use (``autoplan --help`` needs none of them)
+_ON_FIRST_USE = (
+    ("plan", "autoplan.planner.front_door"),
+    ("PlanOptions", "autoplan.planner.options"),
+    ("parallelize", "autoplan.parallel_api"),  # not autoplan.parallelize: a module of that name would shadow it
+    ("ParallelModule", "autoplan.codegen.runtime"),
+    ("PipelinedModule", "autoplan.codegen.runtime"),
+)
 
-def __getattr__(name: str):  # what imports torch is imported on first use (``autoplan --help`` needs none of it)
-    if name == "plan":
-        from autoplan.planner.front_door import plan
 
-        return plan
-    if name == "PlanOptions":
-        from autoplan.planner.options import PlanOptions
-
-        return PlanOptions
-    if name == "parallelize":
-        from autoplan.parallelize import parallelize
-
-        return parallelize
-    if name in ("ParallelModule", "PipelinedModule"):
-        from autoplan.codegen import runtime
-
-        return getattr(runtime, name)
-    raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+def __getattr__(name: str) -> Any:
+    module = next((module for known, module in _ON_FIRST_USE if known == name), None)
+    if module is None:
+        raise AttributeError(f"module 'autoplan' has no attribute {name!r}")
+    value = globals()[name] = getattr(importlib.import_module(module), name)  # found here from now on
+    return value
 
 
 __all__ = ["AutoplanError", "MemoryInfeasibleError", "ParallelModule", "PipelinedModule", "Plan", "PlanOptions", "parallelize", "plan"]

@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
+import autoplan  # noqa: E402
 from autoplan.codegen.check import check_against_single_device  # noqa: E402
 from autoplan.codegen.runtime import build_parallel_module, init_distributed  # noqa: E402
 from autoplan.errors import AutoplanError  # noqa: E402
@@ -71,6 +72,11 @@ def main(out_dir: Path) -> None:
         report = check_against_single_device(mlp, pm, steps=2)
         results["adamw_check"] = {"ok": report.ok, "text": report.text(),
                                   "names": [c.name for c in report.comparisons]}
+        # the Python API: every rank plans (the same plan) and builds its program
+        api = autoplan.parallelize(mlp.module, mlp.example_inputs, loss_fn=mlp.loss_fn, cluster="cpu", pipeline=False)
+        api_report = check_against_single_device(mlp, api, steps=2)
+        results["parallelize"] = {"type": type(api).__name__, "ok": api_report.ok, "text": api_report.text(),
+                                  "same_plan": api.plan.decisions() == base.decisions()}
         variants = {
             "adamw": base,
             "sgd": plan_model(mlp, PlanOptions(2, "cpu", pipeline=False, optimizer="sgd", lr=0.05)),

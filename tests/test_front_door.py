@@ -107,7 +107,8 @@ def test_program_carries_out_each_decision(tmp_path: Path) -> None:
     processes): the optimizer and its hyper-parameters, the schedule and microbatches, the
     recomputed layers (run checkpointed), the precision (the forward under bf16 autocast), an
     optimizer state stored unlike its parameter (a ZeRO-1 master shard). The AdamW plan's
-    parameters after two steps equal a single-device AdamW run's."""
+    parameters after two steps equal a single-device AdamW run's, and so do those of the program
+    ``autoplan.parallelize`` plans and builds."""
     ranks = launch_worker(ROOT / "tests" / "decisions_worker.py", 2, tmp_path)
     for rank, res in ranks.items():
         assert "error" not in res, res.get("traceback")
@@ -127,3 +128,17 @@ def test_program_carries_out_each_decision(tmp_path: Path) -> None:
         assert (res["pipe_gpipe_2"]["schedule"], res["pipe_gpipe_2"]["microbatches"]) == ("ScheduleGPipe", 2)
         assert (res["pipe_1f1b_4"]["schedule"], res["pipe_1f1b_4"]["microbatches"]) == ("Schedule1F1B", 4)
         assert res["pipe_gpipe_2"]["optimizer"]["type"] == "AdamW"
+        api = res["parallelize"]  # autoplan.parallelize plans as autoplan.plan does and passes the check
+        assert api["type"] == "ParallelModule" and api["same_plan"] and api["ok"], api["text"]
+
+
+def test_the_package_names_the_api_functions() -> None:
+    """``autoplan.plan`` and ``autoplan.parallelize`` are the functions however often and in
+    whatever order they are read (a submodule of the function's name once shadowed it)."""
+    from autoplan import parallelize, plan
+
+    for _ in range(2):
+        assert callable(autoplan.parallelize) and autoplan.parallelize.__name__ == "parallelize"
+        assert callable(autoplan.plan) and autoplan.plan.__name__ == "plan"
+    assert parallelize is autoplan.parallelize and plan is autoplan.plan
+    assert autoplan.PlanOptions is PlanOptions
