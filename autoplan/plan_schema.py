@@ -255,6 +255,11 @@ class Prediction:
     bubble_s: float = 0.0  # pipeline time no stage spends working
     hidden_s: float = 0.0  # of comm_s, beside compute (gathers, gradient reductions): step = compute + comm - hidden
     mfu: float = 0.0  # model FLOPs utilisation (:func:`~autoplan.cost_models.step_costs.model_flops_utilization`)
+    # on autoplan's DTensor interpreter (0 for PyTorch's own programs): the host's dispatch per step
+    # on the busiest rank, which the costs above leave out, and the step expected with it
+    # (:mod:`autoplan.cost_models.interpreter_dispatch`)
+    interpreter_dispatch_s: float = 0.0
+    interpreter_step_s: float = 0.0
 
 
 @dataclass
@@ -479,4 +484,6 @@ def _prediction(data: dict[str, Any]) -> Prediction:
         bubble_s=float(data.get("bubble_s", 0.0)),
         hidden_s=float(data.get("hidden_s", 0.0)),
         mfu=float(data.get("mfu", 0.0)),
+        interpreter_dispatch_s=float(data.get("interpreter_dispatch_s", 0.0)),
+        interpreter_step_s=float(data.get("interpreter_step_s", 0.0)),
     )

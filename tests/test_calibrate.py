@@ -169,6 +169,8 @@ def test_a_gpu_file_charges_the_eager_overhead(tmp_path: Path) -> None:
     path.write_text(text)
     device = load_cluster(str(path)).device
     assert device.op_overhead_s == 30.1e-6 and device.overlapped_dispatch and device.matmul_efficiency == 1.0
+    # and the interpreter's, stated beside the prediction of the plans it runs
+    assert "interpreter_op_overhead_us = 136.8" in text and device.interpreter_op_overhead_s == 136.8e-6
 
 
 def test_one_device_keeps_the_preset_links(tmp_path: Path) -> None:

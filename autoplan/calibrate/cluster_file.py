@@ -61,7 +61,8 @@ def calibration_cluster(cal: Calibration, name: str | None = None) -> ClusterSpe
     device_name = "cpu" if cal.device_kind == "cpu" else cal.device_name
     device = DeviceSpec(device_name, peaks, _round(cal.memory_bandwidth), float(int(cal.memory_bytes)),
                         _round(written_op_overhead(cal)), _round(cal.op_bandwidth),
-                        overlapped_dispatch=cal.device_kind != "cpu")
+                        overlapped_dispatch=cal.device_kind != "cpu",
+                        interpreter_op_overhead_s=_round(cal.op_overhead_s))
     host = socket.gethostname().split(".")[0] or "this-machine"
     return ClusterSpec(name or f"{host}-{cal.devices}x{cal.device_kind}", device, cal.devices, intra, inter)
 
@@ -71,7 +72,8 @@ def _op_comments(cal: Calibration) -> list[str]:
     lines: list[str] = []
     if cal.op_overhead_s:
         eager_written = written_op_overhead(cal) != cal.op_overhead_s
-        interpreter_note = "" if eager_written else " (written as op_overhead_us)"
+        interpreter_note = " (written as interpreter_op_overhead_us)" if eager_written else \
+            " (written as op_overhead_us and interpreter_op_overhead_us)"
         eager_note = " (written as op_overhead_us: the programs a GPU runs)" if eager_written else ""
         lines += [f"# per-op overhead (a tiny transformer block's training step, per op pass): {cal.op_overhead_s * 1e6:.3g} us",
                   (f"#   as the DTensor program autoplan emits{interpreter_note}; "

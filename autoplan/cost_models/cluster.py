@@ -14,6 +14,7 @@ TOML form (what ``autoplan calibrate`` writes and :func:`cluster_from_toml` read
     op_bandwidth_gbps = 0      # optional: GB/s ops achieve on activations (0: memory_bandwidth_gbps)
     overlapped_dispatch = true # optional: the host dispatches ahead of the device (GPUs; false on CPUs)
     matmul_efficiency = 1      # optional: fraction of peak_tflops ops achieve (1 where the file gives peaks)
+    interpreter_op_overhead_us = 105  # optional: microseconds of one op pass on the DTensor interpreter
     [device.peak_tflops]
     float32 = 67
     bfloat16 = 989
@@ -106,6 +107,7 @@ class ClusterSpec:
                 "op_bandwidth": self.device.op_bandwidth,
                 "overlapped_dispatch": self.device.overlapped_dispatch,
                 "matmul_efficiency": self.device.matmul_efficiency,
+                "interpreter_op_overhead_s": self.device.interpreter_op_overhead_s,
             },
             "intra_node": _link_dict(self.intra_node),
             "inter_node": _link_dict(self.inter_node),
@@ -126,6 +128,7 @@ class ClusterSpec:
                 op_bandwidth=float(dev.get("op_bandwidth", 0.0)),
                 overlapped_dispatch=bool(dev.get("overlapped_dispatch", False)),
                 matmul_efficiency=float(dev.get("matmul_efficiency", 1.0)),
+                interpreter_op_overhead_s=float(dev.get("interpreter_op_overhead_s", 0.0)),
             ),
             devices_per_node=int(data["devices_per_node"]),
             intra_node=_link_from_dict(data["intra_node"]),
@@ -149,6 +152,8 @@ class ClusterSpec:
         device["overlapped_dispatch"] = dev.overlapped_dispatch
         if dev.matmul_efficiency != 1.0:
             device["matmul_efficiency"] = dev.matmul_efficiency
+        if dev.interpreter_op_overhead_s:
+            device["interpreter_op_overhead_us"] = _to_unit(dev.interpreter_op_overhead_s, _MICRO)
         device["peak_tflops"] = {k: _to_unit(v, _TERA) for k, v in dev.peak_flops.items()}
         document: dict[str, Any] = {"name": self.name, "devices_per_node": self.devices_per_node, "device": device}
         for section, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
@@ -221,7 +226,7 @@ class _TomlReader:
 
     _TOP = ("name", "preset", "devices_per_node", "device", "intra_node", "inter_node")
     _DEVICE = ("name", "memory_gb", "memory_bandwidth_gbps", "op_overhead_us", "op_bandwidth_gbps",
-               "overlapped_dispatch", "matmul_efficiency", "peak_tflops")
+               "overlapped_dispatch", "matmul_efficiency", "interpreter_op_overhead_us", "peak_tflops")
     _LINK = ("bandwidth_gbps", "latency_us")
     _LINK_TABLES = _LINK + COLLECTIVE_KINDS
 
@@ -292,6 +297,10 @@ class _TomlReader:
                                            base.overlapped_dispatch if base else False),
             matmul_efficiency=self._fraction(table, "matmul_efficiency", "device.matmul_efficiency",
                                              base.matmul_efficiency if base and "peak_tflops" not in table else 1.0),
+            interpreter_op_overhead_s=self._number(
+                table, "interpreter_op_overhead_us", "device.interpreter_op_overhead_us", _MICRO, False,
+                base.interpreter_op_overhead_s if base else 0.0
+            ),
         )
 
     def _link(self, data: dict[str, Any], section: str, base: LinkSpec | None) -> LinkSpec:

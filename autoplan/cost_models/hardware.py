@@ -67,6 +67,12 @@ class DeviceSpec:
     next ones, so an op costs the larger of its roofline and ``op_overhead_s``
     (:func:`~autoplan.cost_models.compute.op_seconds`). Where one CPU core both dispatches and
     computes (gloo processes), it is False and the two add.
+
+    ``interpreter_op_overhead_s`` is the dispatch of one op pass on autoplan's DTensor
+    interpreter, the program of plans no native form matches (``autoplan calibrate`` measures it
+    on a tiny transformer block); the solvers cost ``op_overhead_s``, and the interpreter's host
+    time is stated beside the prediction (:mod:`autoplan.cost_models.interpreter_dispatch`).
+    0: not known.
     """
 
     name: str
@@ -77,6 +83,7 @@ class DeviceSpec:
     op_bandwidth: float = 0.0  # bytes/s ops achieve on activations; 0: memory_bandwidth
     overlapped_dispatch: bool = False  # True on GPUs: dispatch overlaps the device's work
     matmul_efficiency: float = 1.0  # fraction of peak_flops ops achieve; MFU is against the peak
+    interpreter_op_overhead_s: float = 0.0  # host-side seconds of one op pass on the DTensor interpreter
 
     def __post_init__(self) -> None:
         # Own a private copy so that mutating the caller's dict cannot change a frozen spec.

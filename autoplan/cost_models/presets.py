@@ -16,6 +16,13 @@ ms against 577 ms, GPT-2's fp32 step at 157 ms against 176 ms (131, 328 and 125 
 datasheet figures). A file written by ``autoplan calibrate`` on the GPU carries the dispatch
 it measured (30.1 us per op of an eager step on the H200's host) and the measured peaks: with it
 the same steps are predicted at 238, 511 and 186 ms.
+
+The interpreter's dispatch, which plans no native program matches pay instead of the eager
+one (:mod:`autoplan.cost_models.interpreter_dispatch`), is stated beside their prediction: a
+preset carries the figure ``autoplan calibrate`` measured per op pass of the DTensor program on
+the host of a lent GPU (H100: 196 us, ``benchmarks/results/h100-calibrated.toml``; H200: 137 us,
+``benchmarks/results/h200-2026-11-30/``; the A100 and V100 presets take the H100 host's) and,
+for ``cpu``, on a 2-core x86 machine (105 us; 9 us eagerly).
 """
 
 from __future__ import annotations
@@ -34,14 +41,20 @@ PRESET_NAMES: tuple[str, ...] = ("h100", "h200", "a100-80g", "a100-40g", "v100-1
 #: What a GPU's ops achieve of its datasheet figures (measured on an H100 and an H200; see above).
 GPU_MATMUL_EFFICIENCY = 0.78
 GPU_ACTIVATION_BANDWIDTH_FRACTION = 0.9
+#: Seconds per op pass on the DTensor interpreter, as ``autoplan calibrate`` measured it (see above).
+H100_HOST_INTERPRETER_OP_S = 196e-6
+H200_HOST_INTERPRETER_OP_S = 137e-6
+CPU_INTERPRETER_OP_S = 105e-6
 
 
 def _gpu_cluster(
-    name: str, peaks: dict[str, float], hbm_bw: float, hbm: float, intra: LinkSpec, inter: LinkSpec
+    name: str, peaks: dict[str, float], hbm_bw: float, hbm: float, intra: LinkSpec, inter: LinkSpec,
+    interpreter_op_s: float = H100_HOST_INTERPRETER_OP_S,
 ) -> ClusterSpec:
     """An 8-GPU-per-node cluster; ``hbm_bw`` in bytes/s, ``hbm`` in bytes."""
     device = DeviceSpec(name, peaks, hbm_bw, hbm, op_bandwidth=hbm_bw * GPU_ACTIVATION_BANDWIDTH_FRACTION,
-                        overlapped_dispatch=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY)
+                        overlapped_dispatch=True, matmul_efficiency=GPU_MATMUL_EFFICIENCY,
+                        interpreter_op_overhead_s=interpreter_op_s)
     return ClusterSpec(name, device, 8, intra, inter)
 
 
@@ -56,7 +69,8 @@ def preset_table() -> dict[str, ClusterSpec]:
         # NVLink 4 at 900 GB/s bidirectional = 450 GB/s each way; one 400 Gbit/s IB NIC per GPU.
         "h100": _gpu_cluster("h100", h100_peaks, 3.35e12, 80e9, nvlink4, LinkSpec(50e9, 10e-6)),
         # H200 SXM: the H100 die with 141 GB of HBM3e at 4.8 TB/s; same NVLink and network.
-        "h200": _gpu_cluster("h200", h100_peaks, 4.8e12, 141e9, nvlink4, LinkSpec(50e9, 10e-6)),
+        "h200": _gpu_cluster("h200", h100_peaks, 4.8e12, 141e9, nvlink4, LinkSpec(50e9, 10e-6),
+                             H200_HOST_INTERPRETER_OP_S),
         # A100 SXM 80GB datasheet: 19.5 TF fp32 (no TF32), 312 TF bf16/fp16, 2.0 TB/s HBM2e;
         # NVLink 3 at 600 GB/s bidirectional = 300 GB/s each way; 200 Gbit/s HDR IB per GPU.
         "a100-80g": _gpu_cluster("a100-80g", a100_peaks, 2.0e12, 80e9, nvlink3, LinkSpec(25e9, 10e-6)),
@@ -77,7 +91,7 @@ def preset_table() -> dict[str, ClusterSpec]:
         # gloo over shared memory/loopback inside the host, 8 Gbit/s TCP between hosts.
         "cpu": ClusterSpec(
             "cpu",
-            DeviceSpec("cpu", {"float32": 100e9}, 20e9, 16e9),
+            DeviceSpec("cpu", {"float32": 100e9}, 20e9, 16e9, interpreter_op_overhead_s=CPU_INTERPRETER_OP_S),
             64,
             LinkSpec(2e9, 50e-6),
             LinkSpec(1e9, 100e-6),

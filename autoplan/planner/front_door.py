@@ -22,7 +22,9 @@ from typing import Any
 
 import torch
 
-from autoplan.codegen.program_choice import program_choice
+from autoplan.codegen.program_choice import ProgramChoice, ProgramKind, program_choice
+from autoplan.cost_models.hardware import DeviceSpec
+from autoplan.cost_models.interpreter_dispatch import interpreter_dispatch
 from autoplan.errors import AutoplanError
 from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import ParamStorage, PinCost, PinRecord, Plan, PrecisionPlan
@@ -56,7 +58,10 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     clock = time.perf_counter()
     plan = with_decisions(plan, options)
-    plan.program = named_program(spec, graph, plan)
+    choice = named_program(spec, graph, plan)
+    plan.program = choice.line() if choice is not None else ""
+    if choice is not None and choice.kind == ProgramKind.INTERPRETER:
+        with_interpreter_dispatch(plan, graph, planner_options.cluster.device)
     parts["program"] = time.perf_counter() - clock
     unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written
     plan.alternatives += [cost_manual(spec, unpinned, m) for m in manual]
@@ -75,15 +80,25 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     return plan
 
 
-def named_program(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> str:
-    """The program that will run ``plan`` (:func:`program_choice`), in a line; where reading
-    it fails, the plan stands and says so (the run prints the program it builds)."""
+def named_program(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> ProgramChoice | None:
+    """The program that will run ``plan`` (:func:`program_choice`); where reading it fails,
+    None, and the plan stands and says so (the run prints the program it builds)."""
     try:
-        return program_choice(spec, graph, plan).line()
+        return program_choice(spec, graph, plan)
     except Exception as e:  # noqa: BLE001 - the plan is whole without it
         warnings.warn(f"the program that runs the plan was not read ({type(e).__name__}: {e}); the run prints it",
                       stacklevel=2)
-        return ""
+        return None
+
+
+def with_interpreter_dispatch(plan: Plan, graph: TracedGraph, device: DeviceSpec) -> None:
+    """A plan that runs on the DTensor interpreter gets the interpreter's host time beside its
+    prediction (:func:`interpreter_dispatch`), where the device gives its figure."""
+    found = interpreter_dispatch(plan, graph, device)
+    if found is None:
+        return
+    plan.predicted = replace(plan.predicted, interpreter_dispatch_s=found.dispatch_s,
+                             interpreter_step_s=found.expected_step_s)
 
 
 def pin_meshes(options: PlanOptions) -> list[tuple[int, ...]]:

@@ -33,6 +33,7 @@ from autoplan.reports.summary import (
     alternative_text,
     alternatives_in_order,
     hidden_text,
+    interpreter_dispatch_text,
     layers_label,
     pin_cost_text,
     pinned_names,
@@ -133,6 +134,8 @@ def summary_section(plan: Plan) -> Section:
         ["predicted MFU", f"{p.mfu:.1%} (the model's forward and backward FLOPs over the devices' peak)"],
         ["training", training_text(plan)],
         ["program", plan.program or "(not recorded in this plan)"],
+        *([["interpreter dispatch", interpreter_dispatch_text(plan).split(": ", 1)[1]]]
+          if plan.predicted.interpreter_dispatch_s else []),
         ["activation checkpointing", f"{len(plan.recompute)} layers recomputed in the backward"
                                      f"{recompute_modes_text(plan)}" if plan.recompute else "none"],
         ["memory per device (peak)", format_bytes(m.peak) + (f" of {format_bytes(budget)} "

@@ -194,6 +194,20 @@ def training_text(plan: Plan) -> str:
     return f"{o.name} (lr {o.lr:g}, weight decay {o.weight_decay:g}); {p.name}: {precision}"
 
 
+def interpreter_dispatch_text(plan: Plan) -> str:
+    """One line on the interpreter's host time, which the prediction leaves out
+    (:mod:`autoplan.cost_models.interpreter_dispatch`); empty for PyTorch's own programs."""
+    p = plan.predicted
+    if not p.interpreter_dispatch_s:
+        return ""
+    per_op = plan.cluster.get("device", {}).get("interpreter_op_overhead_s", 0.0)
+    bound = "at least " if plan.cluster.get("device", {}).get("overlapped_dispatch") else ""
+    return (f"interpreter dispatch: {format_seconds(p.interpreter_dispatch_s)} of host time per step "
+            f"({p.interpreter_dispatch_s / per_op:.0f} op passes at {per_op * 1e6:.0f} us), not in the "
+            f"prediction: the step is expected to take {bound}{format_seconds(p.interpreter_step_s)} "
+            f"on the interpreter")
+
+
 def _within(peak: float, budget: float | None) -> str:
     if not budget:
         return ""
@@ -219,6 +233,9 @@ def summary_text(plan: Plan, max_nodes: int = 60) -> str:
     lines.append(f"training: {training_text(plan)}")
     if plan.program:
         lines.append(f"program: {plan.program}")
+    dispatch = interpreter_dispatch_text(plan)
+    if dispatch:
+        lines.append(dispatch)
     if plan.solver:
         s = plan.solver
         gap = "" if s.status == "optimal" else f", gap {s.gap if s.gap is not None else 'unknown'}"
