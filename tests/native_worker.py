@@ -99,6 +99,15 @@ def _llama():
     return (*llama.build(batch=4, seq=64, vocab=1024), None)  # logits worth sharding the loss over
 
 
+def _gpt2_positions():
+    """A Hugging Face GPT-2 called by keyword, its loss from the labels: its learned position
+    table's rows are the same on every rank, added to the batch-sharded tokens."""
+    import gpt2
+
+    model, (ids,) = gpt2.build(batch=4, seq=64, vocab_size=1024)  # logits worth sharding the loss over
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
 def _llama_wide(batch: int = 4):
     import llama
 
@@ -106,7 +115,7 @@ def _llama_wide(batch: int = 4):
 
 
 BUILDERS = {"residual_blocks": _residual_blocks, "llama_ignored_tokens": _llama_ignored_tokens, "nanogpt": _nanogpt,
-            "llama": _llama, "llama_wide": _llama_wide, "residual_blocks_wide": _residual_blocks_wide,
+            "llama": _llama, "llama_wide": _llama_wide, "gpt2_positions": _gpt2_positions, "residual_blocks_wide": _residual_blocks_wide,
             # microbatches of 4 sequences, each split over both axes of a 2x2 mesh
             "llama_wide_batch8": lambda: _llama_wide(batch=8)}
 
@@ -129,6 +138,9 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     # cross-entropy averaged over the global batch's counted tokens
     "llama_fsdp_ignored_tokens": ("llama_ignored_tokens", "fsdp={world},ac=full", "fsdp"),
     "llama_ddp_ignored_tokens": ("llama_ignored_tokens", "dp={world}", "ddp"),
+    # the gradient of the position table's rows all-reduced on its edge in the plan, in the
+    # table's gradient by DDP's buckets (the same sum)
+    "gpt2_positions_ddp": ("gpt2_positions", "dp={world}", "ddp"),
     # a Hugging Face Llama's blocks checkpointed three ways (its key-value cache turned off)
     "llama_fsdp": ("llama", "fsdp={world}", "fsdp"),
     "llama_fsdp_checkpointed": ("llama", "fsdp={world},ac=full", "fsdp"),

@@ -12,6 +12,7 @@ planning-only test (no process group) checks that a 2-D plan other than HSDP is 
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,6 +88,33 @@ def test_data_parallel_runs_ddp_with_bucketed_gradient_reduction(results):
     assert res["planned_by_plan"]["backward"] == {"all_reduce": 4}
     assert res["executed"] == res["observable"] == res["planned"]  # check.py compares against the buckets
     assert any(not observable for _, _, observable in res["collective_map"])
+
+
+def test_ddp_reduces_a_position_tables_gradient_in_its_buckets(results):
+    """GPT-2's learned position rows are the same on every rank and added to batch-sharded
+    tokens: the plan all-reduces their gradient on that edge, DDP in the table's gradient (the
+    same sum); the run matches one device, and its collectives are DDP's buckets."""
+    res = _case(results, "gpt2_positions_ddp")[0]
+    assert res["program"] == "ddp" and res["inputs"]["input_ids"] == ["S(0)"]
+    assert all(p == ["R"] for p in res["params"].values())
+    assert res["executed"] == res["observable"] == res["planned"], res["report"]
+
+
+def test_a_position_tables_edge_reduction_is_recognised_as_ddp_and_a_batched_one_is_not():
+    from autoplan.codegen.native import recognise
+    from autoplan.codegen.native_patterns import reduced_in_parameters, same_on_every_rank
+    from autoplan.trace.tracer import trace
+    from native_worker import _case_spec
+
+    spec = _case_spec("gpt2_positions_ddp")[2]
+    plan, graph = plan_case("gpt2_positions_ddp", WORLD), trace(spec)
+    same = same_on_every_rank(graph)
+    edges = [c for c in plan.collectives if c.tensor == "activation" and c.phase == "backward"]
+    assert [c.where for c in edges] == ["to -> add_1"]  # the position rows, added to the tokens
+    assert reduced_in_parameters(edges[0], same) and recognise(spec, graph, plan).kind == "ddp"
+    # a value a user input flows into is never taken for one: its reduction is not DDP's
+    assert not set(graph.input_names) & same and "add_1" not in same
+    assert not reduced_in_parameters(replace(edges[0], where="add_1 -> dropout"), same)
 
 
 @pytest.mark.parametrize("name, needle", [("mlp_dp_sum_loss", "not a mean"),

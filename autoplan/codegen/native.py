@@ -21,7 +21,10 @@ work they would split): the user's module (a copy) itself on every device, as ``
 ``"ddp"`` — pure data parallelism. Every parameter and buffer is ``R``; the user inputs are
 ``S(d)`` (their batch dim; ``R`` inputs are passed whole) with the batch divisible by the mesh;
 every op keeps the batch sharded (no activation collective in the plan besides the loss's
-``-> output`` all-reduce, only gradient all-reduces in the backward); the only op that
+``-> output`` all-reduce, only gradient all-reduces in the backward, and the all-reduces of the
+gradients of values no user input flows into, such as a learned position table's rows added to
+the tokens: DDP reduces those sums in the gradients of the parameters the values come from, the
+same sums, since their backward is one linear map on every rank); the only op that
 produces partial sums is the loss itself, and it is an ``aten.mean`` over all elements or a
 cross-entropy averaged over the targets it does not ignore (the graph's only one, class-index
 targets, no class weights); no batch-norm and no buffer written in the forward. Then the global
@@ -160,7 +163,7 @@ from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_fsdp import shard_modules
 from autoplan.codegen.native_patterns import (CollectiveMapping, Recognised, inside_module, kept_modules, recognise,
-    split_axes)
+    reduced_in_parameters, same_on_every_rank, split_axes)
 from autoplan.codegen.native_storage import ParameterStorage, TableRead, parallelize_embeddings
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
@@ -214,6 +217,8 @@ class NativeProgram(torch.nn.Module):
         self._output_placements = self._model_output_placements(graph, plan, self._data_axes)
         # the nodes the checkpointed modules run again in the backward
         self._rerun = rerun_nodes(graph, plan)
+        # DDP: values the same on every rank, whose gradients DDP reduces in their parameters'
+        self._same = same_on_every_rank(graph) if kind == "ddp" else frozenset()
         self._dtensor_output = any(isinstance(p, Shard) for kind_, p in styles.values() if kind_ == "rowwise")
         self.collective_map = self._collective_map()
 
@@ -385,6 +390,12 @@ class NativeProgram(torch.nn.Module):
             return False  # a sequence-parallel norm's weight gradient, all-reduced over the tensor axis
         return self.kind in ("fsdp", "hsdp", "fsdp_tp") and c.tensor in ("parameter", "gradient")
 
+    def _in_ddp_buckets(self, c: PlannedCollective) -> bool:
+        """Whether DDP runs ``c`` in its gradient buckets: a parameter's gradient all-reduce, or
+        the edge all-reduce of a value's gradient that DDP reduces in the parameters it comes
+        from (:func:`~autoplan.codegen.native_patterns.reduced_in_parameters`)."""
+        return (c.tensor == "gradient" and c.bucketed) or reduced_in_parameters(c, self._same)
+
     @property
     def _lookups(self) -> set[str]:
         """The embedding nodes whose tables are read in place."""
@@ -392,7 +403,7 @@ class NativeProgram(torch.nn.Module):
 
     def _collective_map(self) -> list[CollectiveMapping]:
         out = []
-        grads = [c for c in self.plan.collectives if c.tensor == "gradient" and c.bucketed]
+        grads = [c for c in self.plan.collectives if self._in_ddp_buckets(c)]
         grouped = [c for c in self.plan.collectives if self._grouped_by_fsdp(c)]
         for c in self.plan.collectives:
             if c in grads or c in grouped:
@@ -488,7 +499,7 @@ class NativeProgram(torch.nn.Module):
         for c in self.plan.collectives_in(phase):
             if self._grouped_by_fsdp(c) or self._not_run_again(c):
                 continue
-            if self.kind == "ddp" and c.tensor == "gradient" and c.bucketed:
+            if self.kind == "ddp" and self._in_ddp_buckets(c):
                 grads += c.count
                 continue
             counts[c.kind] += c.count
