@@ -65,6 +65,9 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                             "per-op policy: attention and every other matrix product kept) or none")
     train.add_argument("--plan-only", action="store_true",
                        help="mark the plan as one to read, not to run (recorded in plan.json's options)")
+    parser.add_argument("--keep-interpreter-plan", action="store_true",
+                        help="keep the plan found even where it runs on autoplan's DTensor interpreter and a "
+                             "data-parallel plan PyTorch runs itself (DDP, FSDP2) is expected faster")
     parser.add_argument("--solver", default="highs", choices=SOLVER_NAMES, help="ILP solver (default highs)")
     parser.add_argument("--time-limit", type=float, default=None, help="ILP time limit in seconds per mesh")
     parser.add_argument("--jobs", type=int, default=None,
@@ -156,7 +159,7 @@ def options_from_args(args: argparse.Namespace) -> PlanOptions:
         recompute=args.recompute, solver=args.solver, time_limit_s=args.time_limit, pipeline=not args.no_pipeline,
         stages=args.stages, microbatches=args.microbatches, schedule=args.schedule, layers=args.layers,
         manual=tuple(args.manual), pins=(*(pin_file_texts(args.pins) if args.pins else ()), *args.pin),
-        plan_only=args.plan_only, jobs=args.jobs)
+        plan_only=args.plan_only, jobs=args.jobs, native_rivals=not args.keep_interpreter_plan)
     if args.mixed_precision:
         print("autoplan: note: --mixed-precision is --precision bf16", file=sys.stderr)
     return options

@@ -27,14 +27,15 @@ import mlp
 
 @pytest.fixture(scope="module")
 def planned() -> dict[str, tuple[Plan, object]]:
-    """Plans of a tiny GPT-2 and of the MLP on 2 and 4 CPU devices, with their traces."""
+    """Plans of a tiny GPT-2 and of the MLP on 2 and 4 CPU devices, with their traces (the plans
+    the search found, whatever runs them)."""
     found = {}
     for name, module, kwargs in (("gpt2", gpt2, {}), ("mlp", mlp, {"hidden": 64, "seq": 16})):
         model, inputs = module.build(**kwargs)
         spec = make_model_spec(model, inputs, module.loss_fn, name=name)
         graph = trace(spec)
         for devices in (2, 4):
-            found[f"{name}-{devices}"] = (plan_model(spec, PlanOptions(devices, "cpu", pipeline=False)), graph)
+            found[f"{name}-{devices}"] = (plan_model(spec, PlanOptions(devices, "cpu", pipeline=False, native_rivals=False)), graph)
     return found
 
 

@@ -1,7 +1,9 @@
 """The search never loses to a plan it can express: hand-written plans drawn at random
 (``--manual`` data, sharded data, tensor and pipeline degrees, microbatches, checkpointing:
 none, full, selective or per-op) for small models on two clusters and two device counts, each
-costed under the same model as the plan found, are never predicted faster than it."""
+costed under the same model as the plan found, are never predicted faster than it (the plan the
+search found: where it runs on the DTensor interpreter, a native plan may replace it, by the step
+expected with the interpreter's dispatch: :mod:`autoplan.planner.native_rivals`)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import pytest
 from autoplan.load import make_model_spec
 from autoplan.planner.front_door import plan_model
 from autoplan.planner.manual import ManualPlan, cost_manual, parse_manual
+from autoplan.planner.native_rivals import searched_prediction
 from autoplan.planner.options import PlanOptions
 from launcher import ROOT
 
@@ -53,7 +56,7 @@ def test_no_drawn_manual_plan_is_predicted_faster_than_the_found_one(name: str) 
     for cluster in ("cpu", "h100"):
         for devices in (2, 4):
             options = PlanOptions(devices, cluster)
-            found = plan_model(spec, options).predicted.step_time_s
+            found = searched_prediction(plan_model(spec, options)).step_time_s
             for _ in range(DRAWS):
                 manual = _draw(rng, devices)
                 alternative = cost_manual(spec, options.planner_options(), manual)
@@ -70,7 +73,7 @@ def test_no_drawn_manual_plan_is_predicted_faster_under_a_memory_budget() -> Non
     spec = _spec("llama")
     peak = plan_model(spec, PlanOptions(4, "cpu")).predicted.memory_bytes.peak_with_transient
     options = PlanOptions(4, "cpu", memory_per_device=0.6 * peak)  # the fastest plan does not fit
-    found = plan_model(spec, options).predicted.step_time_s
+    found = searched_prediction(plan_model(spec, options)).step_time_s
     rng = random.Random("budget")
     feasible = [alt for alt in (cost_manual(spec, options.planner_options(), _draw(rng, 4)) for _ in range(2 * DRAWS))
                 if alt.predicted is not None]

@@ -51,7 +51,9 @@ def _sharded(name: str, replicated: Plan) -> Plan | None:
         try:
             budget = share * replicated.predicted.memory_bytes.peak_with_transient
             # a budget near the least a model needs can make the ILP slow to prove: its best plan in the limit
-            plan, _ = _plan(name, 4, pipeline=False, memory_per_device=budget, time_limit_s=SOLVE_LIMIT_S)
+            # the search's own sharded plan, on whatever program runs it (not a native rival's FSDP)
+            plan, _ = _plan(name, 4, pipeline=False, memory_per_device=budget, time_limit_s=SOLVE_LIMIT_S,
+                            native_rivals=False)
         except Exception:  # noqa: BLE001  (too small a budget: try a larger one)
             continue
         if any(p != "R" for placement in plan.params.values() for p in placement):
@@ -61,7 +63,7 @@ def _sharded(name: str, replicated: Plan) -> Plan | None:
 
 def _plans(name: str, shard: bool) -> dict:
     pipelined, replicated_ops = _plan(name, 4)
-    intra, _ = _plan(name, 4, pipeline=False)
+    intra, _ = _plan(name, 4, pipeline=False, native_rivals=False)  # the search's plan: the budgets' reference
     two, _ = _plan(name, 2, pipeline=False)
     return {"pipelined": pipelined, "intra": intra, "two": two, "replicated_ops": replicated_ops,
             "sharded": _sharded(name, intra) if shard else None}

@@ -8,7 +8,9 @@ search (:mod:`autoplan.planner.pipeline`, which plans one stage too) or, with
 ``pipeline=False``, the intra-op search over logical meshes (:mod:`autoplan.planner.api`)
 → every decision the program carries out (optimizer, precision, recomputed regions,
 parameter storage, the options themselves) written into the Plan, and the program that will
-carry them out named (:mod:`autoplan.codegen.program_choice`) → hand-written ``manual`` plans
+carry them out named (:mod:`autoplan.codegen.program_choice`) → where that is the DTensor
+interpreter, its dispatch stated and the data-parallel plans PyTorch runs itself set against it
+(:mod:`autoplan.planner.native_rivals`) → hand-written ``manual`` plans
 costed beside it → with pins, the search run again without them, for what they cost.
 """
 
@@ -32,6 +34,7 @@ from autoplan.planner.api import plan_spec
 from autoplan.planner.manual import ManualPlan, cost_manual, manual_rule, parse_manual, tensor_parallel_rule
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import candidate_meshes
+from autoplan.planner.native_rivals import fastest_native_rival
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pin_check import check_layer_pins, check_pins
 from autoplan.planner.pins import PinKind, PinSet
@@ -63,6 +66,12 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     if choice is not None and choice.kind == ProgramKind.INTERPRETER:
         with_interpreter_dispatch(plan, graph, planner_options.cluster.device)
     parts["program"] = time.perf_counter() - clock
+    if plan.predicted.interpreter_step_s and options.native_rivals:
+        clock = time.perf_counter()
+        whole = graph if len(plan.stages) == 1 and plan.microbatches == 1 else None  # the trace of the whole batch
+        rival = fastest_native_rival(spec, options, plan, lambda p: with_decisions(p, options), whole)
+        plan = rival or plan
+        parts["native rivals"] = time.perf_counter() - clock
     unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written
     plan.alternatives += [cost_manual(spec, unpinned, m) for m in manual]
     if manual:

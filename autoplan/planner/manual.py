@@ -265,13 +265,15 @@ def manual_layer_count(spec: ModelSpec) -> int:
     return len(make_layers(graph, find_classes(graph), None))
 
 
-def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan) -> Plan:
-    """The manual plan as a runnable :class:`Plan` (raises a one-line error if it cannot be)."""
+def plan_manual(spec: ModelSpec, options: PlannerOptions, manual: ManualPlan, graph: TracedGraph | None = None
+                ) -> Plan:
+    """The manual plan as a runnable :class:`Plan` (raises a one-line error if it cannot be);
+    ``graph``: the trace of one microbatch, where the caller has it."""
     size = manual.dp * manual.fsdp * manual.tp
     if size * manual.pp != options.devices:
         raise AutoplanError(f"dp·fsdp·tp·pp = {size * manual.pp} but there are {options.devices} devices")
     mesh = manual.mesh
-    graph = trace_microbatch(spec, manual.microbatches)
+    graph = graph or trace_microbatch(spec, manual.microbatches)
     opts = replace(manual.options(options), mesh=mesh, allow_storage=manual_rule(graph, manual))
     layers = make_layers(graph, find_classes(graph), None)
     if manual.pp > len(layers):

@@ -90,7 +90,9 @@ class PlanOptions:
     ``plan_only`` marks a plan that is for reading, not for running. ``jobs``: processes the
     stage search runs in (default: one per core this process may use, shared with the node's
     other ranks under torchrun, one inside a process group); the plan is the same for any
-    number."""
+    number. ``native_rivals``: where the plan found runs on autoplan's DTensor interpreter, set
+    it against the data-parallel plans PyTorch runs itself, by the step expected with the
+    interpreter's dispatch (:mod:`autoplan.planner.native_rivals`); False keeps the plan found."""
 
     devices: int
     cluster: str | ClusterSpec = "h100"
@@ -114,6 +116,7 @@ class PlanOptions:
     pins: tuple[str, ...] = ()
     plan_only: bool = False
     jobs: int | None = None
+    native_rivals: bool = True
     cluster_spec: ClusterSpec = field(init=False, repr=False, compare=False)
     pin_set: PinSet = field(init=False, repr=False, compare=False)
     pinned_fields: tuple[tuple[str, Any], ...] = field(init=False, repr=False, compare=False)  # set by pins, as given

@@ -129,9 +129,10 @@ def planning_time_text(timings_s: dict[str, float]) -> str:
 
 
 def _alternative_order(a: Alternative) -> tuple[int, float]:
-    """Exact figures first, then search estimates, fastest first; infeasible ones last."""
-    if a.predicted:
-        return (0, a.predicted.step_time_s)
+    """Exact figures first (by the step expected on their program), then search estimates,
+    fastest first; infeasible ones last."""
+    if a.predicted:  # a plan that runs on the DTensor interpreter: by the step expected there
+        return (0, a.predicted.interpreter_step_s or a.predicted.step_time_s)
     return (1, a.estimate_s) if a.estimate_s is not None else (2, 0.0)
 
 
@@ -145,6 +146,9 @@ def alternative_text(a: Alternative) -> str:
     """An alternative's figure and where it comes from: ``exact ILP`` (planned as the chosen
     plan was, comparable with it), ``search estimate`` (the stage search's figure, which runs
     a few percent above exact ones), or why it is infeasible."""
+    if a.predicted and a.predicted.interpreter_step_s:
+        return (f"{_prediction_line(a.predicted)} [exact ILP]; on autoplan's DTensor interpreter, with its "
+                f"dispatch: {format_seconds(a.predicted.interpreter_step_s)} expected")
     if a.predicted:
         return f"{_prediction_line(a.predicted)} [exact ILP]"
     if a.estimate_s is not None:
