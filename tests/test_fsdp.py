@@ -65,8 +65,10 @@ def _megatron_free_node(budget_gb: float, cluster: str = "h100") -> Plan:
 
     model, inputs = gpt.build(hidden=2048, layers=4, heads=16, seq=1024, vocab=32000, batch=64, device="meta")
     spec = make_model_spec(model, inputs, gpt.loss_fn, name="gpt")
+    # the search's own plan: on the interpreter, DDP (26.7 ms) is expected faster than it (24.2 ms
+    # predicted, 52.3 ms with the interpreter's dispatch) and would replace it (native rivals)
     return plan_model(spec, PlanOptions(8, cluster, pipeline=False, mesh=(8,), recompute="none", plan_only=True,
-                                        memory_per_device=budget_gb * 1e9))
+                                        memory_per_device=budget_gb * 1e9, native_rivals=False))
 
 
 def _h100_without_overlap(tmp_path) -> str:
