@@ -204,11 +204,12 @@ def interpreter_dispatch_text(plan: Plan) -> str:
     p = plan.predicted
     if not p.interpreter_dispatch_s:
         return ""
-    per_op = plan.cluster.get("device", {}).get("interpreter_op_overhead_s", 0.0)
-    bound = "at least " if plan.cluster.get("device", {}).get("overlapped_dispatch") else ""
-    return (f"interpreter dispatch: {format_seconds(p.interpreter_dispatch_s)} of host time per step "
-            f"({p.interpreter_dispatch_s / per_op:.0f} op passes at {per_op * 1e6:.0f} us), not in the "
-            f"prediction: the step is expected to take {bound}{format_seconds(p.interpreter_step_s)} "
+    device = plan.cluster.get("device", {})
+    per_op = device.get("interpreter_op_overhead_s", 0.0)
+    passes = f" ({p.interpreter_dispatch_s / per_op:.0f} op passes at {per_op * 1e6:.0f} us)" if per_op else ""
+    bound = "at least " if device.get("overlapped_dispatch") else ""
+    return (f"interpreter dispatch: {format_seconds(p.interpreter_dispatch_s)} of host time per step{passes}, "
+            f"not in the prediction: the step is expected to take {bound}{format_seconds(p.interpreter_step_s)} "
             f"on the interpreter")
 
 
