@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from autoplan.calibrate.fit import costed_ops
 from autoplan.codegen.program_choice import INTERPRETER_PROGRAM
 from autoplan.cost_models.compute import BACKWARD_FACTOR
 from autoplan.cost_models.hardware import DeviceSpec
@@ -40,7 +41,7 @@ def planned() -> dict[str, tuple[Plan, object]]:
 
 
 def _costed(graph) -> int:
-    return sum(1 for info in graph.nodes.values() if info.kind == "op" and info.target != "getitem")
+    return len(costed_ops(graph))
 
 
 def test_the_interpreters_plans_state_its_dispatch_and_native_ones_do_not(planned) -> None:
@@ -81,7 +82,7 @@ def test_a_gpu_host_dispatching_ahead_bounds_the_step_from_below(planned) -> Non
 
 def test_the_busiest_rank_counts_its_stages_and_microbatches(planned) -> None:
     plan, graph = planned["gpt2-2"]
-    ops = [name for name, info in graph.nodes.items() if info.kind == "op" and info.target != "getitem"]
+    ops = [info.name for info in costed_ops(graph)]
     first, second = ops[:10], ops[10:]
     two = replace(plan, microbatches=4, stages=[StagePlan(["a"], [0], [1], first), StagePlan(["b"], [1], [1], second)])
     assert op_passes_per_rank(two, graph) == round((1 + BACKWARD_FACTOR) * 4 * len(second))

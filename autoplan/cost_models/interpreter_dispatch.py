@@ -25,6 +25,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+from autoplan.calibrate.fit import costed_ops
 from autoplan.cost_models.compute import BACKWARD_FACTOR
 from autoplan.cost_models.hardware import DeviceSpec
 from autoplan.plan_schema import Plan
@@ -47,7 +48,7 @@ def op_passes_per_rank(plan: Plan, graph: TracedGraph) -> int:
     """The op passes of one training step on the busiest rank of ``plan`` (``graph``: the trace
     the plan was planned on, one microbatch's where it has several): every costed op (a
     ``getitem`` costs nothing) of the stages the rank runs, forward and backward, per microbatch."""
-    costed = {name for name, info in graph.nodes.items() if info.kind == "op" and info.target != "getitem"}
+    costed = {info.name for info in costed_ops(graph)}
     per_rank: Counter[int] = Counter()
     for stage in plan.stages:
         ops = len(costed & set(stage.nodes)) if stage.nodes else len(costed)
