@@ -2,17 +2,27 @@
 data-parallel plans PyTorch runs itself, by the step expected with the interpreter's dispatch
 (:mod:`autoplan.planner.native_rivals`): the bundled GPT-2 example runs on DDP, the plan the
 search found kept first among its alternatives; pins, a pinned pipeline or
-``native_rivals=False`` keep the plan found."""
+``native_rivals=False`` keep the plan found. Rivals that cannot win are put aside before the
+whole batch is traced for them: by their training state, and by their estimate on a graph
+written from the first blocks."""
 
 from __future__ import annotations
 
-import pytest
+from dataclasses import replace
 
-from autoplan.load import load_model_file
+import pytest
+import torch
+
+from autoplan.load import load_model_file, make_model_spec
+from autoplan.planner import native_rivals
 from autoplan.planner.front_door import plan_model
+from autoplan.planner.manual import plan_manual
 from autoplan.planner.native_rivals import (FOUND_ON_THE_INTERPRETER, expected_step_s, rival_forms,
-                                            searched_prediction)
+                                            searched_prediction, state_bytes_per_device)
 from autoplan.planner.options import PlanOptions
+from autoplan.trace.graph import TracedGraph
+from autoplan.trace.rescale import KnownGraph
+from autoplan.trace.tracer import trace
 from autoplan.reports.summary import summary_text
 from launcher import ROOT
 
@@ -52,3 +62,59 @@ def test_pins_and_a_pinned_pipeline_keep_the_plan_found() -> None:
     for kept in (PlanOptions(4, "cpu", pins=("mesh=2x2",)), PlanOptions(4, "cpu", stages=2),
                  PlanOptions(4, "cpu", microbatches=2), PlanOptions(8, "cpu", mesh=(2, 2, 2))):
         assert rival_forms(kept) == [], kept
+
+
+class _Mlp(torch.nn.Module):
+    """Two linear layers and a loss: 2 x (64 x 64 + 64) trained parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x))).square().mean()
+
+
+def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, memory_per_device: float):
+    """The forms ``fastest_native_rival`` plans, each with whether on the caller's graph or on a
+    trace, for the two-layer model on 4 cpu devices, the found plan expected at
+    ``found_expected_s`` per step on the interpreter."""
+    spec = make_model_spec(_Mlp(), (torch.randn(8, 64),))
+    options = PlanOptions(4, "cpu", memory_per_device=memory_per_device)
+    given = trace(spec)  # the caller's graph of the whole batch (traced, or standing for a written one)
+    traced: list[TracedGraph] = []
+
+    def traced_whole_batch(spec_, microbatches):
+        traced.append(trace(spec_))
+        return traced[-1]
+
+    planned = []
+
+    def recorded(spec_, planner_options, manual, graph):
+        planned.append((manual.label, "given" if graph is given else "traced" if graph in traced else "?"))
+        return plan_manual(spec_, planner_options, manual, graph)
+
+    monkeypatch.setattr(native_rivals, "plan_manual", recorded)
+    monkeypatch.setattr(native_rivals, "trace_microbatch", traced_whole_batch)
+    found = plan_model(spec, replace(options, native_rivals=False))
+    found.predicted.interpreter_step_s = found_expected_s
+    native_rivals.fastest_native_rival(spec, options, found, lambda p: p,
+                                       KnownGraph(given, traced=whole_batch_traced))
+    return planned, state_bytes_per_device(spec, options, 1)
+
+
+def test_a_rival_whose_state_alone_exceeds_the_budget_is_not_planned(monkeypatch) -> None:
+    state = 2 * (64 * 64 + 64) * 4 * 4  # fp32 AdamW: parameter, gradient, two moments
+    planned, replicated = _planned(monkeypatch, 1e3, whole_batch_traced=True, memory_per_device=state / 2)
+    assert replicated == state
+    assert planned and all("fsdp=4" in label for label, _ in planned)  # DDP put aside unplanned
+    assert {where for _, where in planned} == {"given"}  # the caller's trace: no second one
+
+
+def test_a_rival_estimated_slower_than_the_found_plan_is_not_traced(monkeypatch) -> None:
+    planned, _ = _planned(monkeypatch, 1e-12, whole_batch_traced=False, memory_per_device=2 ** 30)
+    assert planned and {where for _, where in planned} == {"given"}  # estimated only, nothing traced
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30)
+    assert {where for _, where in planned} == {"given", "traced"}  # estimated to win: planned on the trace
+    assert [label for label, where in planned if where == "traced"] == \
+        [label for label, where in planned if where == "given"]

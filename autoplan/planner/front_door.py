@@ -42,6 +42,7 @@ from autoplan.planner.pipeline import plan_pipeline_traced
 from autoplan.solvers import format_bytes
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import make_layers
+from autoplan.trace.rescale import KnownGraph
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.tracer import trace
 
@@ -55,9 +56,10 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     if options.pin_set:  # checked on the model before any solving
         planner_options, pin_holds = checked_pins(spec, options, planner_options)
     if options.pipeline:
-        plan, graph = plan_pipeline_traced(spec, planner_options, options.pipeline_options())
+        plan, graph, whole_batch = plan_pipeline_traced(spec, planner_options, options.pipeline_options())
     else:
         plan, graph = plan_spec(spec, planner_options)
+        whole_batch = KnownGraph(graph, traced=True)
     parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     clock = time.perf_counter()
     plan = with_decisions(plan, options)
@@ -68,8 +70,9 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     parts["program"] = time.perf_counter() - clock
     if plan.predicted.interpreter_step_s and options.native_rivals:
         clock = time.perf_counter()
-        whole = graph if len(plan.stages) == 1 and plan.microbatches == 1 else None  # the trace of the whole batch
-        rival = fastest_native_rival(spec, options, plan, lambda p: with_decisions(p, options), whole)
+        if len(plan.stages) == 1 and plan.microbatches == 1:  # planned on the trace of the whole batch
+            whole_batch = KnownGraph(graph, traced=True)
+        rival = fastest_native_rival(spec, options, plan, lambda p: with_decisions(p, options), whole_batch)
         plan = rival or plan
         parts["native rivals"] = time.perf_counter() - clock
     unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written

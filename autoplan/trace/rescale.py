@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from autoplan.trace.deepen import NotDeepenable
 from autoplan.trace.graph import TracedGraph, lazy_graph_module
 
-__all__ = ["BatchSizeGraphs", "NotAffine", "rescale"]
+__all__ = ["BatchSizeGraphs", "KnownGraph", "NotAffine", "rescale"]
 
 
 class NotAffine(Exception):
@@ -194,6 +194,15 @@ def rescale(first: TracedGraph, second: TracedGraph, sizes: tuple[int, int], siz
     return describe(lazy_graph_module(gm_a, graph), first.exported)
 
 
+@dataclass(frozen=True)
+class KnownGraph:
+    """A graph of the model at some batch size, made already: ``traced``, or written from a
+    trace of the first blocks or rescaled from two graphs (an estimate of the trace)."""
+
+    graph: TracedGraph
+    traced: bool
+
+
 @dataclass
 class BatchSizeGraphs:
     """One model's graphs by batch size: ``trace(size)`` traces; ``base(size)`` writes the graph
@@ -254,6 +263,13 @@ class BatchSizeGraphs:
                 return self.base(size)
             self.trace_s += time.perf_counter() - start
         return self.rescaled[size]
+
+    def known(self, size: int) -> KnownGraph | None:
+        """The graph at batch ``size`` where one was made, the trace first; None where none was."""
+        if size in self.traced:
+            return KnownGraph(self.traced[size], traced=True)
+        written = self.deepened.get(size, self.rescaled.get(size))
+        return KnownGraph(written, traced=False) if written is not None else None
 
     def is_traced(self, graph: TracedGraph) -> bool:
         return any(graph is g for g in self.traced.values())

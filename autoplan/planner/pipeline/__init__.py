@@ -163,7 +163,7 @@ from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import batch_size
-from autoplan.trace.rescale import BatchSizeGraphs
+from autoplan.trace.rescale import BatchSizeGraphs, KnownGraph
 
 __all__ = [
     "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
@@ -216,13 +216,14 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
 
 
 def plan_pipeline_traced(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()
-                         ) -> tuple[Plan, TracedGraph]:
-    """:func:`plan_pipeline`, and the trace of one microbatch the plan was planned on."""
+                         ) -> tuple[Plan, TracedGraph, KnownGraph | None]:
+    """:func:`plan_pipeline`, the trace of one microbatch the plan was planned on, and the
+    graph of the whole batch the search planned on (None where it searched no such graph)."""
     planned: list[Plan] = []  # its warnings given once the block ends
     with _warnings_once(planned), _cyclic_gc_paused():
-        plan, graph = _plan_pipeline(spec, options, popts)
+        plan, graph, whole_batch = _plan_pipeline(spec, options, popts)
         planned.append(plan)
-    return plan, graph
+    return plan, graph, whole_batch
 
 
 def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions
@@ -415,7 +416,8 @@ def _rival_options(options: PlannerOptions, rivals: int) -> PlannerOptions:
     return options if rivals <= max(1, options.jobs) else replace(options, canonical=False)
 
 
-def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions) -> tuple[Plan, TracedGraph]:
+def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions
+                   ) -> tuple[Plan, TracedGraph, KnownGraph | None]:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
     start = time.perf_counter()
@@ -505,4 +507,4 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
                                       f"{format_seconds(c.step_time_s)} per step in the stage search",
                                       estimate_s=c.step_time_s)
                           for c in [c for c in candidates if id(c) not in searched][:max(0, 6 - len(planned))]]
-    return plan, best.graph
+    return plan, best.graph, graphs.known(batch)
