@@ -141,6 +141,9 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     # the gradient of the position table's rows all-reduced on its edge in the plan, in the
     # table's gradient by DDP's buckets (the same sum)
     "gpt2_positions_ddp": ("gpt2_positions", "dp={world}", "ddp"),
+    # ... and by FSDP2's reduce-scatter of the table's gradient; the rows looked up whole in the
+    # gathered table, as FSDP2 runs the model
+    "gpt2_positions_fsdp": ("gpt2_positions", "fsdp={world}", "fsdp"),
     # a Hugging Face Llama's blocks checkpointed three ways (its key-value cache turned off)
     "llama_fsdp": ("llama", "fsdp={world}", "fsdp"),
     "llama_fsdp_checkpointed": ("llama", "fsdp={world},ac=full", "fsdp"),

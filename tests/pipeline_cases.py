@@ -5,6 +5,9 @@ device's slice's) mean loss weighs by its share of the counted targets."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
 
 
@@ -73,4 +76,15 @@ def opt_odd() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
                        max_position_embeddings=128, word_embed_proj_dim=45, dropout=0.0, attention_dropout=0.0)
     model = OPTForCausalLM(config)
     ids = torch.randint(0, 128, (16, 128), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids, "labels": ids}, None
+
+
+def gpt2_positions() -> tuple[torch.nn.Module, dict[str, torch.Tensor], None]:
+    """A Hugging Face GPT-2 whose learned position table's rows, the same for every sample, are
+    added to the tokens' (its head tied to its token table); 16 sequences of 64 tokens, wide enough
+    that its hidden states cross a stage boundary as shards."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import gpt2
+
+    model, (ids,) = gpt2.build(n_embd=128, batch=16, seq=64, vocab_size=512)
     return model, {"input_ids": ids, "labels": ids}, None

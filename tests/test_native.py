@@ -100,15 +100,30 @@ def test_ddp_reduces_a_position_tables_gradient_in_its_buckets(results):
     assert res["executed"] == res["observable"] == res["planned"], res["report"]
 
 
+def test_fsdp_looks_up_position_rows_in_the_gathered_table_and_reduces_their_gradient_in_its_groups(results):
+    """``--manual fsdp=2`` of the same GPT-2: the position rows are computed whole on every rank
+    (the manual rule: a value no user input flows into is replicated over the data axes, as
+    FSDP2 runs the model, not looked up in a column-sharded table and gathered), and the plan's
+    edge all-reduce of their gradient is FSDP2's reduce-scatter of the table's: the run matches
+    one device with the collectives as planned."""
+    res = _case(results, "gpt2_positions_fsdp")[0]
+    assert res["program"] == "fsdp" and res["inputs"]["input_ids"] == ["S(0)"]
+    assert res["params"]["transformer.wpe.weight"] == ["S(0)"]
+    assert res["executed"] == res["observable"] == res["planned"], res["report"]
+    plan = plan_case("gpt2_positions_fsdp", WORLD)
+    assert [c.where for c in plan.collectives if c.tensor == "activation" and c.phase == "forward"
+            and not c.where.endswith("-> output")] == []  # nothing gathered: the rows computed whole
+
+
 def test_a_position_tables_edge_reduction_is_recognised_as_ddp_and_a_batched_one_is_not():
     from autoplan.codegen.native import recognise
-    from autoplan.codegen.native_patterns import reduced_in_parameters, same_on_every_rank
+    from autoplan.codegen.native_patterns import reduced_in_parameters
     from autoplan.trace.tracer import trace
     from native_worker import _case_spec
 
     spec = _case_spec("gpt2_positions_ddp")[2]
     plan, graph = plan_case("gpt2_positions_ddp", WORLD), trace(spec)
-    same = same_on_every_rank(graph)
+    same = graph.input_free_values
     edges = [c for c in plan.collectives if c.tensor == "activation" and c.phase == "backward"]
     assert [c.where for c in edges] == ["to -> add_1"]  # the position rows, added to the tokens
     assert reduced_in_parameters(edges[0], same) and recognise(spec, graph, plan).kind == "ddp"
@@ -490,8 +505,10 @@ def test_a_token_mean_cross_entropy_divides_by_the_global_batchs_count(results, 
 
 
 def test_fsdp_plans_that_read_a_parameter_sharded_run_on_the_interpreter(results):
-    """nanoGPT's FSDP plan stores its position table sharded on dim 1 and its embedding reads
-    it so, which FSDP2 (a parameter gathered whole at use) does not: the interpreter runs it
-    (and matches the single device, above)."""
+    """nanoGPT's FSDP plan computes its logits with its head, tied to its token table, read
+    sharded and gathers them for the loss, which FSDP2 (a parameter gathered whole at use) does
+    not: the interpreter runs it (and matches the single device, above). (Its position rows are
+    computed whole, as FSDP2 does: the manual rule.)"""
     res = _case(results, "nanogpt_fsdp")[0]
-    assert res["program"] == "none" and "reads wpe.weight as S(1)" in res["reason"]
+    assert res["program"] == "none" and "all_gather at view_8 -> cross_entropy_loss" in res["reason"]
+    assert "wpe" not in res["reason"]

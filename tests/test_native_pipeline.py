@@ -95,6 +95,8 @@ def _sharded_stages() -> dict[str, Plan]:
                                                       4, fsdp, schedule="1f1b"),
         _LONG: _planned(make_model_spec(*pipeline_cases.llama4_long(), name="long"), 4, fsdp, schedule="1f1b"),
         _WHOLE_BESIDE: _manual(_opt_odd(), 4, "pp=2,fsdp=2,microbatches=2"),
+        _POSITIONS: _manual(make_model_spec(*pipeline_cases.gpt2_positions(), name="gpt2_positions"), 4,
+                            "pp=2,fsdp=2,microbatches=2"),
     }
 
 
@@ -283,6 +285,7 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
     write_check_cases(tmp_path, cases, {"llama4": "pipeline_cases.py", "llama4_wide": "pipeline_cases.py",
                                         "llama4_tied": "pipeline_cases.py", "llama4_wide_tied": "pipeline_cases.py",
                                         "llama4_long": "pipeline_cases.py", "opt_odd": "pipeline_cases.py",
+                                        "gpt2_positions": "pipeline_cases.py",
                                         "nanogpt": "fsdp_cases.py"})
     results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=540)
     assert_checks_passed(results, cases)
@@ -302,8 +305,12 @@ def test_pipelines_cut_from_the_model_pass_check(world: int, plans: dict[str, Pl
 
 _LONG = "2 stages x FSDP 2 1f1b, rotary tables crossing whole"
 _WHOLE_BESIDE = "2 stages x FSDP 2 held, norms and attention kept whole beside, --manual"
+# GPT-2's position rows, the same on every rank: looked up whole in the gathered table, their
+# gradient all-reduced on its edge in the plan and reduce-scattered in the table's by FSDP2
+_POSITIONS = "2 stages x FSDP 2 held, GPT-2's position rows, --manual"
 _TIED = {"nanogpt 2 stages, its token table the head": "nanogpt", "4 virtual stages interleaved, head tied": "llama4_tied",
-         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied", _LONG: "llama4_long", _WHOLE_BESIDE: "opt_odd"}
+         "2 stages x FSDP 2 1f1b, head tied": "llama4_wide_tied", _LONG: "llama4_long", _WHOLE_BESIDE: "opt_odd",
+         _POSITIONS: "gpt2_positions"}
 _SHARDED = ("2 stages x FSDP 2 gpipe", "2 stages x FSDP 2 1f1b checkpointed", "2 stages x FSDP 2 1f1b bf16",
             "4 virtual stages x FSDP 2 interleaved", "2 stages x FSDP 2 held, --manual", "2 stages x DDP 2 1f1b",
-            "2 stages x FSDP 2 1f1b, head tied", _LONG, _WHOLE_BESIDE)
+            "2 stages x FSDP 2 1f1b, head tied", _LONG, _WHOLE_BESIDE, _POSITIONS)

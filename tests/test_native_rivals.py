@@ -1,7 +1,8 @@
 """A plan the search finds that runs on the DTensor interpreter is set against the
 data-parallel plans PyTorch runs itself, by the step expected with the interpreter's dispatch
-(:mod:`autoplan.planner.native_rivals`): the bundled GPT-2 example runs on DDP, the plan the
-search found kept first among its alternatives; pins, a pinned pipeline or
+(:mod:`autoplan.planner.native_rivals`): the bundled GPT-2 example runs on FSDP2 (or DDP, the
+other rival), the plan the search found kept first among its alternatives; a pipeline with
+tensor parallel stages meets FSDP and DDP inside its ranks; pins, a pinned pipeline or
 ``native_rivals=False`` keep the plan found. Rivals that cannot win are put aside before the
 whole batch is traced for them: by their training state, and by their estimate on a graph
 written from the first blocks."""
@@ -13,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.load import load_model_file, make_model_spec
 from autoplan.planner import native_rivals
 from autoplan.planner.front_door import plan_model
@@ -20,6 +22,7 @@ from autoplan.planner.manual import plan_manual
 from autoplan.planner.native_rivals import (FOUND_ON_THE_INTERPRETER, expected_step_s, rival_forms,
                                             searched_prediction, state_bytes_per_device)
 from autoplan.planner.options import PlanOptions
+from autoplan.planner.pipeline import trace_microbatch
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.rescale import KnownGraph
 from autoplan.trace.tracer import trace
@@ -36,10 +39,12 @@ def example():
             for rivals in (True, False)}
 
 
-def test_the_bundled_example_runs_on_ddp_where_its_found_plan_would_run_on_the_interpreter(example) -> None:
+def test_the_bundled_example_runs_natively_where_its_found_plan_would_run_on_the_interpreter(example) -> None:
     found, chosen = example[False], example[True]
     assert found.program.startswith("autoplan's DTensor interpreter")
-    assert chosen.program == "PyTorch's DistributedDataParallel"
+    # the faster of the two rivals over every device (FSDP2 by 0.14 ms of 27.5 ms on 8 H100s)
+    assert chosen.program in ("PyTorch's DistributedDataParallel", "PyTorch's FSDP2 (fully_shard per block)")
+    assert chosen.mesh == [8] and len(chosen.stages) == 1
     assert chosen.predicted.interpreter_step_s == 0  # a native program: its prediction is what it expects
     # chosen only because the found plan's step, with the interpreter's dispatch, is longer
     assert found.predicted.step_time_s < chosen.predicted.step_time_s < found.predicted.interpreter_step_s
@@ -49,7 +54,7 @@ def test_the_bundled_example_runs_on_ddp_where_its_found_plan_would_run_on_the_i
     assert expected_step_s(chosen.predicted) < expected_step_s(found.predicted)
     assert chosen.options["native_rivals"] and not found.options["native_rivals"]
     text = summary_text(chosen)
-    assert "program: PyTorch's DistributedDataParallel" in text and "native rivals" in text
+    assert f"program: {chosen.program}" in text and "native rivals" in text
     assert "on autoplan's DTensor interpreter, with its dispatch:" in text
 
 
@@ -99,7 +104,7 @@ def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, mem
     found = plan_model(spec, replace(options, native_rivals=False))
     found.predicted.interpreter_step_s = found_expected_s
     native_rivals.fastest_native_rival(spec, options, found, lambda p: p,
-                                       KnownGraph(given, traced=whole_batch_traced))
+                                       lambda microbatches: KnownGraph(given, traced=whole_batch_traced))
     return planned, state_bytes_per_device(spec, options, 1)
 
 
@@ -118,3 +123,50 @@ def test_a_rival_estimated_slower_than_the_found_plan_is_not_traced(monkeypatch)
     assert {where for _, where in planned} == {"given", "traced"}  # estimated to win: planned on the trace
     assert [label for label, where in planned if where == "traced"] == \
         [label for label, where in planned if where == "given"]
+
+
+def _pipelined_gpt2(manual: str) -> tuple:
+    """A wide GPT-2 (tests/pipeline_cases.py) planned as ``--manual`` writes ``manual`` on 4 cpu devices."""
+    import pipeline_cases
+    from autoplan.planner.front_door import with_decisions
+    from autoplan.planner.manual import parse_manual
+
+    spec = make_model_spec(*pipeline_cases.gpt2_positions(), name="gpt2_positions")
+    options = PlanOptions(4, "cpu", precision="fp32")
+    return spec, options, with_decisions(plan_manual(spec, options.planner_options(), parse_manual(manual)), options)
+
+
+def test_a_pipeline_with_tensor_parallel_stages_meets_fsdp_and_ddp_inside_its_ranks(monkeypatch) -> None:
+    """Two pipeline ranks of two devices each, tensor parallel inside: the interpreter runs it.
+    Its rivals are, besides DDP and FSDP over every device, FSDP and DDP over each rank's two
+    devices under the same ranks and schedule, with the most microbatches whose samples two
+    devices split; the fastest native one replaces it where it is faster than the found plan's
+    expected step, and none where none is."""
+    spec, options, found = _pipelined_gpt2("pp=2,tp=2,microbatches=4")
+    assert program_choice(spec, trace_microbatch(spec, 4), found).kind == ProgramKind.INTERPRETER
+    pipelined = [tries for tries in rival_forms(options, found, 16) if tries[0].pp > 1]
+    assert [[m.label for m in tries] for tries in pipelined] == [
+        ["manual dp=1,fsdp=2,tp=1,pp=2,microbatches=4", "manual dp=1,fsdp=2,tp=1,pp=2,microbatches=4,ac=full"],
+        ["manual dp=2,tp=1,pp=2,microbatches=4", "manual dp=2,tp=1,pp=2,microbatches=4,ac=full"]]
+    # of a batch of 8, 8 microbatches of one sample found: 4 of two, the most that two devices split evenly
+    assert {tries[0].microbatches for tries in rival_forms(options, replace(found, microbatches=8), 8)
+            if tries[0].pp > 1} == {4}
+    assert [tries for tries in rival_forms(options, replace(found, microbatches=8), 9) if tries[0].pp > 1] == []
+
+    programs = []  # (stages, program, predicted step) of each rival planned
+
+    def recorded(spec_, graph, plan):
+        choice = program_choice(spec_, graph, plan)
+        programs.append((len(plan.stages), choice.kind, plan.predicted.step_time_s))
+        return choice
+
+    monkeypatch.setattr(native_rivals, "program_choice", recorded)
+    found.predicted.interpreter_step_s = found.predicted.step_time_s * 100
+    chosen = native_rivals.fastest_native_rival(spec, options, found, lambda p: p)
+    assert (2, ProgramKind.NATIVE_PIPELINE) in {p[:2] for p in programs}  # FSDP2 or replicate in each stage
+    native = [step for _, kind, step in programs if kind != ProgramKind.INTERPRETER]
+    assert chosen is not None and chosen.predicted.step_time_s == min(native)
+    assert chosen.predicted.step_time_s < found.predicted.interpreter_step_s
+    assert chosen.alternatives[0].name == FOUND_ON_THE_INTERPRETER
+    found.predicted.interpreter_step_s = found.predicted.step_time_s * 1e-3
+    assert native_rivals.fastest_native_rival(spec, options, found, lambda p: p) is None

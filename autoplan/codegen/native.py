@@ -163,7 +163,7 @@ from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
 from autoplan.codegen.native_fsdp import shard_modules
 from autoplan.codegen.native_patterns import (CollectiveMapping, Recognised, inside_module, kept_modules, recognise,
-    reduced_in_parameters, same_on_every_rank, split_axes)
+    reduced_in_parameters, split_axes)
 from autoplan.codegen.native_storage import ParameterStorage, TableRead, parallelize_embeddings
 from autoplan.codegen.precision import mixed_precision_policy
 from autoplan.codegen.redistribution import to_dtensor_placements
@@ -217,8 +217,8 @@ class NativeProgram(torch.nn.Module):
         self._output_placements = self._model_output_placements(graph, plan, self._data_axes)
         # the nodes the checkpointed modules run again in the backward
         self._rerun = rerun_nodes(graph, plan)
-        # DDP: values the same on every rank, whose gradients DDP reduces in their parameters'
-        self._same = same_on_every_rank(graph) if kind == "ddp" else frozenset()
+        # DDP and FSDP: values the same on every rank, whose gradients they reduce in their parameters'
+        self._same = graph.input_free_values if kind in ("ddp", "fsdp", "hsdp") else frozenset()
         self._dtensor_output = any(isinstance(p, Shard) for kind_, p in styles.values() if kind_ == "rowwise")
         self.collective_map = self._collective_map()
 
@@ -385,10 +385,12 @@ class NativeProgram(torch.nn.Module):
 
     def _grouped_by_fsdp(self, c: PlannedCollective) -> bool:
         """Whether FSDP2 runs ``c`` as part of its per-group collectives (a parameter's gather or
-        a gradient's reduce-scatter)."""
+        a gradient's reduce-scatter, or the edge all-reduce of a value's gradient that FSDP2
+        reduces in the parameters it comes from: :func:`~autoplan.codegen.native_patterns.reduced_in_parameters`)."""
         if self.kind == "fsdp_tp" and c.mesh_axis != 0:
             return False  # a sequence-parallel norm's weight gradient, all-reduced over the tensor axis
-        return self.kind in ("fsdp", "hsdp", "fsdp_tp") and c.tensor in ("parameter", "gradient")
+        return self.kind in ("fsdp", "hsdp", "fsdp_tp") and (c.tensor in ("parameter", "gradient")
+                                                              or reduced_in_parameters(c, self._same))
 
     def _in_ddp_buckets(self, c: PlannedCollective) -> bool:
         """Whether DDP runs ``c`` in its gradient buckets: a parameter's gradient all-reduce, or

@@ -252,29 +252,13 @@ def batch_split(spec: ModelSpec, graph: TracedGraph, plan: Plan, axes: int,
     return None
 
 
-def same_on_every_rank(graph: TracedGraph) -> frozenset[str]:
-    """The graph's values into which no user input flows (computed from parameters, buffers and
-    constants alone, as a learned position table's rows for positions ``0..T-1``): the same on
-    every rank of a data-parallel program."""
-    batched = set(graph.input_names)
-    same = set()
-    for node in graph.graph_module.graph.nodes:
-        if node.name in batched:
-            continue
-        if any(arg.name in batched for arg in node.all_input_nodes):
-            batched.add(node.name)
-        else:
-            same.add(node.name)
-    return frozenset(same)
-
-
 def reduced_in_parameters(c: PlannedCollective, same: frozenset[str]) -> bool:
     """Whether ``c`` is the backward all-reduce of a value the same on every rank (``same``: a
     learned position embedding added to batch-sharded tokens) whose gradient the batch's shards
     leave as partial sums. The plan reduces that gradient on the edge; DDP reduces the gradients of
-    the parameters the value was computed from, in its buckets. The backward of such a value is
-    the same linear map on every rank, so the two sums are equal: the reduction moves, it does
-    not change."""
+    the parameters the value was computed from, in its buckets, and FSDP2 in their groups'
+    reduce-scatters. The backward of such a value is the same linear map on every rank, so the
+    two sums are equal: the reduction moves, it does not change."""
     producer = c.where.split(" -> ")[0]
     return (c.phase == Phase.BACKWARD and c.tensor == "activation" and c.kind == CollectiveKind.ALL_REDUCE
             and " (" not in producer and producer in same)
@@ -296,12 +280,12 @@ def _recognise_data_parallel(spec: ModelSpec, graph: TracedGraph, plan: Plan, n:
     weights = ("parameter",) if storage != "replicated" else ()
     counts = ("loss count",) if token_mean else ()
     lookups = {read.node for read in held.embeddings.values()} if held else set()
-    same = same_on_every_rank(graph) if storage == "replicated" else frozenset()
+    same = graph.input_free_values
     for c in plan.collectives:
         if c.where.split(" -> ")[0] in lookups and c.tensor == "activation":
             continue  # an embedding's output moved onto the batch shards, by its parallel style
         if reduced_in_parameters(c, same):
-            continue  # DDP reduces it in the gradients of the parameters it comes from
+            continue  # DDP and FSDP2 reduce it in the gradients of the parameters it comes from
         if c.phase == "forward" and not c.where.endswith("-> output") and c.tensor not in (*weights, *counts):
             return f"the plan has an activation collective ({c.kind} at {c.where})"
         if c.phase == "backward" and c.tensor not in ("gradient", *weights, *counts):

@@ -77,6 +77,7 @@ from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.loss_weights import microbatch_weights
 from autoplan.codegen.materialize import has_meta_tensors, initialise, on_device, tensors_on_meta
 from autoplan.codegen.native import not_run_again, rerun_nodes, sharded_blocks
+from autoplan.codegen.native_patterns import reduced_in_parameters
 from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, stage_ranks
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
 from autoplan.codegen.precision import compute_precision, gathered_dtype, mixed_precision_policy
@@ -181,6 +182,8 @@ class NativePipelineProgram(torch.nn.Module):
         self.plan = plan
         self.num_microbatches = plan.microbatches
         self.input_names = list(graph.input_names)
+        # values the same on every rank, whose gradients data-parallel stages reduce in their parameters'
+        self._same = graph.input_free_values if parallel is not None else frozenset()
         self.device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" \
             else torch.device(device_type)
         self.devices = parallel.devices if parallel is not None else 1  # of each stage
@@ -376,6 +379,8 @@ class NativePipelineProgram(torch.nn.Module):
                 continue
             if c.tensor in ("parameter", "gradient") and c.where not in self._summed_here:
                 continue  # (FSDP2 gathers and reduces by groups, counted above)
+            if reduced_in_parameters(c, self._same):
+                continue  # (reduced in the gradients of the parameters it comes from, counted above)
             if c.stages and not mine & set(c.stages):
                 continue
             if not_run_again(c, self._rerun):

@@ -34,7 +34,7 @@ from autoplan.planner.api import plan_spec
 from autoplan.planner.manual import ManualPlan, cost_manual, manual_rule, parse_manual, tensor_parallel_rule
 from autoplan.planner.mesh_plan import StorageRule
 from autoplan.planner.meshes import candidate_meshes
-from autoplan.planner.native_rivals import fastest_native_rival
+from autoplan.planner.native_rivals import fastest_native_rival, known_graphs
 from autoplan.planner.options import PlannerOptions, PlanOptions
 from autoplan.planner.pin_check import check_layer_pins, check_pins
 from autoplan.planner.pins import PinKind, PinSet
@@ -42,7 +42,6 @@ from autoplan.planner.pipeline import plan_pipeline_traced
 from autoplan.solvers import format_bytes
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.layers import make_layers
-from autoplan.trace.rescale import KnownGraph
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.tracer import trace
 
@@ -56,10 +55,9 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     if options.pin_set:  # checked on the model before any solving
         planner_options, pin_holds = checked_pins(spec, options, planner_options)
     if options.pipeline:
-        plan, graph, whole_batch = plan_pipeline_traced(spec, planner_options, options.pipeline_options())
+        plan, graph, searched = plan_pipeline_traced(spec, planner_options, options.pipeline_options())
     else:
-        plan, graph = plan_spec(spec, planner_options)
-        whole_batch = KnownGraph(graph, traced=True)
+        (plan, graph), searched = plan_spec(spec, planner_options), None
     parts = {k: v for k, v in plan.timings_s.items() if k != "total"}
     clock = time.perf_counter()
     plan = with_decisions(plan, options)
@@ -70,9 +68,8 @@ def plan_model(spec: ModelSpec, options: PlanOptions, load_s: float = 0.0) -> Pl
     parts["program"] = time.perf_counter() - clock
     if plan.predicted.interpreter_step_s and options.native_rivals:
         clock = time.perf_counter()
-        if len(plan.stages) == 1 and plan.microbatches == 1:  # planned on the trace of the whole batch
-            whole_batch = KnownGraph(graph, traced=True)
-        rival = fastest_native_rival(spec, options, plan, lambda p: with_decisions(p, options), whole_batch)
+        rival = fastest_native_rival(spec, options, plan, lambda p: with_decisions(p, options),
+                                     known_graphs(spec, plan, graph, searched))
         plan = rival or plan
         parts["native rivals"] = time.perf_counter() - clock
     unpinned = replace(planner_options, pins=None, allow_storage=None)  # a manual plan is costed as written

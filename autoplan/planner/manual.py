@@ -163,7 +163,11 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     Data parallelism over the ``dp`` axis: parameters are replicated there, and user inputs
     and every value that carries the batch are ``S(0)``, so each device computes ``1/dp`` of
     the batch and the gradients are all-reduced (without the rule the ILP keeps a small model
-    replicated and calls it data parallel).
+    replicated and calls it data parallel). Over ``dp`` and ``fsdp`` alike, an op's value into
+    which no user input flows (a learned position table's rows for positions ``0..T-1``,
+    rotary tables) is whole: every rank computes it, as DDP and FSDP2 run the model (without
+    the rule the ILP may look up GPT-2's position rows in a column-sharded table and gather
+    them, which no data-parallel program does).
 
     Sharded data parallelism over the ``fsdp`` axis: the batch as over ``dp``, and every
     parameter that ``fsdp`` divides along some dim is stored sharded there; its consumers,
@@ -187,12 +191,16 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
         return None
     batch_axes = [axis for axis in (dp_axis, fsdp_axis) if axis is not None]
     batched = _batched_values(graph) if batch_axes else frozenset()
+    input_free = graph.input_free_values if batch_axes else frozenset()
     sharded_weights = _tensor_parallel_weights(graph, manual.tp) if tp_axis is not None else frozenset()
 
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
         carries_batch = (info.kind == "input" and info.shape) or info.name in batched
+        computed_whole = info.kind in ("op", "activation") and info.name in input_free
         for axis in batch_axes:
             if carries_batch and not (spec[axis].is_shard and spec[axis].dim == 0):
+                return False
+            if computed_whole and not spec[axis].is_replicate:
                 return False
         if dp_axis is not None and info.kind in ("parameter", "buffer", "constant") \
                 and not spec[dp_axis].is_replicate:

@@ -6,10 +6,15 @@ whose dispatch per op pass is several times larger: the step expected there is t
 ``interpreter_step_s`` (:mod:`autoplan.cost_models.interpreter_dispatch`). Where the found plan
 runs there, the data-parallel plans PyTorch runs natively are planned too, as ``--manual``
 writes them (:func:`~autoplan.planner.manual.plan_manual`): DDP (``dp=N``) and FSDP
-(``fsdp=N``) over every device, or HSDP (``dp=a,fsdp=b``) on a pinned ``a x b`` mesh; each
-again with every layer checkpointed where it does not fit without. The fastest of them whose
-program is native (:func:`~autoplan.codegen.program_choice.program_choice`) replaces the found
-plan where its predicted step is shorter than the found plan's expected one::
+(``fsdp=N``) over every device, or HSDP (``dp=a,fsdp=b``) on a pinned ``a x b`` mesh; and
+where the found plan is a pipeline whose ranks hold ``k`` devices each (tensor parallelism
+inside its stages, say), FSDP and DDP over each rank's devices under the same ranks and
+schedule (``pp=P,fsdp=k`` and ``pp=P,dp=k``: torch.distributed.pipelining with FSDP2 or
+``replicate`` in each stage), with the most microbatches, up to the found plan's, whose samples
+``k`` devices split evenly. Each is tried again with every layer checkpointed where it does not
+fit without. The fastest of them whose program is native
+(:func:`~autoplan.codegen.program_choice.program_choice`) replaces the found plan where its
+predicted step is shorter than the found plan's expected one::
 
     chosen = argmin( found: interpreter_step_s ,  native rival r: step_time_s(r) )
 
@@ -17,22 +22,24 @@ and the found plan stays first among the alternatives (:data:`FOUND_ON_THE_INTER
 its prediction and its expected step. A user's pins, pinned pipeline structure or
 ``native_rivals=False`` keep the found plan.
 
-A rival is planned on the whole batch, whose trace takes seconds at real size (about 8 s for the
-Llama-70B shape here), so rivals that cannot win are put aside before it:
+A rival is planned on a trace of its microbatch, which takes seconds at real size (about 8 s
+for the Llama-70B shape's whole batch here), so rivals that cannot win are put aside before it:
 
-- by memory: a form whose parameters' training state alone, sharded over its ``fsdp`` axis,
-  exceeds the budget fits no plan (:func:`state_bytes_per_device`; DDP of a 39B model needs
-  624 GB of it);
-- by the estimate: where the stage search planned on a graph of the whole batch written from a
-  trace of the model's first blocks (:mod:`autoplan.trace.deepen`), the rival is planned on it
-  first, and only one that fits and is estimated within ``ESTIMATE_MARGIN`` of the found plan's
-  expected step is planned again on the trace. (For a stack of equal blocks the written graph
-  costs what the trace does: FSDP over 64 devices of the 39B GPT, 7.336 s on both.)
+- by memory: a form whose parameters' training state alone, in as many parts as its ``fsdp``
+  degree times its pipeline ranks, exceeds the budget fits no plan
+  (:func:`state_bytes_per_device`; DDP of a 39B model needs 624 GB of it);
+- by the estimate: where the stage search planned on a graph of that microbatch written from a
+  trace of the model's first blocks (:mod:`autoplan.trace.deepen`) or rescaled from two
+  graphs, the rival is planned on it first, and only one that fits and is estimated within
+  ``ESTIMATE_MARGIN`` of the found plan's expected step is planned again on the trace. (For a
+  stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
+  the 39B GPT, 7.336 s on both.)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
@@ -43,9 +50,10 @@ from autoplan.planner.options import PlanOptions
 from autoplan.planner.pipeline import trace_microbatch
 from autoplan.solvers import format_seconds
 from autoplan.trace.graph import TracedGraph
-from autoplan.trace.rescale import KnownGraph
+from autoplan.trace.microbatch import batch_size
+from autoplan.trace.rescale import BatchSizeGraphs, KnownGraph
 
-__all__ = ["ESTIMATE_MARGIN", "FOUND_ON_THE_INTERPRETER", "expected_step_s", "fastest_native_rival", "rival_forms",
+__all__ = ["ESTIMATE_MARGIN", "FOUND_ON_THE_INTERPRETER", "GraphOf", "expected_step_s", "fastest_native_rival", "known_graphs", "rival_forms",
            "searched_prediction", "state_bytes_per_device"]
 
 #: The name of the alternative that keeps a found plan a native rival replaced.
@@ -56,10 +64,11 @@ FOUND_ON_THE_INTERPRETER = "the plan the search found, on autoplan's DTensor int
 ESTIMATE_MARGIN = 0.1
 
 
-def rival_forms(options: PlanOptions) -> list[list[ManualPlan]]:
+def rival_forms(options: PlanOptions, found: Plan | None = None, batch: int | None = None) -> list[list[ManualPlan]]:
     """The native forms tried, each as its plans in the order tried (without checkpointing,
-    then with every layer checkpointed, unless recomputation is off); none where the user
-    pinned the plan's structure."""
+    then with every layer checkpointed, unless recomputation is off): over every device, and,
+    given the ``found`` plan and the global ``batch``, inside its pipeline's ranks (module
+    docstring); none where the user pinned the plan's structure."""
     if options.pin_set or options.stages or options.microbatches or options.schedule or options.layers:
         return []
     mesh = options.mesh or (options.devices,)
@@ -69,18 +78,36 @@ def rival_forms(options: PlanOptions) -> list[list[ManualPlan]]:
         forms = [ManualPlan(dp=mesh[0], fsdp=mesh[1])]
     else:
         return []
-    checkpointed = options.recompute != "none"
-    return [[form, ManualPlan(dp=form.dp, fsdp=form.fsdp, ac="full")] if checkpointed else [form]
-            for form in forms if form.dp * form.fsdp == options.devices]
+    forms = [form for form in forms if form.dp * form.fsdp == options.devices]
+    if found is not None and batch is not None and options.mesh is None:
+        forms += _pipelined_forms(options.devices, found, batch)
+    if options.recompute == "none":
+        return [[form] for form in forms]
+    return [[form, replace(form, ac="full")] for form in forms]
 
 
-def state_bytes_per_device(spec: ModelSpec, options: PlanOptions, fsdp: int) -> float:
+def _pipelined_forms(devices: int, found: Plan, batch: int) -> list[ManualPlan]:
+    """FSDP and DDP inside the ranks of ``found``'s pipeline (module docstring), where its
+    ranks hold several devices each and some microbatch count splits evenly over them."""
+    ranks = len({tuple(stage.devices) for stage in found.stages})
+    per_rank = devices // ranks
+    if ranks < 2 or per_rank < 2:
+        return []
+    counts = [m for m in range(found.microbatches, 0, -1) if batch % m == 0 and (batch // m) % per_rank == 0
+              and (m >= ranks or found.schedule == "gpipe")]
+    if not counts:
+        return []
+    shape = {"pp": ranks, "microbatches": counts[0], "schedule": found.schedule}
+    return [ManualPlan(fsdp=per_rank, **shape), ManualPlan(dp=per_rank, **shape)]
+
+
+def state_bytes_per_device(spec: ModelSpec, options: PlanOptions, shards: int) -> float:
     """The training state (parameter, gradient, optimizer state) of the model's trained
-    parameters, each once, sharded ``fsdp`` ways: bytes per device no data-parallel plan with
-    that ``fsdp`` axis goes below."""
+    parameters, each once, in ``shards`` parts (a form's ``fsdp`` degree times its pipeline
+    ranks): bytes per device no data-parallel plan of that form goes below."""
     per_element = options.planner_options().optimizer.bytes_per_param
     return sum(p.numel() * per_element(p.element_size()) for p in spec.module.parameters()
-               if p.requires_grad and p.is_floating_point()) / fsdp
+               if p.requires_grad and p.is_floating_point()) / shards
 
 
 def _first_fitting(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph
@@ -94,34 +121,62 @@ def _first_fitting(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan
     return None
 
 
+#: The graph of one microbatch of the global batch cut into that many, where the caller has one
+#: (traced, or written: an estimate); None where it has none.
+GraphOf = Callable[[int], "KnownGraph | None"]
+
+
+def _no_graph(microbatches: int) -> KnownGraph | None:
+    return None
+
+
+def known_graphs(spec: ModelSpec, found: Plan, graph: TracedGraph, searched: BatchSizeGraphs | None) -> GraphOf:
+    """The graphs a rival may be planned on: ``graph``, the trace of one of ``found``'s
+    microbatches, and the stage search's (``searched``: traced, written or rescaled)."""
+    def graph_of(microbatches: int) -> KnownGraph | None:
+        if microbatches == found.microbatches:
+            return KnownGraph(graph, traced=True)
+        if searched is None:
+            return None
+        return searched.made(batch_size(spec.example_inputs) // microbatches)
+    return graph_of
+
+
 def _may_win(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], expected: float,
-             whole_batch: KnownGraph | None) -> bool:
-    """Whether the form of ``tries`` is worth planning on the trace of the whole batch (module
+             graph_of: GraphOf) -> bool:
+    """Whether the form of ``tries`` is worth planning on a trace of its microbatch (module
     docstring: its memory, then its estimate)."""
-    if state_bytes_per_device(spec, options, tries[0].fsdp) > options.planner_options().memory_budget:
+    form = tries[0]
+    if state_bytes_per_device(spec, options, form.fsdp * form.pp) > options.planner_options().memory_budget:
         return False
-    if whole_batch is None or whole_batch.traced:
+    known = graph_of(form.microbatches)
+    if known is None or known.traced:
         return True
-    estimate = _first_fitting(spec, options, tries, whole_batch.graph)
+    estimate = _first_fitting(spec, options, tries, known.graph)
     return estimate is not None and estimate.predicted.step_time_s < expected * (1 + ESTIMATE_MARGIN)
 
 
 def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, finish: Callable[[Plan], Plan],
-                         whole_batch: KnownGraph | None = None) -> Plan | None:
+                         graph_of: GraphOf = _no_graph) -> Plan | None:
     """The native rival that replaces ``found`` (module docstring), its alternatives the found
     plan and then the found plan's own; None where none is faster than ``found`` expects to
-    run. ``finish`` writes the run's decisions into a rival plan; ``whole_batch``: the graph of
-    the whole batch the caller has, traced or written."""
+    run. ``finish`` writes the run's decisions into a rival plan; ``graph_of``: the graphs the
+    caller has, by microbatch count."""
     expected = found.predicted.interpreter_step_s
-    forms = rival_forms(options)
-    if not expected or not forms:
-        return None
-    forms = [tries for tries in forms if _may_win(spec, options, tries, expected, whole_batch)]
+    batch = batch_size(spec.example_inputs) if len(found.stages) > 1 else None
+    forms = rival_forms(options, found, batch) if expected else []
+    forms = [tries for tries in forms if _may_win(spec, options, tries, expected, graph_of)]
     if not forms:
         return None
-    graph = whole_batch.graph if whole_batch is not None and whole_batch.traced else trace_microbatch(spec, 1)
+    traces: dict[int, TracedGraph] = {}
     best: Plan | None = None
     for tries in forms:
+        microbatches = tries[0].microbatches
+        if microbatches not in traces:
+            known = graph_of(microbatches)
+            traces[microbatches] = known.graph if known is not None and known.traced else \
+                trace_microbatch(spec, microbatches)
+        graph = traces[microbatches]
         rival = _first_fitting(spec, options, tries, graph)
         if rival is None or rival.predicted.step_time_s >= expected:
             continue

@@ -136,6 +136,22 @@ class TracedGraph:
                 found.add(node.name)
         return frozenset(found)
 
+    @functools.cached_property
+    def input_free_values(self) -> frozenset[str]:
+        """The nodes into which no user input flows (computed from parameters, buffers and
+        constants alone, as a learned position table's rows for positions ``0..T-1``): the same
+        on every rank of a data-parallel program."""
+        batched = set(self.input_names)
+        same = set()
+        for node in self.graph_module.graph.nodes:
+            if node.name in batched:
+                continue
+            if any(arg.name in batched for arg in node.all_input_nodes):
+                batched.add(node.name)
+            else:
+                same.add(node.name)
+        return frozenset(same)
+
     @property
     def total_flops(self) -> float:
         return sum(n.flops for n in self.nodes.values())

@@ -196,8 +196,8 @@ def rescale(first: TracedGraph, second: TracedGraph, sizes: tuple[int, int], siz
 
 @dataclass(frozen=True)
 class KnownGraph:
-    """A graph of the model at some batch size, made already: ``traced``, or written from a
-    trace of the first blocks or rescaled from two graphs (an estimate of the trace)."""
+    """A graph of the model at some batch size: ``traced``, or written from a trace of the first
+    blocks or rescaled from two graphs (an estimate of the trace)."""
 
     graph: TracedGraph
     traced: bool
@@ -264,12 +264,10 @@ class BatchSizeGraphs:
             self.trace_s += time.perf_counter() - start
         return self.rescaled[size]
 
-    def known(self, size: int) -> KnownGraph | None:
-        """The graph at batch ``size`` where one was made, the trace first; None where none was."""
-        if size in self.traced:
-            return KnownGraph(self.traced[size], traced=True)
-        written = self.deepened.get(size, self.rescaled.get(size))
-        return KnownGraph(written, traced=False) if written is not None else None
+    def made(self, size: int) -> KnownGraph:
+        """The graph at batch ``size`` (:meth:`get`), and whether it was traced."""
+        graph = self.get(size)
+        return KnownGraph(graph, traced=self.is_traced(graph))
 
     def is_traced(self, graph: TracedGraph) -> bool:
         return any(graph is g for g in self.traced.values())

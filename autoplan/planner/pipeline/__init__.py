@@ -163,7 +163,7 @@ from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import batch_size
-from autoplan.trace.rescale import BatchSizeGraphs, KnownGraph
+from autoplan.trace.rescale import BatchSizeGraphs
 
 __all__ = [
     "INTERLEAVED", "LEAN", "SCHEDULES", "LayerCosts", "PipelineCandidate", "PipelineOptions", "RangeTable",
@@ -216,14 +216,14 @@ def plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptio
 
 
 def plan_pipeline_traced(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions = PipelineOptions()
-                         ) -> tuple[Plan, TracedGraph, KnownGraph | None]:
+                         ) -> tuple[Plan, TracedGraph, BatchSizeGraphs]:
     """:func:`plan_pipeline`, the trace of one microbatch the plan was planned on, and the
-    graph of the whole batch the search planned on (None where it searched no such graph)."""
+    graphs the search planned on, by microbatch size."""
     planned: list[Plan] = []  # its warnings given once the block ends
     with _warnings_once(planned), _cyclic_gc_paused():
-        plan, graph, whole_batch = _plan_pipeline(spec, options, popts)
+        plan, graph, graphs = _plan_pipeline(spec, options, popts)
         planned.append(plan)
-    return plan, graph, whole_batch
+    return plan, graph, graphs
 
 
 def _planned_exactly(spec: ModelSpec, candidate: PipelineCandidate, options: PlannerOptions
@@ -417,7 +417,7 @@ def _rival_options(options: PlannerOptions, rivals: int) -> PlannerOptions:
 
 
 def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOptions
-                   ) -> tuple[Plan, TracedGraph, KnownGraph | None]:
+                   ) -> tuple[Plan, TracedGraph, BatchSizeGraphs]:
     if popts.schedule is not None:
         popts = replace(popts, schedule=normalize_schedule(popts.schedule))
     start = time.perf_counter()
@@ -507,4 +507,4 @@ def _plan_pipeline(spec: ModelSpec, options: PlannerOptions, popts: PipelineOpti
                                       f"{format_seconds(c.step_time_s)} per step in the stage search",
                                       estimate_s=c.step_time_s)
                           for c in [c for c in candidates if id(c) not in searched][:max(0, 6 - len(planned))]]
-    return plan, best.graph, graphs.known(batch)
+    return plan, best.graph, graphs
