@@ -135,13 +135,29 @@ def parse_manual(text: str) -> ManualPlan:
     return manual
 
 
+def _batch(graph: TracedGraph) -> int | None:
+    """The batch the graph was traced with: dim 0 of its first user input (None: none has dims)."""
+    inputs = [graph.nodes[name] for name in graph.input_names if graph.nodes[name].shape]
+    return inputs[0].shape[0] if inputs else None
+
+
+def _computed_whole(graph: TracedGraph) -> frozenset[str]:
+    """Op outputs every rank of a data-parallel program computes whole: those no user input
+    flows into (:attr:`~autoplan.trace.graph.TracedGraph.input_free_values`), but for those
+    made in the batch's shape (OPT's attention mask of ones, ``[B, T]``, and its positions):
+    a rank makes them for its own samples."""
+    batch = _batch(graph)
+    return frozenset(name for name in graph.input_free_values
+                     if (info := graph.nodes.get(name)) is not None and info.kind in ("op", "activation")
+                     and not (info.shape and info.shape[0] == batch))
+
+
 def _batched_values(graph: TracedGraph) -> frozenset[str]:
     """Op outputs that carry the batch: those computed from a user input (transitively) whose
     dim 0 is a multiple of the batch (``[B, T, C]``, and ``[B·T, V]`` after a view)."""
-    inputs = [graph.nodes[name] for name in graph.input_names if graph.nodes[name].shape]
-    if not inputs:
+    batch = _batch(graph)
+    if batch is None:
         return frozenset()
-    batch = inputs[0].shape[0]
     from_input: set[str] = set(graph.input_names)
     for node in graph.graph_module.graph.nodes:
         if node.op == "call_function" and any(i.name in from_input for i in node.all_input_nodes):
@@ -165,9 +181,9 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     the batch and the gradients are all-reduced (without the rule the ILP keeps a small model
     replicated and calls it data parallel). Over ``dp`` and ``fsdp`` alike, an op's value into
     which no user input flows (a learned position table's rows for positions ``0..T-1``,
-    rotary tables) is whole: every rank computes it, as DDP and FSDP2 run the model (without
-    the rule the ILP may look up GPT-2's position rows in a column-sharded table and gather
-    them, which no data-parallel program does).
+    rotary tables), unless made in the batch's shape, is whole: every rank computes it, as DDP
+    and FSDP2 run the model (without the rule the ILP may look up GPT-2's position rows in a
+    column-sharded table and gather them, which no data-parallel program does).
 
     Sharded data parallelism over the ``fsdp`` axis: the batch as over ``dp``, and every
     parameter that ``fsdp`` divides along some dim is stored sharded there; its consumers,
@@ -191,12 +207,12 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
         return None
     batch_axes = [axis for axis in (dp_axis, fsdp_axis) if axis is not None]
     batched = _batched_values(graph) if batch_axes else frozenset()
-    input_free = graph.input_free_values if batch_axes else frozenset()
+    whole = _computed_whole(graph) if batch_axes else frozenset()
     sharded_weights = _tensor_parallel_weights(graph, manual.tp) if tp_axis is not None else frozenset()
 
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
         carries_batch = (info.kind == "input" and info.shape) or info.name in batched
-        computed_whole = info.kind in ("op", "activation") and info.name in input_free
+        computed_whole = info.name in whole
         for axis in batch_axes:
             if carries_batch and not (spec[axis].is_shard and spec[axis].dim == 0):
                 return False
