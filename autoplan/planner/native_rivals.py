@@ -53,8 +53,8 @@ from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import batch_size
 from autoplan.trace.rescale import BatchSizeGraphs, KnownGraph
 
-__all__ = ["ESTIMATE_MARGIN", "FOUND_ON_THE_INTERPRETER", "GraphOf", "expected_step_s", "fastest_native_rival", "known_graphs", "rival_forms",
-           "searched_prediction", "state_bytes_per_device"]
+__all__ = ["ESTIMATE_MARGIN", "FOUND_ON_THE_INTERPRETER", "GraphOf", "expected_step_s", "fastest_native_rival",
+           "known_graphs", "rival_forms", "searched_prediction", "state_bytes_per_device"]
 
 #: The name of the alternative that keeps a found plan a native rival replaced.
 FOUND_ON_THE_INTERPRETER = "the plan the search found, on autoplan's DTensor interpreter"
@@ -123,7 +123,7 @@ def _first_fitting(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan
 
 #: The graph of one microbatch of the global batch cut into that many, where the caller has one
 #: (traced, or written: an estimate); None where it has none.
-GraphOf = Callable[[int], "KnownGraph | None"]
+GraphOf = Callable[[int], KnownGraph | None]
 
 
 def _no_graph(microbatches: int) -> KnownGraph | None:
