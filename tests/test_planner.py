@@ -245,3 +245,23 @@ def test_predicted_step_time_is_the_ilp_objective(example: str, mesh: tuple[int,
     from autoplan.solvers import format_seconds
 
     assert format_seconds(plan.predicted.step_time_s) == objective
+
+
+def test_a_budget_only_the_backwards_transients_exceed_blames_them() -> None:
+    """A tiny Mixtral (transformers' own class) on 4 devices: just above the lower bound of its
+    memory (the sum of each op's least, which the budget's first check compares) no plan fits
+    once the backward's transients are counted. The one-line error says so, and does not claim
+    that the least a plan needs is a figure below the budget."""
+    from zoo import ALL_CASES
+
+    case = ALL_CASES["mixtral"]()
+    spec = make_model_spec(case.model, case.example_inputs, case.loss_fn, name="mixtral")
+    graph = trace(spec)
+    with pytest.raises(MemoryInfeasibleError) as below:
+        plan_traced(graph, make_options(4, "cpu", memory_per_device=1e3))
+    least = below.value.least_memory_bytes
+    with pytest.raises(MemoryInfeasibleError) as info:
+        plan_traced(graph, make_options(4, "cpu", memory_per_device=least * 1.01))
+    message = str(info.value)
+    assert "\n" not in message and "backward's transients" in message
+    assert "the least any plan needs is" not in message

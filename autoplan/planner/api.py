@@ -87,9 +87,13 @@ def plan_traced(graph: TracedGraph, options: PlannerOptions, model_name: str = "
     feasible = [o for o in outcomes if o.result is not None]
     if not feasible:
         least = min(o.least_memory for o in outcomes if o.least_memory is not None)
+        # a mesh's least is a lower bound: above the budget it is the reason; below it, the
+        # backward's transients (peak rows) are what no plan fits
+        need = (f"the least any plan needs is {format_bytes(least)}" if least > options.memory_budget else
+                f"every plan needs more with the backward's transients (at least {format_bytes(least)})")
         raise MemoryInfeasibleError(
             f"no plan fits {format_bytes(options.memory_budget)} per device on "
-            f"{', '.join(mesh_label(m) for m in meshes)}: the least any plan needs is {format_bytes(least)}; "
+            f"{', '.join(mesh_label(m) for m in meshes)}: {need}; "
             f"give more memory (--memory-per-device) or more devices", least)
     predictions = {o.mesh: predict(graph, classes, o.result, o.ctx) for o in feasible}
     best = min(feasible, key=lambda o: predictions[o.mesh][0].step_time_s)
