@@ -157,8 +157,9 @@ MANUAL_CASES: dict[str, tuple[str, str, str]] = {
     "blocks_zero2_checkpointed": ("residual_blocks", "dp={world},zero=2,ac=full", "fsdp"),
     # ZeRO-1 (a whole gradient reduce-scattered once per step): the interpreter
     "llama_zero1": ("llama", "dp={world},zero=1", "none"),
-    # FSDP with a table stored sharded on dim 1 (fully_shard shards dim 0): the interpreter
-    "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "none"),
+    # nanoGPT's loss (a token mean: ignore_index=-1) on each rank's own samples, its head tied
+    # to its token table
+    "nanogpt_fsdp": ("nanogpt", "fsdp={world}", "fsdp"),
 }
 # name -> (builder, pins, expected kind): the search's plans on H100s under pins: the blocks'
 # weights stored sharded and gathered at use, the rest (biases, norms, embedding, head) left

@@ -200,7 +200,14 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     all-reduce). A weight gathered whole before use (ZeRO-3 style) is excluded. Which weights
     are columns and which rows is the ILP's choice; a column feeding a row needs no collective
     between them, so pairs come out as Megatron's, with one all-reduce per pair in the forward
-    (after the row) and one in the backward (the gradient of the column's input)."""
+    (after the row) and one in the backward (the gradient of the column's input).
+
+    Over ``dp`` and ``fsdp`` an op also reads every value that carries the batch ``S(0)``, as
+    each rank of DDP and FSDP2 runs the model on its own samples: a loss over the batch reduces
+    its ranks' shares (a token mean's count all-reduced beside its sum) rather than gathering
+    the logits and targets (on a small model the ILP may find the gather cheaper; a data-parallel
+    program does not run it). An op no strategy of which reads them so (a contrastive loss's
+    ``[B, B]`` logits of two batches) keeps its strategies: every one is exact."""
     dp_axis, fsdp_axis, tp_axis = manual.axis("dp"), manual.axis("fsdp"), manual.axis("tp")
     held = fsdp_axis is not None and manual.pp > 1 and manual.microbatches > 1
     if dp_axis is None and fsdp_axis is None and tp_axis is None:
@@ -210,11 +217,18 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     whole = _computed_whole(graph) if batch_axes else frozenset()
     sharded_weights = _tensor_parallel_weights(graph, manual.tp) if tp_axis is not None else frozenset()
 
+    def carries_batch(info: NodeInfo) -> bool:
+        return bool((info.kind == "input" and info.shape) or info.name in batched)
+
+    def reads_own_samples(inputs: list[NodeInfo], strategy: Strategy) -> bool:
+        return all(spec[axis].is_shard and spec[axis].dim == 0
+                   for info, spec in zip(inputs, strategy.input_specs) if carries_batch(info)
+                   for axis in batch_axes)
+
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
-        carries_batch = (info.kind == "input" and info.shape) or info.name in batched
         computed_whole = info.name in whole
         for axis in batch_axes:
-            if carries_batch and not (spec[axis].is_shard and spec[axis].dim == 0):
+            if carries_batch(info) and not (spec[axis].is_shard and spec[axis].dim == 0):
                 return False
             if computed_whole and not spec[axis].is_replicate:
                 return False
@@ -230,7 +244,7 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
         return tp_axis is None or tensor_parallel_allows(info, spec[tp_axis], sharded_weights)
 
     return StorageRule(allow, ZeroStage(manual.zero, dp_axis, fsdp_axis if held else None),
-                       dims_over_axes=len(batch_axes) > 1)
+                       dims_over_axes=len(batch_axes) > 1, reads=reads_own_samples if batch_axes else None)
 
 
 def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights: frozenset[str]) -> bool:

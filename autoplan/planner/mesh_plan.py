@@ -180,6 +180,8 @@ def _output_class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, 
 
 # may a value be stored (or an op produce it) in a spec
 PlacementRule = Callable[[NodeInfo, ShardingSpec], bool]
+# may an op read its inputs (their infos, in order) in a strategy's input specs
+ReadingRule = Callable[[list[NodeInfo], Strategy], bool]
 
 
 @dataclass(frozen=True)
@@ -190,11 +192,13 @@ class StorageRule:
     one exists (none accepted: plain storage only); without it the ZeRO strategies are free
     choices. ``dims_over_axes`` lets strategies split one dim over several mesh axes
     (:func:`~autoplan.strategies.candidates.enumerate_strategies`), as a rule that shards the
-    batch over two axes needs."""
+    batch over two axes needs. ``reads(inputs, strategy)`` says whether an op may read its
+    inputs in the strategy's specs (an op none of whose strategies it accepts keeps them all)."""
 
     allowed: PlacementRule
     sharded_state: Callable[[Strategy], bool] | None = None
     dims_over_axes: bool = False  # a tensor dim may be split over several mesh axes (HSDP's batch)
+    reads: ReadingRule | None = None
 
     def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
         return self.allowed(info, spec)
@@ -325,6 +329,8 @@ def _class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, ...], c
         kind = "op"
         if allow_storage is not None:  # a rule may also constrain what ops produce (manual plans)
             strategies = [s for s in strategies if allow_storage(info, s.output_specs[0])] or strategies
+            if allow_storage.reads is not None:  # and what they read
+                strategies = [s for s in strategies if allow_storage.reads(input_infos, s)] or strategies
         if not strategies:
             strategies = [replicated_strategy(len(input_names), len(imap.outputs), len(mesh_shape))]
     strategies = pinned_strategies(info, strategies, mesh_shape, pins)

@@ -87,9 +87,9 @@ def plan_stage(candidate: PipelineCandidate, index: int, budget: float | None, o
             return spec == stored[info.fqn]
         return options.allow_storage is None or options.allow_storage(info, spec)
 
-    # the parameters an earlier stage stored keep their placements; the options' ZeRO rule holds
+    # the parameters an earlier stage stored keep their placements; the options' other rules hold
     rule = options.allow_storage
-    allow_storage = StorageRule(allowed, rule.sharded_state if rule else None, rule is not None and rule.dims_over_axes)
+    allow_storage = StorageRule(allowed) if rule is None else replace(rule, allowed=allowed)
 
     nodes = [n for layer in candidate.layers[start:end] for n in layer.nodes]
     sub = candidate.graph
