@@ -19,6 +19,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -63,10 +64,12 @@ def main(out_dir: Path) -> None:
     results: dict = {}
     for case in json.loads((out_dir / "cases.json").read_text()):
         torch.manual_seed(0)
+        started = time.perf_counter()
         try:
             results[case["name"]] = run_case(case)
         except Exception as e:  # the test reports it
             results[case["name"]] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        results[case["name"]]["seconds"] = time.perf_counter() - started  # the case's wall time, for profiling
         (out_dir / f"partial{ctx.rank}.json").write_text(json.dumps(results))  # what a hang leaves behind
         print(f"rank {ctx.rank}: {case['name']} done", flush=True)
         dist.barrier()
