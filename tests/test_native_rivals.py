@@ -170,3 +170,38 @@ def test_a_pipeline_with_tensor_parallel_stages_meets_fsdp_and_ddp_inside_its_ra
     assert chosen.alternatives[0].name == FOUND_ON_THE_INTERPRETER
     found.predicted.interpreter_step_s = found.predicted.step_time_s * 1e-3
     assert native_rivals.fastest_native_rival(spec, options, found, lambda p: p) is None
+
+
+def test_a_plan_accumulating_microbatches_meets_fsdp_and_ddp_accumulating_them(monkeypatch) -> None:
+    """One stage, tensor parallel over 4 devices, accumulating 4 microbatches (the memory
+    binds): the interpreter runs it. Its rivals are, besides DDP and FSDP over every device,
+    FSDP and DDP over every device accumulating the most microbatches, up to the found plan's,
+    whose samples the devices split evenly, each tried plain, then with its layers checkpointed
+    selectively, then fully; the fastest native one replaces the found plan where it is faster
+    than the found plan's expected step."""
+    spec, options, found = _pipelined_gpt2("tp=4,microbatches=4")
+    assert program_choice(spec, trace_microbatch(spec, 4), found).kind == ProgramKind.INTERPRETER
+    accumulated = [tries for tries in rival_forms(options, found, 16) if tries[0].microbatches > 1]
+    assert [[m.label for m in tries] for tries in accumulated] == [
+        ["manual dp=1,fsdp=4,tp=1,pp=1,microbatches=4", "manual dp=1,fsdp=4,tp=1,pp=1,microbatches=4,ac=selective",
+         "manual dp=1,fsdp=4,tp=1,pp=1,microbatches=4,ac=full"],
+        ["manual dp=4,tp=1,pp=1,microbatches=4", "manual dp=4,tp=1,pp=1,microbatches=4,ac=selective",
+         "manual dp=4,tp=1,pp=1,microbatches=4,ac=full"]]
+    # a batch of 8 in 4 microbatches of two samples: 2 of four, the most that four devices split
+    assert {tries[0].microbatches for tries in rival_forms(options, found, 8)} == {1, 2}
+    assert {tries[0].microbatches for tries in rival_forms(options, found, 6)} == {1}
+    assert {tries[0].microbatches for tries in rival_forms(options, replace(found, microbatches=1), 16)} == {1}
+
+    programs = []  # (microbatches, program) of each rival planned
+
+    def recorded(spec_, graph, plan):
+        choice = program_choice(spec_, graph, plan)
+        programs.append((plan.microbatches, choice.kind, plan.predicted.step_time_s))
+        return choice
+
+    monkeypatch.setattr(native_rivals, "program_choice", recorded)
+    found.predicted.interpreter_step_s = found.predicted.step_time_s * 100
+    chosen = native_rivals.fastest_native_rival(spec, options, found, lambda p: p)
+    assert (4, ProgramKind.NATIVE) in {p[:2] for p in programs}  # DDP or FSDP2 accumulating 4 microbatches
+    native = [step for _, kind, step in programs if kind != ProgramKind.INTERPRETER]
+    assert chosen is not None and chosen.predicted.step_time_s == min(native)

@@ -11,8 +11,12 @@ where the found plan is a pipeline whose ranks hold ``k`` devices each (tensor p
 inside its stages, say), FSDP and DDP over each rank's devices under the same ranks and
 schedule (``pp=P,fsdp=k`` and ``pp=P,dp=k``: torch.distributed.pipelining with FSDP2 or
 ``replicate`` in each stage), with the most microbatches, up to the found plan's, whose samples
-``k`` devices split evenly. Each is tried again with every layer checkpointed where it does not
-fit without. The fastest of them whose program is native
+``k`` devices split evenly; and where the found plan accumulates microbatches on one stage (the
+memory binds), DDP and FSDP over every device accumulating the most microbatches, up to the
+found plan's, whose samples every device splits evenly (``fsdp=N,microbatches=m``: FSDP2 or
+DDP accumulating gradients). Each is tried again with every layer checkpointed where it does not
+fit without: the accumulated forms first selectively (matrix products kept), then fully; the
+others fully. The fastest of them whose program is native
 (:func:`~autoplan.codegen.program_choice.program_choice`) replaces the found plan where its
 predicted step is shorter than the found plan's expected one::
 
@@ -80,10 +84,23 @@ def rival_forms(options: PlanOptions, found: Plan | None = None, batch: int | No
         return []
     forms = [form for form in forms if form.dp * form.fsdp == options.devices]
     if found is not None and batch is not None and options.mesh is None:
-        forms += _pipelined_forms(options.devices, found, batch)
+        forms += _pipelined_forms(options.devices, found, batch) + _accumulated_forms(options.devices, found, batch)
     if options.recompute == "none":
         return [[form] for form in forms]
-    return [[form, replace(form, ac="full")] for form in forms]
+    return [[form, *([replace(form, ac="selective")] if _accumulates(form) else []), replace(form, ac="full")]
+            for form in forms]
+
+
+def _accumulates(form: ManualPlan) -> bool:
+    return form.pp == 1 and form.microbatches > 1
+
+
+def _most_microbatches(found: Plan, batch: int, devices: int, ranks: int) -> int | None:
+    """The most microbatches, up to ``found``'s, whose samples ``devices`` split evenly (and,
+    under a pipeline of ``ranks`` not run by GPipe, at least one per rank); None: none."""
+    counts = [m for m in range(found.microbatches, 0, -1) if batch % m == 0 and (batch // m) % devices == 0
+              and (m >= ranks or found.schedule == "gpipe")]
+    return counts[0] if counts else None
 
 
 def _pipelined_forms(devices: int, found: Plan, batch: int) -> list[ManualPlan]:
@@ -93,12 +110,22 @@ def _pipelined_forms(devices: int, found: Plan, batch: int) -> list[ManualPlan]:
     per_rank = devices // ranks
     if ranks < 2 or per_rank < 2:
         return []
-    counts = [m for m in range(found.microbatches, 0, -1) if batch % m == 0 and (batch // m) % per_rank == 0
-              and (m >= ranks or found.schedule == "gpipe")]
-    if not counts:
+    most = _most_microbatches(found, batch, per_rank, ranks)
+    if most is None:
         return []
-    shape = {"pp": ranks, "microbatches": counts[0], "schedule": found.schedule}
+    shape = {"pp": ranks, "microbatches": most, "schedule": found.schedule}
     return [ManualPlan(fsdp=per_rank, **shape), ManualPlan(dp=per_rank, **shape)]
+
+
+def _accumulated_forms(devices: int, found: Plan, batch: int) -> list[ManualPlan]:
+    """DDP and FSDP over every device accumulating microbatches (module docstring), where
+    ``found`` accumulates them on one stage."""
+    if len({tuple(stage.devices) for stage in found.stages}) > 1 or found.microbatches < 2:
+        return []
+    most = _most_microbatches(found, batch, devices, 1)
+    if most is None or most < 2:
+        return []
+    return [ManualPlan(fsdp=devices, microbatches=most), ManualPlan(dp=devices, microbatches=most)]
 
 
 def state_bytes_per_device(spec: ModelSpec, options: PlanOptions, shards: int) -> float:
@@ -163,7 +190,7 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
     run. ``finish`` writes the run's decisions into a rival plan; ``graph_of``: the graphs the
     caller has, by microbatch count."""
     expected = found.predicted.interpreter_step_s
-    batch = batch_size(spec.example_inputs) if len(found.stages) > 1 else None
+    batch = batch_size(spec.example_inputs) if len(found.stages) > 1 or found.microbatches > 1 else None
     forms = rival_forms(options, found, batch) if expected else []
     forms = [tries for tries in forms if _may_win(spec, options, tries, expected, graph_of)]
     if not forms:
