@@ -52,16 +52,19 @@ def on_every_rank(per_rank: list[dict], name: str) -> list[dict]:
     return per_rank
 
 
-def write_check_cases(out_dir: Path, plans: dict, files: dict[str, str] | None = None) -> None:
+def write_check_cases(out_dir: Path, plans: dict, files: dict[str, str] | None = None,
+                      interpreter: frozenset[str] = frozenset()) -> None:
     """``out_dir/cases.json`` for ``check_worker.py``: ``plans`` maps a case name to ``(builder,
     plan)``; a builder is looked up in ``files[builder]`` (a file under tests/; zoo.py if not
-    given). Each plan is written beside it."""
+    given). Each plan is written beside it. The cases named in ``interpreter`` run on the DTensor
+    interpreter whatever program their plan names."""
     cases = []
     for name, (builder, plan) in plans.items():
         path = out_dir / f"{name}.json"
         path.write_text(plan.to_json())
         file = (files or {}).get(builder, "zoo.py")
-        cases.append({"name": name, "file": str(ROOT / "tests" / file), "builder": builder, "plan": str(path)})
+        cases.append({"name": name, "file": str(ROOT / "tests" / file), "builder": builder, "plan": str(path),
+                      **({"interpreter": True} if name in interpreter else {})})
     (out_dir / "cases.json").write_text(json.dumps(cases))
 
 

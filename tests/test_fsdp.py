@@ -184,7 +184,10 @@ def test_fsdp_programs_pass_check(world: int, tmp_path) -> None:
         if "hsdp" in label:
             _assert_hsdp(plan, frozenset(name for name, _ in _spec(model_name).module.named_buffers()))
     assert "gathered at use" in summary_text(next(iter(plans.values()))[1])
-    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py", "nanogpt4": "fsdp_cases.py"})
+    # the interpreter's own prefetching of a block's gathers (FSDP2, which runs Llama's plan natively,
+    # prefetches by itself)
+    prefetching = frozenset({"llama fsdp prefetched", "gpt2 fsdp checkpointed prefetched"})
+    write_check_cases(tmp_path, plans, {"nanogpt": "fsdp_cases.py", "nanogpt4": "fsdp_cases.py"}, prefetching)
     results = launch_worker(ROOT / "tests" / "check_worker.py", world, tmp_path, timeout=600)
     assert_checks_passed(results, plans)
     for label, (_, plan) in plans.items():  # planned for GPUs: a block re-gathered beside the next one's backward

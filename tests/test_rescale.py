@@ -77,7 +77,8 @@ def test_pipeline_plan_made_on_traces_and_independent_of_jobs(monkeypatch: pytes
     """The plan found with rescaled graphs and two processes equals the plan found tracing
     every microbatch size in one process; its graph is a trace."""
     spec = _spec("llama")
-    options = dict(memory_per_device=2e6, recompute="none")  # small enough that a pipeline wins
+    # small enough that a pipeline wins the search (no native rival set against it)
+    options = dict(memory_per_device=2e6, recompute="none", native_rivals=False)
     parallel = plan_model(spec, PlanOptions(4, "h100", jobs=2, **options))
     monkeypatch.setattr(BatchSizeGraphs, "get", BatchSizeGraphs.trace)
     serial = plan_model(spec, PlanOptions(4, "h100", jobs=1, **options))
@@ -171,7 +172,7 @@ def test_rivals_are_planned_on_rescaled_graphs_and_only_the_winner_traced(monkey
     from autoplan.planner import pipeline as pipeline_module
 
     spec = _spec("llama")
-    options = PlanOptions(4, "h100", jobs=1, memory_per_device=2e6, recompute="none")
+    options = PlanOptions(4, "h100", jobs=1, memory_per_device=2e6, recompute="none", native_rivals=False)
     monkeypatch.setattr(pipeline_module, "RERANK_MARGIN", 100.0)  # the REFINED best all planned exactly
     sizes = _traced_sizes(monkeypatch)
     likely: list[int] = []  # the search's best: traced while the exact plans run, as it usually wins

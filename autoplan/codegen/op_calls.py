@@ -29,6 +29,7 @@ the experts it computes their contributions, partial sums of the output by its m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any
 
@@ -88,9 +89,27 @@ def _cross_entropy_over_counted_targets(x: torch.Tensor, target: torch.Tensor, w
     return summed / count
 
 
+def _nll_over_counted_targets(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
+    """``op`` (an ``nll_loss`` overload) averaged as :func:`_cross_entropy_over_counted_targets`
+    averages ``cross_entropy_loss``: its partial sum over the whole batch's count."""
+
+    def counted(x: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                reduction: int = _MEAN, ignore_index: int = -100) -> torch.Tensor:
+        if reduction != _MEAN or weight is not None:
+            return op(x, target, weight, reduction, ignore_index)
+        count = (target != ignore_index).sum()
+        if isinstance(count, DTensor):
+            count = count.redistribute(count.device_mesh, [Replicate()] * count.device_mesh.ndim)
+        return op(x, target, None, _SUM, ignore_index) / count
+
+    return counted
+
+
 REPLACED_OPS = MappingProxyType({
     torch.ops.aten.view.default: torch.ops.aten.reshape.default,
     torch.ops.aten.cross_entropy_loss.default: _cross_entropy_over_counted_targets,
+    **{op: _nll_over_counted_targets(op) for op in (torch.ops.aten.nll_loss.default, torch.ops.aten.nll_loss_nd.default,
+                                                    torch.ops.aten.nll_loss2d.default)},
     torch.ops.aten.binary_cross_entropy_with_logits.default: _bce_with_logits,
     **get_decompositions(_DECOMPOSED_LOSSES),
 })

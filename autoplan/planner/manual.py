@@ -222,7 +222,7 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
 
     def reads_own_samples(inputs: list[NodeInfo], strategy: Strategy) -> bool:
         return all(spec[axis].is_shard and spec[axis].dim == 0
-                   for info, spec in zip(inputs, strategy.input_specs) if carries_batch(info)
+                   for info, spec in zip(inputs, strategy.input_specs) if spec is not None and carries_batch(info)
                    for axis in batch_axes)
 
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:

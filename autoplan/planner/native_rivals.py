@@ -6,7 +6,8 @@ whose dispatch per op pass is several times larger: the step expected there is t
 ``interpreter_step_s`` (:mod:`autoplan.cost_models.interpreter_dispatch`). Where the found plan
 runs there, the data-parallel plans PyTorch runs natively are planned too, as ``--manual``
 writes them (:func:`~autoplan.planner.manual.plan_manual`): DDP (``dp=N``) and FSDP
-(``fsdp=N``) over every device, or HSDP (``dp=a,fsdp=b``) on a pinned ``a x b`` mesh; and
+(``fsdp=N``) over every device, and across nodes HSDP (``dp=nodes,fsdp=devices per node``),
+or HSDP (``dp=a,fsdp=b``) on a pinned ``a x b`` mesh; and
 where the found plan is a pipeline whose ranks hold ``k`` devices each (tensor parallelism
 inside its stages, say), FSDP and DDP over each rank's devices under the same ranks and
 schedule (``pp=P,fsdp=k`` and ``pp=P,dp=k``: torch.distributed.pipelining with FSDP2 or
@@ -76,7 +77,11 @@ def rival_forms(options: PlanOptions, found: Plan | None = None, batch: int | No
     if options.pin_set or options.stages or options.microbatches or options.schedule or options.layers:
         return []
     mesh = options.mesh or (options.devices,)
-    if len(mesh) == 1:
+    per_node = options.cluster_spec.devices_per_node
+    if options.mesh is None and 1 < per_node < options.devices and options.devices % per_node == 0:
+        forms = [ManualPlan(dp=options.devices), ManualPlan(fsdp=options.devices),
+                 ManualPlan(dp=options.devices // per_node, fsdp=per_node)]  # HSDP: FSDP in a node
+    elif len(mesh) == 1:
         forms = [ManualPlan(dp=mesh[0]), ManualPlan(fsdp=mesh[0])]
     elif len(mesh) == 2:
         forms = [ManualPlan(dp=mesh[0], fsdp=mesh[1])]
