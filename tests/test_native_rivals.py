@@ -64,6 +64,10 @@ def test_pins_and_a_pinned_pipeline_keep_the_plan_found() -> None:
         ["manual dp=1,fsdp=4,tp=1,pp=1,microbatches=1", "manual dp=1,fsdp=4,tp=1,pp=1,microbatches=1,ac=full"]]
     assert [[m.label for m in tries] for tries in rival_forms(PlanOptions(4, "cpu", mesh=(2, 2), recompute="none"))] \
         == [["manual dp=2,fsdp=2,tp=1,pp=1,microbatches=1"]]  # HSDP on a pinned 2-D mesh
+    # across two nodes of 8 H100s: HSDP too (FSDP inside a node, replicated across)
+    assert [tries[0].label for tries in rival_forms(PlanOptions(16, "h100"))] == [
+        "manual dp=16,tp=1,pp=1,microbatches=1", "manual dp=1,fsdp=16,tp=1,pp=1,microbatches=1",
+        "manual dp=2,fsdp=8,tp=1,pp=1,microbatches=1"]
     for kept in (PlanOptions(4, "cpu", pins=("mesh=2x2",)), PlanOptions(4, "cpu", stages=2),
                  PlanOptions(4, "cpu", microbatches=2), PlanOptions(8, "cpu", mesh=(2, 2, 2))):
         assert rival_forms(kept) == [], kept

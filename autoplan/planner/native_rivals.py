@@ -97,6 +97,7 @@ def rival_forms(options: PlanOptions, found: Plan | None = None, batch: int | No
 
 
 def _accumulates(form: ManualPlan) -> bool:
+    """Whether ``form`` accumulates microbatches on one stage (no pipeline)."""
     return form.pp == 1 and form.microbatches > 1
 
 
