@@ -83,10 +83,16 @@ def _cross_entropy_over_counted_targets(x: torch.Tensor, target: torch.Tensor, w
     if reduction != _MEAN or weight is not None:
         return torch.ops.aten.cross_entropy_loss.default(x, target, weight, reduction, ignore_index, label_smoothing)
     summed = torch.ops.aten.cross_entropy_loss.default(x, target, None, _SUM, ignore_index, label_smoothing)
+    return summed / _batch_count(target, ignore_index)
+
+
+def _batch_count(target: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """How many targets of the whole batch are not ``ignore_index`` (all-reduced where
+    ``target`` is sharded)."""
     count = (target != ignore_index).sum()
     if isinstance(count, DTensor):
         count = count.redistribute(count.device_mesh, [Replicate()] * count.device_mesh.ndim)
-    return summed / count
+    return count
 
 
 def _nll_over_counted_targets(op: torch._ops.OpOverload) -> Callable[..., torch.Tensor]:
@@ -97,10 +103,7 @@ def _nll_over_counted_targets(op: torch._ops.OpOverload) -> Callable[..., torch.
                 reduction: int = _MEAN, ignore_index: int = -100) -> torch.Tensor:
         if reduction != _MEAN or weight is not None:
             return op(x, target, weight, reduction, ignore_index)
-        count = (target != ignore_index).sum()
-        if isinstance(count, DTensor):
-            count = count.redistribute(count.device_mesh, [Replicate()] * count.device_mesh.ndim)
-        return op(x, target, None, _SUM, ignore_index) / count
+        return op(x, target, None, _SUM, ignore_index) / _batch_count(target, ignore_index)
 
     return counted
 

@@ -220,18 +220,18 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     def carries_batch(info: NodeInfo) -> bool:
         return bool((info.kind == "input" and info.shape) or info.name in batched)
 
+    def on_own_samples(spec: ShardingSpec) -> bool:
+        return all(spec[axis].is_shard and spec[axis].dim == 0 for axis in batch_axes)
+
     def reads_own_samples(inputs: list[NodeInfo], strategy: Strategy) -> bool:
-        return all(spec[axis].is_shard and spec[axis].dim == 0
-                   for info, spec in zip(inputs, strategy.input_specs) if spec is not None and carries_batch(info)
-                   for axis in batch_axes)
+        return all(on_own_samples(spec) for info, spec in zip(inputs, strategy.input_specs)
+                   if spec is not None and carries_batch(info))
 
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
-        computed_whole = info.name in whole
-        for axis in batch_axes:
-            if carries_batch(info) and not (spec[axis].is_shard and spec[axis].dim == 0):
-                return False
-            if computed_whole and not spec[axis].is_replicate:
-                return False
+        if carries_batch(info) and not on_own_samples(spec):
+            return False
+        if info.name in whole and not all(spec[axis].is_replicate for axis in batch_axes):
+            return False
         if dp_axis is not None and info.kind in ("parameter", "buffer", "constant") \
                 and not spec[dp_axis].is_replicate:
             return False
