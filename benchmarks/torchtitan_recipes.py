@@ -25,7 +25,8 @@ What differs from the recipes, and why: the
 (bf16 peak only): their ratios are not like for like.
 
 Each row prints the step time, tokens/s per GPU, MFU, the step's parts and the peak memory
-predicted for the recipe (``--manual``) and for the plan found, the planning time, and for
+predicted for the recipe (``--manual``) and for the plan found, the program that runs the
+recipe's plan (:mod:`autoplan.codegen.program_choice`, nothing run), the planning time, and for
 each recipe torchtitan's measurement and the ratio predicted / measured. The memory budget
 bounds the peak with the backward's transients; a recipe that does not fit it is costed again
 without a budget (its row says so), so that its step time still stands beside the plan found.
@@ -46,9 +47,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from autoplan.load import make_model_spec  # noqa: E402
+from autoplan.codegen.program_choice import program_choice  # noqa: E402
+from autoplan.errors import AutoplanError  # noqa: E402
+from autoplan.load import ModelSpec, make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan, Prediction  # noqa: E402
-from autoplan.planner.front_door import plan_model  # noqa: E402
+from autoplan.planner.front_door import plan_model, with_decisions  # noqa: E402
+from autoplan.planner.manual import parse_manual, plan_manual  # noqa: E402
+from autoplan.planner.pipeline.search import trace_microbatch  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
 from autoplan.reports.summary import hidden_text  # noqa: E402
 from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
@@ -108,6 +113,20 @@ def _row(label: str, recipe: Recipe, p: Prediction | None, reason: str = "") -> 
             f"{format_bytes(p.memory_bytes.peak_with_transient)} with the backward's transients)")
 
 
+def _recipe_program(spec: ModelSpec, options: PlanOptions, recipe: Recipe) -> str:
+    """The program that runs the recipe's plan (PyTorch's own or the DTensor interpreter, and
+    why), as ``--pin`` runs it: planned under the budget, else without one."""
+    manual = parse_manual(recipe.manual)
+    graph = trace_microbatch(spec, manual.microbatches)
+    for opts in (options, replace(options, memory_per_device=UNBOUNDED)):
+        try:
+            plan = with_decisions(plan_manual(spec, opts.planner_options(), manual, graph), opts)
+        except AutoplanError:
+            continue
+        return program_choice(spec, graph, plan).line()
+    return "not planned"
+
+
 def _found_label(plan: Plan) -> str:
     stages = f"{len(plan.stages)} stages x " if len(plan.stages) > 1 else ""
     return f"found: {stages}mesh {'x'.join(map(str, plan.mesh))}, {plan.microbatches} mb"
@@ -136,6 +155,7 @@ def main() -> None:
         print(f"{recipe.name} on {recipe.devices} H100s ({args.cluster}, {format_bytes(budget or 0)} per device), "
               f"global batch {recipe.global_batch} x {SEQ} (planning {planning:.1f} s)", flush=True)
         print(_row(f"recipe: {recipe.manual}", recipe, manual.predicted, manual.reason))
+        print(f"    runs on: {_recipe_program(spec, options, recipe)}", flush=True)
         fits = manual.predicted is not None
         if not fits:  # over the budget: its step time without one
             unbounded = plan_model(make_model_spec(*_build(recipe), name=recipe.name),

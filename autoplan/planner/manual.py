@@ -207,13 +207,28 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     its ranks' shares (a token mean's count all-reduced beside its sum) rather than gathering
     the logits and targets (on a small model the ILP may find the gather cheaper; a data-parallel
     program does not run it). An op no strategy of which reads them so (a contrastive loss's
-    ``[B, B]`` logits of two batches) keeps its strategies: every one is exact."""
+    ``[B, B]`` logits of two batches) keeps its strategies: every one is exact.
+
+    Over ``tp`` the ranks share their samples, as torchtitan's tensor parallelism runs (the
+    styles of :mod:`autoplan.codegen.native_fsdp_tp`, which then run the plan):
+
+    - no value that carries the batch is stored, produced or read split by samples (``S(0)``)
+      there, and user inputs are whole: a rank splits weights, features, heads or the sequence
+      (without this the ILP split Llama-70B's head and loss by samples over ``tp`` too);
+    - what ``tp`` does not split is whole there: the parameters of norms, stored and read (as
+      ``SequenceParallel`` holds them; read sliced, their gradients were gathered), and buffers;
+    - only ops reading a split weight make partial sums there (:func:`tensor_parallel_allows`):
+      a norm's statistics are never split by features;
+    - a row linear reads what a column region made, never a norm's output sliced by features
+      (without this the ILP computed grouped-query attention's narrow key and value projections
+      as rows over the sliced norm and reduce-scattered their outputs, which no style runs).
+    """
     dp_axis, fsdp_axis, tp_axis = manual.axis("dp"), manual.axis("fsdp"), manual.axis("tp")
     held = fsdp_axis is not None and manual.pp > 1 and manual.microbatches > 1
     if dp_axis is None and fsdp_axis is None and tp_axis is None:
         return None
     batch_axes = [axis for axis in (dp_axis, fsdp_axis) if axis is not None]
-    batched = _batched_values(graph) if batch_axes else frozenset()
+    batched = _batched_values(graph)
     whole = _computed_whole(graph) if batch_axes else frozenset()
     sharded_weights = _tensor_parallel_weights(graph, manual.tp) if tp_axis is not None else frozenset()
 
@@ -221,15 +236,28 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
         return bool((info.kind == "input" and info.shape) or info.name in batched)
 
     def on_own_samples(spec: ShardingSpec) -> bool:
-        return all(spec[axis].is_shard and spec[axis].dim == 0 for axis in batch_axes)
+        split = all(spec[axis].is_shard and spec[axis].dim == 0 for axis in batch_axes)
+        return split and (tp_axis is None or not (spec[tp_axis].is_shard and spec[tp_axis].dim == 0))
 
-    def reads_own_samples(inputs: list[NodeInfo], strategy: Strategy) -> bool:
-        return all(on_own_samples(spec) for info, spec in zip(inputs, strategy.input_specs)
-                   if spec is not None and carries_batch(info))
+    def tensor_parallel_read(info: NodeInfo, placement: Placement, split_weight: bool) -> bool:
+        if info.kind == "parameter" and not split_weight:
+            return placement.is_replicate  # a norm's weight
+        made_with_whole_weight = info.kind == "op" and info.shape and set(info.params) - sharded_weights
+        feature_slice = bool(info.shape) and placement.is_shard and placement.dim == len(info.shape) - 1
+        return not (split_weight and made_with_whole_weight and feature_slice)  # a row over a norm's output
+
+    def reads_as_promised(inputs: list[NodeInfo], strategy: Strategy) -> bool:
+        split_weight = any(info.kind == "parameter" and info.fqn in sharded_weights for info in inputs)
+        return all((not carries_batch(info) or on_own_samples(spec))
+                   and (tp_axis is None or tensor_parallel_read(info, spec[tp_axis], split_weight))
+                   for info, spec in zip(inputs, strategy.input_specs) if spec is not None)
 
     def allow(info: NodeInfo, spec: ShardingSpec) -> bool:
         if carries_batch(info) and not on_own_samples(spec):
             return False
+        if tp_axis is not None and info.kind in ("input", "parameter", "buffer") and info.fqn not in sharded_weights \
+                and not spec[tp_axis].is_replicate:
+            return False  # an input, a norm's weight, a buffer: whole over tp (FSDP shards over fsdp alone)
         if info.name in whole and not all(spec[axis].is_replicate for axis in batch_axes):
             return False
         if dp_axis is not None and info.kind in ("parameter", "buffer", "constant") \
@@ -244,18 +272,22 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
         return tp_axis is None or tensor_parallel_allows(info, spec[tp_axis], sharded_weights)
 
     return StorageRule(allow, ZeroStage(manual.zero, dp_axis, fsdp_axis if held else None),
-                       dims_over_axes=len(batch_axes) > 1, reads=reads_own_samples if batch_axes else None)
+                       dims_over_axes=len(batch_axes) > 1, reads=reads_as_promised)
 
 
 def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights: frozenset[str]) -> bool:
     """Megatron tensor parallelism on one mesh axis (see :func:`manual_rule`): a weight of
     ``sharded_weights`` is stored sharded there, and an op reading one produces a column
-    (``S(last dim)``) or partial sums (a row)."""
+    (``S(last dim)``) or partial sums (a row); no other op makes partial sums there (a norm's
+    statistics or a loss over features split by tensor parallelism, which no
+    ``parallelize_module`` style computes: its input is read whole, or split on another dim)."""
     if info.kind == "parameter" and info.fqn in sharded_weights and not placement.is_shard:
         return False
-    if info.kind == "op" and info.shape and sharded_weights.intersection(info.params):
-        column = placement.is_shard and placement.dim == len(info.shape) - 1
-        return column or placement.is_partial
+    if info.kind == "op" and info.shape is not None:
+        if sharded_weights.intersection(info.params):
+            column = bool(info.shape) and placement.is_shard and placement.dim == len(info.shape) - 1
+            return column or placement.is_partial
+        return not placement.is_partial
     return True
 
 

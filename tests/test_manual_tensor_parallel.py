@@ -1,0 +1,74 @@
+"""``--manual fsdp=,tp=`` costs tensor parallelism as torchtitan runs it: the tensor-parallel ranks
+share their samples, norms hold their weights whole, and only weights split by ``tp`` make
+partial sums there (a Hugging Face Llama with grouped-query attention, planned on the meta
+device, nothing run)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from autoplan.load import make_model_spec
+from autoplan.plan_schema import Plan
+from autoplan.planner.front_door import plan_model
+from autoplan.planner.options import PlanOptions
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def recipe_plan() -> Plan:
+    """``fsdp=2,tp=4,ac=full`` on 8 H100s: 2 layers, 8 heads over 2 key-value heads."""
+    config = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=2, intermediate_size=1536, vocab_size=8192,
+                                      max_position_embeddings=1024)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 8192, (8, 1024))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_model(spec, PlanOptions(8, "h100", pins=("fsdp=2", "tp=4", "ac=full"), pipeline=False))
+
+
+def test_the_tensor_parallel_ranks_share_their_samples(recipe_plan: Plan) -> None:
+    assert recipe_plan.mesh == [2, 4]
+    assert {name: spec[1] for name, spec in recipe_plan.inputs.items()} == {"input_ids": "R", "labels": "R"}
+    loss = [n for n in recipe_plan.nodes if "cross_entropy" in n.op]
+    assert loss and all(spec is None or spec[1] != "S(0)" for n in loss for spec in n.inputs)
+
+
+def test_what_tp_does_not_split_is_stored_whole_there(recipe_plan: Plan) -> None:
+    """Norm weights and buffers (the rotary frequencies) are whole over ``tp``: FSDP shards them
+    over ``fsdp`` alone, as ``fully_shard`` on the data axis does."""
+    unsplit = {fqn: spec for fqn, spec in recipe_plan.params.items() if "norm" in fqn or "rotary" in fqn}
+    assert any("rotary" in fqn for fqn in unsplit) and any("norm" in fqn for fqn in unsplit)
+    assert all(spec[1] == "R" for spec in unsplit.values()), unsplit
+
+
+def test_only_the_split_weights_make_partial_sums_over_tp(recipe_plan: Plan) -> None:
+    partial = {n.op for n in recipe_plan.nodes for spec in n.outputs if spec[1] == "P"}
+    assert partial == {"aten.linear.default"}  # the row linears: o_proj and down_proj
+
+
+def test_norm_weights_are_read_whole_and_their_gradients_all_reduced_over_tp(recipe_plan: Plan) -> None:
+    """As ``SequenceParallel`` holds a norm: its weight whole over ``tp``, its gradient's partial
+    sums all-reduced there (read sliced, the gradient was all-gathered: no style runs that)."""
+    over_tp = {(c.kind, c.tensor) for c in recipe_plan.collectives if c.mesh_axis == 1 and c.tensor == "gradient"}
+    assert over_tp <= {("all_reduce", "gradient")}
+    weighted = {}  # each norm's last product: ``self.weight * hidden_states`` (the weight first)
+    for n in recipe_plan.nodes:
+        if n.module.endswith("norm") and n.op == "aten.mul.Tensor":
+            weighted[n.module] = n
+    assert len(weighted) == 5  # two per layer and the last
+    assert all(n.inputs[0][1] == "R" for n in weighted.values()), {m: n.inputs for m, n in weighted.items()}
+
+
+def test_key_and_value_projections_are_columns(recipe_plan: Plan) -> None:
+    """Megatron's rows read what a column region made: the narrow key and value projections are
+    columns (their outputs split by heads), not rows over the norm's output sliced by features."""
+    projections = [n for n in recipe_plan.nodes if n.module.endswith(("k_proj", "v_proj"))]
+    assert len(projections) == 4
+    assert all(n.outputs[0][1] == "S(2)" for n in projections), [(n.name, n.outputs) for n in projections]
