@@ -1,7 +1,7 @@
 """``--manual fsdp=,tp=`` costs tensor parallelism as torchtitan runs it: the tensor-parallel ranks
 share their samples, norms hold their weights whole, and only weights split by ``tp`` make
-partial sums there (a Hugging Face Llama with grouped-query attention, planned on the meta
-device, nothing run)."""
+partial sums there; torchtitan's Llama-70B recipe then runs on PyTorch's own FSDP x TP (Hugging
+Face Llamas with grouped-query attention, planned on the meta device, nothing run)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import warnings
 import pytest
 import torch
 
+from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.load import make_model_spec
 from autoplan.plan_schema import Plan
-from autoplan.planner.front_door import plan_model
+from autoplan.planner.front_door import plan_model, with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
 from autoplan.planner.options import PlanOptions
+from autoplan.planner.pipeline.search import trace_microbatch
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,3 +75,24 @@ def test_key_and_value_projections_are_columns(recipe_plan: Plan) -> None:
     projections = [n for n in recipe_plan.nodes if n.module.endswith(("k_proj", "v_proj"))]
     assert len(projections) == 4
     assert all(n.outputs[0][1] == "S(2)" for n in projections), [(n.name, n.outputs) for n in projections]
+
+
+def test_torchtitans_llama_70b_recipe_runs_on_fsdp_x_tp() -> None:
+    """torchtitan's Llama 3.1 70B recipe on 256 H100s (``fsdp=32,tp=8,ac=full``, local batch 16,
+    seq 8192), at its own size: its plan is taken by ``parallelize_module`` on the tensor axis
+    and FSDP2 on the data axis (before the rule: the DTensor interpreter, its loss split by
+    samples over both axes)."""
+    config = transformers.LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                                      num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
+                                      max_position_embeddings=8192)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 128256, (512, 8192))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama 70b")
+    options = PlanOptions(256, "h100", precision="bf16", plan_only=True)
+    graph = trace_microbatch(spec, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_manual(spec, options.planner_options(), parse_manual("fsdp=32,tp=8,ac=full"), graph)
+    choice = program_choice(spec, graph, with_decisions(plan, options))
+    assert choice.kind == ProgramKind.NATIVE and "FSDP x TP" in choice.text, choice.line()
