@@ -53,8 +53,8 @@ from autoplan.load import ModelSpec, make_model_spec  # noqa: E402
 from autoplan.plan_schema import Plan, Prediction  # noqa: E402
 from autoplan.planner.front_door import plan_model, with_decisions  # noqa: E402
 from autoplan.planner.manual import parse_manual, plan_manual  # noqa: E402
-from autoplan.planner.pipeline.search import trace_microbatch  # noqa: E402
 from autoplan.planner.options import PlanOptions  # noqa: E402
+from autoplan.planner.pipeline.search import trace_microbatch  # noqa: E402
 from autoplan.reports.summary import hidden_text  # noqa: E402
 from autoplan.solvers import format_bytes, format_seconds  # noqa: E402
 
@@ -114,8 +114,8 @@ def _row(label: str, recipe: Recipe, p: Prediction | None, reason: str = "") -> 
 
 
 def _recipe_program(spec: ModelSpec, options: PlanOptions, recipe: Recipe) -> str:
-    """The program that runs the recipe's plan (PyTorch's own or the DTensor interpreter, and
-    why), as ``--pin`` runs it: planned under the budget, else without one."""
+    """The program that runs the recipe's plan as written (PyTorch's own or the DTensor
+    interpreter, and why): planned under the budget, else without one."""
     manual = parse_manual(recipe.manual)
     graph = trace_microbatch(spec, manual.microbatches)
     for opts in (options, replace(options, memory_per_device=UNBOUNDED)):
