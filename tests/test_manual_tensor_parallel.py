@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from autoplan.codegen.program_choice import ProgramKind, program_choice
-from autoplan.load import make_model_spec
+from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import Plan
 from autoplan.planner.front_door import plan_model, with_decisions
 from autoplan.planner.manual import parse_manual, plan_manual
@@ -21,16 +21,22 @@ from autoplan.planner.pipeline.search import trace_microbatch
 transformers = pytest.importorskip("transformers")
 
 
+def _llama_spec(hidden: int, layers: int, heads: int, kv_heads: int, intermediate: int, vocab: int, seq: int,
+                batch: int) -> ModelSpec:
+    """A Hugging Face Llama built on the meta device, trained on its own tokens (``labels``)."""
+    config = transformers.LlamaConfig(hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, intermediate_size=intermediate,
+                                      vocab_size=vocab, max_position_embeddings=seq)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, vocab, (batch, seq))
+    return make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama")
+
+
 @pytest.fixture(scope="module")
 def recipe_plan() -> Plan:
     """``fsdp=2,tp=4,ac=full`` on 8 H100s: 2 layers, 8 heads over 2 key-value heads."""
-    config = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
-                                      num_key_value_heads=2, intermediate_size=1536, vocab_size=8192,
-                                      max_position_embeddings=1024)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, 8192, (8, 1024))
-    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama")
+    spec = _llama_spec(hidden=512, layers=2, heads=8, kv_heads=2, intermediate=1536, vocab=8192, seq=1024, batch=8)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return plan_model(spec, PlanOptions(8, "h100", pins=("fsdp=2", "tp=4", "ac=full"), pipeline=False))
@@ -82,13 +88,8 @@ def test_torchtitans_llama_70b_recipe_runs_on_fsdp_x_tp() -> None:
     seq 8192), at its own size: its plan is taken by ``parallelize_module`` on the tensor axis
     and FSDP2 on the data axis (before the rule: the DTensor interpreter, its loss split by
     samples over both axes)."""
-    config = transformers.LlamaConfig(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                                      num_key_value_heads=8, intermediate_size=28672, vocab_size=128256,
-                                      max_position_embeddings=8192)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, 128256, (512, 8192))
-    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama 70b")
+    spec = _llama_spec(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=128256, seq=8192,
+                       batch=512)
     options = PlanOptions(256, "h100", precision="bf16", plan_only=True)
     graph = trace_microbatch(spec, 1)
     with warnings.catch_warnings():

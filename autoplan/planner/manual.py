@@ -242,7 +242,7 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     def tensor_parallel_read(info: NodeInfo, placement: Placement, split_weight: bool) -> bool:
         if info.kind == "parameter" and not split_weight:
             return placement.is_replicate  # a norm's weight
-        made_with_whole_weight = info.kind == "op" and info.shape and set(info.params) - sharded_weights
+        made_with_whole_weight = info.kind == "op" and bool(set(info.params) - sharded_weights)
         feature_slice = bool(info.shape) and placement.is_shard and placement.dim == len(info.shape) - 1
         return not (split_weight and made_with_whole_weight and feature_slice)  # a row over a norm's output
 
