@@ -55,6 +55,22 @@ def _pair_tensor(shape: tuple[int, ...], u: int, v: int, matrix: np.ndarray) -> 
     return (matrix if u < v else matrix.T).reshape(view)
 
 
+def _allowed_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:
+    """Whether each assignment takes no pair an edge forbids."""
+    allowed = np.ones(shape, dtype=bool)
+    for edge in problem.edges:
+        if not edge.forbidden:
+            continue
+        mask = np.ones((problem.num_choices(edge.src), problem.num_choices(edge.dst)), dtype=bool)
+        for i, j in edge.forbidden:
+            mask[i, j] = False
+        if edge.src == edge.dst:
+            allowed &= _along(shape, edge.src, np.diag(mask).copy())
+        else:
+            allowed &= _pair_tensor(shape, edge.src, edge.dst, mask)
+    return allowed
+
+
 def _transient_tensor(problem: IntraOpProblem, shape: tuple[int, ...]) -> np.ndarray:
     """``trans(x)`` of every assignment: the largest peak row, 0 without rows."""
     out = np.zeros(shape)
@@ -93,9 +109,9 @@ def brute_force(problem: IntraOpProblem) -> IntraOpSolution:
     if problem.num_groups == 0:
         return solution_of(problem, [], "optimal", 0.0, "brute_force", 0.0, 0, 0)
     cost, memory = _cost_and_memory_tensors(problem)
-    fits = np.ones(cost.shape, dtype=bool)
+    fits = _allowed_tensor(problem, cost.shape)
     if problem.memory_budget is not None:
-        fits = memory + _transient_tensor(problem, cost.shape) <= problem.memory_budget
+        fits &= memory + _transient_tensor(problem, cost.shape) <= problem.memory_budget
     if not fits.any():
         raise MemoryInfeasibleError(f"no assignment fits {format_bytes(problem.memory_budget or 0.0)} per device "
                                     "with its peak rows", least_memory(problem))

@@ -24,6 +24,9 @@ Model
                 h[o] <= b0[o] + sum_g sum_i b[o,g,i] s[g,i]
                       + sum_(u,v) sum_(i,j) b[o,uv][i,j] e[uv,i,j]     for every overlap row o   (8)
 
+An edge's forbidden pairs and the choices they exclude (preprocessing's (P8)) are bounds, not
+rows: their ``e`` and ``s`` columns have upper bound 0 (:func:`_forbid`).
+
 (4) and (6) bound the step's peak, ``mem(x) + max(0, max_r p_r(x))``
 (:mod:`~autoplan.solvers.intra_op.problem`): ``t`` is at least every row, so at least their
 maximum, and nothing gains from a larger ``t``; without peak rows ``t`` is left out. A row's
@@ -203,6 +206,8 @@ class IlpModel:
         binary[self.binaries] = True
         variables = [_new_variable(lp, name, pulp.LpBinary if binary[k] else pulp.LpContinuous)
                      for k, name in enumerate(self.column_names())]
+        for k in np.flatnonzero(self.upper == 0):  # excluded choices and forbidden pairs
+            variables[k].upBound = 0
         starts, columns, coefficients, lower, upper = self.matrix()
         ends = list(starts[1:]) + [len(columns)]
         for r, (start, end) in enumerate(zip(starts, ends)):
@@ -350,6 +355,18 @@ def _add_overlap_rows(model: IlpModel, reduced: ReducedProblem) -> None:
             model.add_row(negated + [(column, 1.0)], -INFINITY, part.constant / model.scale)
 
 
+def _forbid(upper: np.ndarray, s: dict[int, np.ndarray], edges: list[EdgeBlock], reduced: ReducedProblem) -> None:
+    """(P8) of preprocessing: the ``s`` column of every excluded choice and the ``e`` column of
+    every forbidden pair bounded by 0 (with (2)-(3), ``s[u,i] + s[v,j] <= 1`` for a forbidden
+    pair ``(i, j)``: row ``i`` of ``e[uv]`` must carry ``s[u,i]`` to column ``j``'s ``s[v,j]``)."""
+    for g, choices in reduced.excluded.items():
+        if g in s:
+            upper[s[g][sorted(choices)]] = 0.0
+    for u, v, first, _, cols in edges:
+        for i, j in reduced.forbidden.get((u, v), ()):
+            upper[first + i * cols + j] = 0.0
+
+
 def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
     """The model of equations (0)-(4) over the groups (P4) left undecided, with ``t`` where
     peak rows (6) may be added (:func:`add_peak_row`)."""
@@ -362,6 +379,7 @@ def build_model(problem: IntraOpProblem, reduced: ReducedProblem) -> IlpModel:
     upper = np.full(columns, INFINITY)
     binaries = np.concatenate(list(s.values())) if s else np.zeros(0, dtype=np.int32)
     upper[binaries] = 1.0
+    _forbid(upper, s, edges, reduced)
     model = IlpModel(s, edges, np.zeros(columns), np.zeros(columns), upper, binaries.astype(np.int32), 1.0,
                      transient, hidden)
     model.costs, model.scale = _objective(model, reduced)

@@ -22,6 +22,12 @@
      kept); a row with both sums fixed hides a constant, taken out with the others (P5); a row
      whose collectives are never more than zero is dropped; equal rows add their weights. A
      group in an overlap row is never decided alone (P4): its choice changes what is hidden.
+(P8) Forbidden pairs merge as the costs do (a self-edge's pair ``(i, i)`` excludes choice ``i``;
+     a reversed edge's pairs transposed); a pair with a single-choice end excludes the other
+     end's choice; the other pairs keep their edge in the model (with zero costs where (P3)
+     folded it), their ``e`` columns fixed at 0 (:mod:`~autoplan.solvers.intra_op.ilp`), and
+     excluded choices' ``s`` columns too. A group decided alone (P4) takes an allowed choice; a
+     group with none gets a variable, which makes the model infeasible, as the problem is.
 """
 
 from __future__ import annotations
@@ -49,6 +55,8 @@ class ReducedProblem:
     budget_binding: bool  # the memory row is needed
     peaks: list[PeakRow] = field(default_factory=list)  # (P6): over active groups, when the budget binds
     overlaps: list[OverlapRow] = field(default_factory=list)  # (P7): over active groups
+    forbidden: dict[tuple[int, int], frozenset[tuple[int, int]]] = field(default_factory=dict)  # (P8), u < v
+    excluded: dict[int, frozenset[int]] = field(default_factory=dict)  # (P8): choices no assignment takes
 
 
 def _merge_edges(problem: IntraOpProblem, node_costs: list[list[float]]) -> dict:
@@ -69,6 +77,30 @@ def _merge_edges(problem: IntraOpProblem, node_costs: list[list[float]]) -> dict
             for j, x in enumerate(row):
                 target[i][j] += x
     return merged
+
+
+Pairs = dict[tuple[int, int], set[tuple[int, int]]]
+
+
+def _merge_forbidden(problem: IntraOpProblem) -> tuple[Pairs, dict[int, set[int]]]:
+    """(P8) the edges' forbidden pairs merged (oriented ``u < v``), and the choices excluded:
+    by a self-edge's pair ``(i, i)``, or by a pair whose other end has a single choice."""
+    pairs: Pairs = {}
+    excluded: dict[int, set[int]] = {}
+    for edge in problem.edges:
+        for i, j in edge.forbidden:
+            if edge.src == edge.dst:
+                if i == j:
+                    excluded.setdefault(edge.src, set()).add(i)
+                continue
+            (u, a), (v, b) = sorted([(edge.src, i), (edge.dst, j)])
+            if problem.num_choices(u) == 1:
+                excluded.setdefault(v, set()).add(b)
+            elif problem.num_choices(v) == 1:
+                excluded.setdefault(u, set()).add(a)
+            else:
+                pairs.setdefault((u, v), set()).add((a, b))
+    return pairs, excluded
 
 
 def _separable_parts(matrix: list[list[float]]) -> tuple[list[float], list[float]] | None:
@@ -173,9 +205,9 @@ def _reduced_overlaps(problem: IntraOpProblem, fixed: dict[int, int]) -> tuple[l
 
 
 def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges: dict,
-                  budget_binding: bool) -> dict[int, int]:
+                  budget_binding: bool, excluded: dict[int, set[int]]) -> dict[int, int]:
     """(P4) groups decided without the ILP: single choice, or isolated (no edge, no overlap
-    row) with no binding budget."""
+    row) with no binding budget; of their choices not ``excluded`` (P8)."""
     on_edge = {g for pair in edges for g in pair}
     for overlap in problem.overlaps:
         for part in (overlap.comm, overlap.compute):
@@ -183,10 +215,13 @@ def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges:
             on_edge.update(g for pair in part.pairs for g in pair)
     fixed = {}
     for g, costs in enumerate(node_costs):
+        allowed = [i for i in range(len(costs)) if i not in excluded.get(g, ())]
+        if not allowed:
+            continue  # infeasible: left to the ILP, which says so
         if len(costs) == 1:
             fixed[g] = 0
         elif not budget_binding and g not in on_edge:
-            fixed[g] = preferred_choice(problem, g, costs)
+            fixed[g] = preferred_choice(problem, g, costs, allowed)
     return fixed
 
 
@@ -195,8 +230,11 @@ def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
     node_costs = [list(map(float, c)) for c in problem.costs]
     edges = _merge_edges(problem, node_costs)
     edges = _fold_separable_edges(edges, node_costs)
+    forbidden, excluded = _merge_forbidden(problem)
+    for (u, v) in forbidden:  # (P8): their edges kept
+        edges.setdefault((u, v), [[0.0] * problem.num_choices(v) for _ in range(problem.num_choices(u))])
     binding = _budget_binding(problem)
-    fixed = _fixed_groups(problem, node_costs, edges, binding)  # before (P5): real magnitudes
+    fixed = _fixed_groups(problem, node_costs, edges, binding, excluded)  # before (P5): real magnitudes
     constant = _shift_node_costs(node_costs)
     active = [g for g in range(problem.num_groups) if g not in fixed]
     peaks = _reduced_peaks(problem, fixed) if binding else []
@@ -205,4 +243,6 @@ def reduce_problem(problem: IntraOpProblem) -> ReducedProblem:
     for row in sums:  # a pair's entries are edge columns of the model: a pair needs its edge
         for (u, v), matrix in row.pairs.items():
             edges.setdefault((u, v), [[0.0] * len(matrix[0]) for _ in matrix])
-    return ReducedProblem(node_costs, constant - hidden, edges, fixed, active, binding, peaks, overlaps)
+    return ReducedProblem(node_costs, constant - hidden, edges, fixed, active, binding, peaks, overlaps,
+                          {uv: frozenset(p) for uv, p in forbidden.items()},
+                          {g: frozenset(c) for g, c in excluded.items()})

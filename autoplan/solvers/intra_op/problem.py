@@ -7,6 +7,10 @@ memory budget per device (optional). An assignment ``x`` (one choice per group) 
 
     f(x) = sum_g c[g, x_g] + sum_(u,v) R[uv][x_u, x_v]        mem(x) = sum_g m[g, x_g]
 
+An edge may also forbid pairs ``F[uv]`` of its ends' choices (a resharding the program that
+runs the plan cannot do): an assignment is feasible only if ``(x_u, x_v) ∉ F[uv]`` on every
+edge (:func:`takes_forbidden_pair`).
+
 ``mem(x)`` is what a device keeps through the step. Peak rows ``r`` add what it holds for a
 moment above that (the backward's working set at one op: gradients, recomputed values, the
 returned outputs, parameters gathered for their consumers), each a sum
@@ -40,11 +44,13 @@ from autoplan.solvers.units import format_bytes
 
 @dataclass
 class Edge:
-    """A resharding term between two groups: ``cost[i][j]`` seconds when src picks i, dst j."""
+    """A resharding term between two groups: ``cost[i][j]`` seconds when src picks i, dst j;
+    ``forbidden``: the pairs ``(i, j)`` no assignment may take."""
 
     src: int
     dst: int
     cost: list[list[float]]
+    forbidden: frozenset[tuple[int, int]] = frozenset()
 
 
 @dataclass
@@ -222,6 +228,10 @@ def _validate_edge(k: int, edge: Edge, costs: list[list[float]]) -> None:
                 f"dst group {edge.dst} has {cols} choices"
             )
         _check_finite(row, f"edge {k} row {i}")
+    for i, j in edge.forbidden:
+        if not (0 <= i < rows and 0 <= j < cols):
+            raise ValueError(f"edge {k} ({edge.src}->{edge.dst}) forbids the pair ({i}, {j}), outside its "
+                             f"{rows}x{cols} choices")
 
 
 def _validate_budget(budget: float | None) -> None:
@@ -279,6 +289,11 @@ def evaluate(problem: IntraOpProblem, choices: list[int]) -> tuple[float, float]
         cost -= math.fsum(row.hidden(choices) for row in problem.overlaps)
     memory = math.fsum(problem.memory[g][i] for g, i in enumerate(choices))
     return cost, memory
+
+
+def takes_forbidden_pair(problem: IntraOpProblem, choices: list[int]) -> bool:
+    """Whether ``choices`` take a pair an edge forbids."""
+    return any((choices[e.src], choices[e.dst]) in e.forbidden for e in problem.edges if e.forbidden)
 
 
 def transient(problem: IntraOpProblem, choices: list[int]) -> float:

@@ -17,7 +17,7 @@ from autoplan.solvers.intra_op.canonical import canonicalize
 from autoplan.solvers.intra_op.ilp import IlpModel, add_peak_row, build_model, violated_peak_row
 from autoplan.solvers.intra_op.preprocess import ReducedProblem, reduce_problem
 from autoplan.solvers.intra_op.problem import (IntraOpProblem, IntraOpSolution, check_memory_feasible, evaluate,
-    fits_budget, least_memory, transient)
+    fits_budget, least_memory, takes_forbidden_pair, transient)
 from autoplan.solvers.intra_op.run import SolverRun, extract_choices, likeliest_choices, run_model
 from autoplan.solvers.units import format_bytes
 
@@ -79,6 +79,8 @@ def solution_of(problem: IntraOpProblem, choices: list[int], status: str, gap: f
                 solver: str, seconds: float, num_variables: int, num_constraints: int,
                 kept_budget: float | None = None) -> IntraOpSolution:
     """An IntraOpSolution whose objective, memory and transient are evaluated exactly from ``choices``."""
+    if takes_forbidden_pair(problem, choices):
+        raise RuntimeError("the ILP's answer takes a pair of choices an edge forbids; this is a bug in autoplan")
     objective, memory = evaluate(problem, choices)
     return IntraOpSolution(choices, objective, memory, status, gap, solver, seconds,
                            num_variables, num_constraints, transient(problem, choices), kept_budget)

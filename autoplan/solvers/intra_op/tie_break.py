@@ -63,11 +63,14 @@ def tie_break_weights(problem: IntraOpProblem) -> list[list[int]]:
     return weights
 
 
-def preferred_choice(problem: IntraOpProblem, group: int, costs: list[float]) -> int:
+def preferred_choice(problem: IntraOpProblem, group: int, costs: list[float], allowed: list[int] | None = None
+                     ) -> int:
     """The canonical choice of a group decided alone (no edges, no binding budget): among the
-    choices whose ``costs`` tie with the least, the one with the least (memory, name)."""
-    low = min(costs)
-    tolerance = objective_tolerance(max(abs(low), max(abs(c) for c in costs)))
-    tied = [i for i, c in enumerate(costs) if c - low <= tolerance]
+    ``allowed`` choices (all by default) whose ``costs`` tie with the least, the one with the
+    least (memory, name)."""
+    allowed = list(range(len(costs))) if allowed is None else allowed
+    low = min(costs[i] for i in allowed)
+    tolerance = objective_tolerance(max(abs(low), max(abs(costs[i]) for i in allowed)))
+    tied = [i for i in allowed if costs[i] - low <= tolerance]
     ranks = choice_ranks(problem, group)
     return min(tied, key=lambda i: ranks[i])

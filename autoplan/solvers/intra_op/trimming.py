@@ -68,14 +68,24 @@ class TrimWalk:
             total += e.cost[src][dst]
         return total
 
+    def _forbidden(self, p: int, g: int, i: int) -> bool:
+        """Whether group g of problem p picking i takes a pair an edge forbids (others held)."""
+        chosen = self.current[p]
+        for e in self.touching[p].get(g, ()):
+            if e.forbidden and ((i if e.src == g else chosen[e.src]), (i if e.dst == g else chosen[e.dst])) \
+                    in e.forbidden:
+                return True
+        return False
+
     def _best_switch(self, p: int, g: int) -> tuple[float, int] | None:
-        """The cheapest switch per byte freed in group g of problem p: (rate, choice)."""
+        """The cheapest switch per byte freed in group g of problem p: (rate, choice), of the
+        switches that take no forbidden pair."""
         mems, current = self.problems[p].memory[g], self.current[p][g]
         now = self._cost_of(p, g, current)
         best: tuple[float, int] | None = None
         for i, m in enumerate(mems):
             saved = mems[current] - m
-            if saved > 0:
+            if saved > 0 and not self._forbidden(p, g, i):
                 rate = (self._cost_of(p, g, i) - now) / saved
                 if best is None or rate < best[0]:
                     best = (rate, i)
