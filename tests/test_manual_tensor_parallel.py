@@ -1,7 +1,9 @@
 """``--manual fsdp=,tp=`` costs tensor parallelism as torchtitan runs it: the tensor-parallel ranks
-share their samples, norms hold their weights whole, and only weights split by ``tp`` make
-partial sums there; torchtitan's Llama-70B recipe then runs on PyTorch's own FSDP x TP (Hugging
-Face Llamas with grouped-query attention, planned on the meta device, nothing run)."""
+share their samples, norms hold their weights whole, only weights split by ``tp`` make partial
+sums there, no value whole there is read sliced and nothing is resharded inside a norm;
+torchtitan's Llama-70B recipe, a small Llama's plan and the 70B shape on 64 H100s then run on
+PyTorch's own FSDP x TP (Hugging Face Llamas with grouped-query attention, planned on the meta
+device, nothing run)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+from autoplan.codegen.native_patterns import tensor_inputs
 from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import Plan
@@ -33,13 +36,40 @@ def _llama_spec(hidden: int, layers: int, heads: int, kv_heads: int, intermediat
     return make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama")
 
 
+def _small_llama(kv_heads: int) -> ModelSpec:
+    return _llama_spec(hidden=512, layers=2, heads=8, kv_heads=kv_heads, intermediate=1536, vocab=8192, seq=1024,
+                       batch=8)
+
+
+def _plan_pinned(spec: ModelSpec, *pins: str) -> Plan:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return plan_model(spec, PlanOptions(8, "h100", pins=pins, pipeline=False))
+
+
+def _resharded_over_tp(spec: ModelSpec, plan: Plan) -> list[str]:
+    """The edges between ops on which a value given whole over ``tp`` (mesh axis 1) is read
+    split there, or a value is resharded there inside a norm."""
+    graph = trace_microbatch(spec, plan.microbatches)
+    plans = {n.name: n for n in plan.nodes}
+    found = []
+    for node in graph.graph_module.graph.nodes:
+        reader = plans.get(node.name)
+        for k, value in enumerate(tensor_inputs(node) if reader is not None else []):
+            producer = plans.get(value.name)
+            if producer is None or not producer.outputs or k >= len(reader.inputs) or reader.inputs[k] is None:
+                continue
+            given, read = producer.outputs[0][1], reader.inputs[k][1]
+            in_norm = producer.module == reader.module and reader.module.endswith("norm")
+            if (given == "R" and read.startswith("S")) or (in_norm and given != read):
+                found.append(f"{value.name} ({given}) -> {node.name} ({read})")
+    return found
+
+
 @pytest.fixture(scope="module")
 def recipe_plan() -> Plan:
     """``fsdp=2,tp=4,ac=full`` on 8 H100s: 2 layers, 8 heads over 2 key-value heads."""
-    spec = _llama_spec(hidden=512, layers=2, heads=8, kv_heads=2, intermediate=1536, vocab=8192, seq=1024, batch=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return plan_model(spec, PlanOptions(8, "h100", pins=("fsdp=2", "tp=4", "ac=full"), pipeline=False))
+    return _plan_pinned(_small_llama(kv_heads=2), "fsdp=2", "tp=4", "ac=full")
 
 
 def test_the_tensor_parallel_ranks_share_their_samples(recipe_plan: Plan) -> None:
@@ -81,6 +111,38 @@ def test_key_and_value_projections_are_columns(recipe_plan: Plan) -> None:
     projections = [n for n in recipe_plan.nodes if n.module.endswith(("k_proj", "v_proj"))]
     assert len(projections) == 4
     assert all(n.outputs[0][1] == "S(2)" for n in projections), [(n.name, n.outputs) for n in projections]
+
+
+def test_no_value_is_sliced_over_tp_nor_resharded_inside_a_norm(recipe_plan: Plan) -> None:
+    """Every split value was computed split, reduce-scattered or exchanged, and a norm runs
+    whole or on its sequence shard throughout, as the styles run them (before the rule the ILP
+    gathered a sequence-sharded norm's output before its weight's product)."""
+    assert _resharded_over_tp(_small_llama(kv_heads=2), recipe_plan) == []
+
+
+def test_a_small_llamas_plan_runs_on_fsdp_x_tp() -> None:
+    """``fsdp=2,tp=4,ac=full`` of a small Llama whose key-value heads ``tp`` divides: PyTorch's own
+    styles and FSDP2 (before the rule: the DTensor interpreter, a norm's output gathered inside
+    the norm)."""
+    spec = _small_llama(kv_heads=4)
+    plan = _plan_pinned(spec, "fsdp=2", "tp=4", "ac=full")
+    choice = program_choice(spec, trace_microbatch(spec, plan.microbatches), plan)
+    assert choice.kind == ProgramKind.NATIVE and "FSDP x TP" in choice.text, choice.line()
+
+
+def test_the_llama_70b_shape_on_64_h100s_runs_on_fsdp_x_tp() -> None:
+    """``fsdp=8,tp=8,ac=full`` of the Llama-70B shape (seq 4096, batch 16) on 64 H100s: PyTorch's
+    own FSDP x TP (before the rule: the DTensor interpreter; the ILP multiplied a slice of the
+    last norm's whole output by its weight)."""
+    spec = _llama_spec(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=32000, seq=4096,
+                       batch=16)
+    options = PlanOptions(64, "h100", plan_only=True)
+    graph = trace_microbatch(spec, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_manual(spec, options.planner_options(), parse_manual("fsdp=8,tp=8,ac=full"), graph)
+    choice = program_choice(spec, graph, with_decisions(plan, options))
+    assert choice.kind == ProgramKind.NATIVE and "FSDP x TP" in choice.text, choice.line()
 
 
 def test_torchtitans_llama_70b_recipe_runs_on_fsdp_x_tp() -> None:

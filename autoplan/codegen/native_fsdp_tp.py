@@ -54,8 +54,11 @@ Not taken (the DTensor interpreter runs them): a plan that gathers inside a norm
 as the search may choose under recomputation, or the sequence-sharded norm's output before its
 weight's product, which saves the weight gradient's all-reduce), a loss over a batch split on
 axis 1 too, tied parameters sharded on axis 1, ZeRO-1/2, anything else above. ``--manual
-fsdp=,tp=`` plans keep to what these styles run (:func:`autoplan.planner.manual.manual_rule`):
-the plan of torchtitan's Llama-70B recipe (``fsdp=32,tp=8,ac=full`` on 256 H100s) is taken. A model
+fsdp=,tp=`` plans keep to what these styles run (:func:`autoplan.planner.manual.manual_rule`;
+among its rules, edge by edge in the ILP, no value whole on axis 1 is read sliced there and
+nothing is resharded there inside a norm): the plans of torchtitan's Llama-70B recipe
+(``fsdp=32,tp=8,ac=full`` on 256 H100s), of the Llama-70B shape on 64 H100s (``fsdp=8,tp=8,ac=full``,
+the layout among the found plan's native rivals) and of small Llamas are taken. A model
 whose code sizes its heads from its configuration rather than from its tensors (``view(b, s,
 self.num_heads, d)``) would see its local shards of heads with the global count and stop at its
 first step with a shape error; the Hugging Face decoders size them from their tensors, as

@@ -221,7 +221,17 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
       a norm's statistics are never split by features;
     - a row linear reads what a column region made, never a norm's output sliced by features
       (without this the ILP computed grouped-query attention's narrow key and value projections
-      as rows over the sliced norm and reduce-scattered their outputs, which no style runs).
+      as rows over the sliced norm and reduce-scattered their outputs, which no style runs);
+    - no value an op computes whole there is read split there (:class:`NoSlicing`): what a
+      rank reads split it computed split (a column's features or heads), received
+      reduce-scattered (a row's partial sums onto the sequence) or exchanged (a column's exit
+      onto the sequence), as the styles run it; and inside a module holding parameters ``tp`` does not split (a norm) every value
+      is read as it is given (:class:`AsGiven`): the module runs whole or as
+      ``SequenceParallel``, on its sequence shard throughout. Without these the ILP computed
+      the last norm of a Llama over the whole sequence and multiplied a slice of it by its
+      weight, gathered a sequence-parallel norm's output before that product, and computed
+      grouped-query attention's key and value projections whole, their heads then sliced for
+      attention; none of these has a style.
     """
     dp_axis, fsdp_axis, tp_axis = manual.axis("dp"), manual.axis("fsdp"), manual.axis("tp")
     held = fsdp_axis is not None and manual.pp > 1 and manual.microbatches > 1
@@ -272,7 +282,9 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
         return tp_axis is None or tensor_parallel_allows(info, spec[tp_axis], sharded_weights)
 
     return StorageRule(allow, ZeroStage(manual.zero, dp_axis, fsdp_axis if held else None),
-                       dims_over_axes=len(batch_axes) > 1, reads=reads_as_promised)
+                       dims_over_axes=len(batch_axes) > 1, reads=reads_as_promised,
+                       reshards=TensorParallelReshards(tp_axis, _whole_modules(graph, sharded_weights))
+                       if tp_axis is not None else None)
 
 
 def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights: frozenset[str]) -> bool:
@@ -289,6 +301,52 @@ def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights
             return column or placement.is_partial
         return not placement.is_partial
     return True
+
+
+@dataclass(frozen=True)
+class NoSlicing:
+    """Over mesh axis ``axis`` a value given whole is never read split (sliced, which no
+    ``parallelize_module`` style does)."""
+
+    axis: int
+
+    def __call__(self, given: ShardingSpec, read: ShardingSpec) -> bool:
+        return not (given[self.axis].is_replicate and read[self.axis].is_shard)
+
+
+@dataclass(frozen=True)
+class AsGiven:
+    """Over mesh axis ``axis`` a value is read as it is given (no resharding there)."""
+
+    axis: int
+
+    def __call__(self, given: ShardingSpec, read: ShardingSpec) -> bool:
+        return given[self.axis] == read[self.axis]
+
+
+@dataclass(frozen=True)
+class TensorParallelReshards:
+    """The reshardings ``tp`` (mesh axis ``axis``) allows of the values ops compute
+    (:func:`manual_rule`, a rule of :attr:`~autoplan.planner.mesh_plan.StorageRule.reshards`):
+    none between two ops of one of ``whole_modules`` (the modules holding parameters ``tp``
+    does not split: norms), no slicing elsewhere. (A stored value, a parameter or an input, is
+    read as the placement rules say.)"""
+
+    axis: int
+    whole_modules: frozenset[str]
+
+    def __call__(self, producer: NodeInfo, reader: NodeInfo) -> NoSlicing | AsGiven | None:
+        if producer.kind != "op":
+            return None
+        inside = producer.module == reader.module and reader.module in self.whole_modules
+        return AsGiven(self.axis) if inside else NoSlicing(self.axis)
+
+
+def _whole_modules(graph: TracedGraph, sharded_weights: frozenset[str]) -> frozenset[str]:
+    """The modules holding a parameter and none of ``sharded_weights`` (norms)."""
+    split = {fqn.rpartition(".")[0] for fqn in sharded_weights}
+    owners = {fqn.rpartition(".")[0] for fqn in graph.parameter_fqns}
+    return frozenset(module for module in owners if module and module not in split)
 
 
 @dataclass(frozen=True)

@@ -182,6 +182,12 @@ def _output_class_strategies(view: GraphView, name: str, mesh_shape: tuple[int, 
 PlacementRule = Callable[[NodeInfo, ShardingSpec], bool]
 # may an op read its inputs (their infos, in order) in a strategy's input specs
 ReadingRule = Callable[[list[NodeInfo], Strategy], bool]
+#: ``allowed(given, read)``: whether a value given in spec ``given`` may be read in spec ``read``
+#: (hashable: the edges it applies to share its answers)
+ReshardAllowed = Callable[[ShardingSpec, ShardingSpec], bool]
+#: ``rule(producer, reader)``: the reshardings allowed on the edges from one node to another;
+#: None where every one is
+ReshardingRule = Callable[[NodeInfo, NodeInfo], ReshardAllowed | None]
 
 
 @dataclass(frozen=True)
@@ -193,12 +199,17 @@ class StorageRule:
     choices. ``dims_over_axes`` lets strategies split one dim over several mesh axes
     (:func:`~autoplan.strategies.candidates.enumerate_strategies`), as a rule that shards the
     batch over two axes needs. ``reads(inputs, strategy)`` says whether an op may read its
-    inputs in the strategy's specs (an op none of whose strategies it accepts keeps them all)."""
+    inputs in the strategy's specs (an op none of whose strategies it accepts keeps them all).
+    ``reshards(producer, reader)`` says which reshardings the edges between two nodes allow
+    (``allowed(given, read)``: may a value given in one spec be read in another): the ILP never
+    takes a pair of strategies whose resharding an edge refuses (its forbidden pairs,
+    :class:`~autoplan.solvers.intra_op.problem.Edge`)."""
 
     allowed: PlacementRule
     sharded_state: Callable[[Strategy], bool] | None = None
     dims_over_axes: bool = False  # a tensor dim may be split over several mesh axes (HSDP's batch)
     reads: ReadingRule | None = None
+    reshards: ReshardingRule | None = None
 
     def __call__(self, info: NodeInfo, spec: ShardingSpec) -> bool:
         return self.allowed(info, spec)
@@ -455,9 +466,12 @@ def _group(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
 
 
 def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], grouping: Grouping,
-                   ctx: CostContext, memory_budget: float | None, with_peaks: bool = False) -> IntraOpProblem:
+                   ctx: CostContext, memory_budget: float | None, with_peaks: bool = False,
+                   reshards: ReshardingRule | None = None) -> IntraOpProblem:
     """The ILP's data; ``with_peaks`` adds the backward's moments as peak rows
-    (:func:`peak_rows`), which the budget bounds beside the kept memory."""
+    (:func:`peak_rows`), which the budget bounds beside the kept memory; ``reshards``: the
+    reshardings allowed between a value's producer and its reader (:class:`StorageRule`),
+    the others the edges' forbidden pairs."""
     num_groups = len(grouping.roots)
     sizes = [len(grouping.choice_map[root]) for root in grouping.roots]
     costs = [[0.0] * k for k in sizes]
@@ -486,8 +500,10 @@ def _build_problem(view: GraphView, classes: NodeClasses, strat: list[ClassStrat
         kept = from_parameter and grad and parameter_kept(view.fx_nodes, view.needs_grad, classes.representative(v),
                                                           src_info.name, ctx)
         matrix = _edge_matrix(src_specs, reads, shape, itemsize, grad, ctx, from_parameter, recomputed, kept, moved)
-        if any(any(row) for row in matrix):
-            edges.append(Edge(gu, gv, [[count * c for c in row] for row in matrix]))
+        allowed = reshards(src_info, view.graph.nodes[classes.representative(v)]) if reshards is not None else None
+        forbidden = _forbidden_pairs(src_specs, reads, allowed, ctx) if allowed is not None else frozenset()
+        if forbidden or any(any(row) for row in matrix):
+            edges.append(Edge(gu, gv, [[count * c for c in row] for row in matrix], forbidden))
     names = [classes.representative(root) for root in grouping.roots]
     choice_names = [[strat[root].strategies[j].name for j in grouping.choice_map[root]] for root in grouping.roots]
     assert len(names) == num_groups
@@ -685,6 +701,22 @@ def _edge_matrix(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None, Shard
     return matrix
 
 
+def _forbidden_pairs(src_specs: tuple[tuple[ShardingSpec, ShardingSpec | None, ShardingSpec | None], ...],
+                     reads: tuple[tuple[ShardingSpec | None, frozenset[int], frozenset[int]], ...],
+                     allowed: ReshardAllowed, ctx: CostContext) -> frozenset[tuple[int, int]]:
+    """The pairs (producer choice, reader choice) of one edge whose resharding ``allowed``
+    refuses, memoised in ``ctx.cache`` as :func:`_edge_matrix` is."""
+    key = ("forbidden pairs", src_specs, reads, allowed)
+    pairs = ctx.cache.get(key)
+    if pairs is None:
+        refused = {(given, read): not allowed(given, read) for given, _, _ in src_specs
+                   for read, _, _ in reads if read is not None}
+        pairs = frozenset((i, j) for i, (given, _, _) in enumerate(src_specs) for j, (read, _, _) in enumerate(reads)
+                          if read is not None and refused[given, read])
+        ctx.cache[key] = pairs
+    return pairs
+
+
 def parameter_kept(fx_nodes: Mapping[str, fx.Node], needs_grad: Mapping[str, bool], consumer: str, param: str,
                    ctx: CostContext) -> bool:
     """Whether ``consumer`` keeps its input ``param`` for the backward (then a gathered
@@ -706,8 +738,26 @@ def with_parameter_edges(ctx: CostContext, graph: TracedGraph, view: GraphView |
 
 def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
            memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool,
-           gathered_storage: bool = False, optimum: IntraOpResult | None = None
-           ) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
+           gathered_storage: bool = False, optimum: IntraOpResult | None = None,
+           reshards: ReshardingRule | None = None) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
+    """The ILP, solved (:func:`_solve_once`); where no plan keeps to the reshardings
+    ``reshards`` allows (the strategies other rules left admit none, or none that fits), the ILP
+    without them (the plan then runs on whatever program takes it)."""
+    if reshards is None:
+        return _solve_once(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
+                           gathered_storage, optimum)
+    try:
+        return _solve_once(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
+                           gathered_storage, optimum, reshards)
+    except (AutoplanError, RuntimeError):
+        return _solve_once(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
+                           gathered_storage, optimum)
+
+
+def _solve_once(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], ctx: CostContext,
+                memory_budget: float | None, solver: str, time_limit_s: float | None, canonical: bool,
+                gathered_storage: bool = False, optimum: IntraOpResult | None = None,
+                reshards: ReshardingRule | None = None) -> tuple[Grouping, IntraOpProblem, IntraOpSolution]:
     """The ILP, solved. Storing a trained parameter sharded and gathering it at use costs
     gathers and saves memory (its optimizer step shrinks too, on GPU clusters by less than
     the gathers cost), so it is searched where memory needs it: the fastest plan with every
@@ -730,27 +780,28 @@ def _solve(view: GraphView, classes: NodeClasses, strat: list[ClassStrategies], 
     through accumulated microbatches moves fewer bytes than a replicated one under bf16).
 
     ``optimum``: this call's answer found before without the tie-break; the problem it solved is
-    built again and only its ties are broken (:func:`~autoplan.solvers.canonical_solution`)."""
+    built again and only its ties are broken (:func:`~autoplan.solvers.canonical_solution`).
+    ``reshards``: see :func:`_build_problem`."""
     peaks = memory_budget is not None  # the budget bounds the peak: kept values and the backward's moments
     if optimum is not None:
         grouping = _group(view, classes, strat, gathered_storage=optimum.gathered_storage)
         problem = _build_problem(view, classes, strat, grouping, ctx,
-                                 memory_budget if optimum.gathered_storage else None, peaks)
+                                 memory_budget if optimum.gathered_storage else None, peaks, reshards)
         return grouping, problem, canonical_solution(problem, optimum.solution, solver, time_limit_s)
     if gathered_storage or splits_dims_over_axes(ctx) or _hides_gathers(view, ctx):
         grouping = _group(view, classes, strat, gathered_storage=True)
-        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks)
+        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks, reshards)
         return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s,
                                                  canonical=canonical)
     grouping = _group(view, classes, strat, gathered_storage=False)
-    problem = _build_problem(view, classes, strat, grouping, ctx, None, peaks)
+    problem = _build_problem(view, classes, strat, grouping, ctx, None, peaks, reshards)
     fastest = solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=False)
     if memory_budget is None or fastest.peak <= memory_budget:
         if canonical:
             fastest = canonical_solution(problem, fastest, solver, time_limit_s)
         return grouping, problem, fastest
     grouping = _group(view, classes, strat, gathered_storage=True)
-    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks)
+    problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, peaks, reshards)
     return grouping, problem, solve_intra_op(problem, solver=solver, time_limit_s=time_limit_s, canonical=canonical)
 
 
@@ -775,6 +826,7 @@ class PreparedPlan:
     classes: NodeClasses
     strategies: list[ClassStrategies]
     messages: list[str]
+    reshards: ReshardingRule | None = None  # the rule's (StorageRule.reshards)
 
 
 def prepare_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
@@ -801,7 +853,7 @@ def prepare_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple
         if node.target is operator.getitem:
             producer = strat[classes.class_of[node.args[0].name]]
         strat.append(_class_strategies(view, rep, mesh_shape, ctx, producer, warn, allow_storage, pins))
-    return PreparedPlan(view, ctx, classes, strat, messages)
+    return PreparedPlan(view, ctx, classes, strat, messages, allow_storage.reshards if allow_storage else None)
 
 
 def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[int, ...], ctx: CostContext,
@@ -832,10 +884,11 @@ def plan_intra_op(graph: TracedGraph, classes: NodeClasses, mesh_shape: tuple[in
     messages = list(prepared.messages)
     if pick is None:
         grouping, problem, solution = _solve(view, classes, strat, ctx, memory_budget, solver, time_limit_s, canonical,
-                                             gathered_storage, optimum)
+                                             gathered_storage, optimum, prepared.reshards)
     else:
         grouping = _group(view, classes, strat, gathered_storage=True)
-        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, memory_budget is not None)
+        problem = _build_problem(view, classes, strat, grouping, ctx, memory_budget, memory_budget is not None,
+                                 prepared.reshards)
         choices = [pick(g, problem.choice_names[g]) for g in range(len(problem.costs))]
         objective, memory = evaluate(problem, choices)
         solution = IntraOpSolution(choices, objective, memory, "picked", None, "pick", 0.0, 0, 0,
