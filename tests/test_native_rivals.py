@@ -2,7 +2,7 @@
 data-parallel plans PyTorch runs itself, by the step expected with the interpreter's dispatch
 (:mod:`autoplan.planner.native_rivals`): the bundled GPT-2 example runs on FSDP2 (or DDP, the
 other rival), the plan the search found kept first among its alternatives; a pipeline with
-tensor parallel stages meets FSDP and DDP inside its ranks; pins, a pinned pipeline or
+tensor parallel stages meets FSDP and DDP inside its ranks; across nodes FSDP x TP meets it too; pins, a pinned pipeline or
 ``native_rivals=False`` keep the plan found. Rivals that cannot win are put aside before the
 whole batch is traced for them: by their training state, and by their estimate on a graph
 written from the first blocks."""
@@ -17,8 +17,8 @@ import torch
 from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.load import load_model_file, make_model_spec
 from autoplan.planner import native_rivals
-from autoplan.planner.front_door import plan_model
-from autoplan.planner.manual import plan_manual
+from autoplan.planner.front_door import plan_model, with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
 from autoplan.planner.native_rivals import (FOUND_ON_THE_INTERPRETER, expected_step_s, rival_forms,
                                             searched_prediction, state_bytes_per_device)
 from autoplan.planner.options import PlanOptions
@@ -64,10 +64,11 @@ def test_pins_and_a_pinned_pipeline_keep_the_plan_found() -> None:
         ["manual dp=1,fsdp=4,tp=1,pp=1,microbatches=1", "manual dp=1,fsdp=4,tp=1,pp=1,microbatches=1,ac=full"]]
     assert [[m.label for m in tries] for tries in rival_forms(PlanOptions(4, "cpu", mesh=(2, 2), recompute="none"))] \
         == [["manual dp=2,fsdp=2,tp=1,pp=1,microbatches=1"]]  # HSDP on a pinned 2-D mesh
-    # across two nodes of 8 H100s: HSDP too (FSDP inside a node, replicated across)
+    # across two nodes of 8 H100s: HSDP too (FSDP inside a node, replicated across), and FSDP x TP
+    # as torchtitan lays it out (tensor parallel inside a node, FSDP across)
     assert [tries[0].label for tries in rival_forms(PlanOptions(16, "h100"))] == [
         "manual dp=16,tp=1,pp=1,microbatches=1", "manual dp=1,fsdp=16,tp=1,pp=1,microbatches=1",
-        "manual dp=2,fsdp=8,tp=1,pp=1,microbatches=1"]
+        "manual dp=2,fsdp=8,tp=1,pp=1,microbatches=1", "manual dp=1,fsdp=2,tp=8,pp=1,microbatches=1"]
     for kept in (PlanOptions(4, "cpu", pins=("mesh=2x2",)), PlanOptions(4, "cpu", stages=2),
                  PlanOptions(4, "cpu", microbatches=2), PlanOptions(8, "cpu", mesh=(2, 2, 2))):
         assert rival_forms(kept) == [], kept
@@ -132,8 +133,6 @@ def test_a_rival_estimated_slower_than_the_found_plan_is_not_traced(monkeypatch)
 def _pipelined_gpt2(manual: str) -> tuple:
     """A wide GPT-2 (tests/pipeline_cases.py) planned as ``--manual`` writes ``manual`` on 4 cpu devices."""
     import pipeline_cases
-    from autoplan.planner.front_door import with_decisions
-    from autoplan.planner.manual import parse_manual
 
     spec = make_model_spec(*pipeline_cases.gpt2_positions(), name="gpt2_positions")
     options = PlanOptions(4, "cpu", precision="fp32")
@@ -209,3 +208,34 @@ def test_a_plan_accumulating_microbatches_meets_fsdp_and_ddp_accumulating_them(m
     assert (4, ProgramKind.NATIVE) in {p[:2] for p in programs}  # DDP or FSDP2 accumulating 4 microbatches
     native = [step for _, kind, step in programs if kind != ProgramKind.INTERPRETER]
     assert chosen is not None and chosen.predicted.step_time_s == min(native)
+
+
+def test_across_nodes_fsdp_x_tp_inside_a_node_is_a_rival(monkeypatch) -> None:
+    """On two nodes of 8 H100s a found plan the interpreter runs meets torchtitan's layout,
+    ``fsdp=2,tp=8``, planned and run by ``parallelize_module`` then FSDP2 (a small Hugging Face
+    Llama whose heads 8 divides); the fastest native rival replaces the found plan."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=512, num_hidden_layers=2, num_attention_heads=8,
+                                      num_key_value_heads=8, intermediate_size=1536, vocab_size=8192,
+                                      max_position_embeddings=256)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, 8192, (16, 256))
+    spec = make_model_spec(model, {"input_ids": ids, "labels": ids}, None, name="llama")
+    options = PlanOptions(16, "h100", plan_only=True)
+    graph = trace_microbatch(spec, 1)
+    found = plan_manual(spec, options.planner_options(), parse_manual("fsdp=16"), graph)
+    found.predicted.interpreter_step_s = found.predicted.step_time_s * 100  # as if the interpreter ran it
+    programs = {}  # each rival planned: its mesh -> its program
+
+    def recorded(spec_, graph_, plan):
+        choice = program_choice(spec_, graph_, plan)
+        programs[tuple(plan.mesh)] = choice
+        return choice
+
+    monkeypatch.setattr(native_rivals, "program_choice", recorded)
+    chosen = native_rivals.fastest_native_rival(spec, options, found, lambda p: with_decisions(p, options),
+                                                lambda m: KnownGraph(graph, traced=True) if m == 1 else None)
+    assert (2, 8) in programs, programs
+    assert programs[2, 8].kind == ProgramKind.NATIVE and "FSDP x TP" in programs[2, 8].text, programs[2, 8].line()
+    assert chosen is not None and chosen.alternatives[0].name == FOUND_ON_THE_INTERPRETER

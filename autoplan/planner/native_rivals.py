@@ -6,8 +6,10 @@ whose dispatch per op pass is several times larger: the step expected there is t
 ``interpreter_step_s`` (:mod:`autoplan.cost_models.interpreter_dispatch`). Where the found plan
 runs there, the data-parallel plans PyTorch runs natively are planned too, as ``--manual``
 writes them (:func:`~autoplan.planner.manual.plan_manual`): DDP (``dp=N``) and FSDP
-(``fsdp=N``) over every device, and across nodes HSDP (``dp=nodes,fsdp=devices per node``),
-or HSDP (``dp=a,fsdp=b``) on a pinned ``a x b`` mesh; and
+(``fsdp=N``) over every device, and across nodes HSDP (``dp=nodes,fsdp=devices per node``)
+and FSDP x TP as torchtitan lays it out (``fsdp=nodes,tp=devices per node``: tensor
+parallelism inside a node, ``parallelize_module`` then FSDP2), or HSDP (``dp=a,fsdp=b``) on a
+pinned ``a x b`` mesh; and
 where the found plan is a pipeline whose ranks hold ``k`` devices each (tensor parallelism
 inside its stages, say), FSDP and DDP over each rank's devices under the same ranks and
 schedule (``pp=P,fsdp=k`` and ``pp=P,dp=k``: torch.distributed.pipelining with FSDP2 or
@@ -16,8 +18,9 @@ schedule (``pp=P,fsdp=k`` and ``pp=P,dp=k``: torch.distributed.pipelining with F
 memory binds), DDP and FSDP over every device accumulating the most microbatches, up to the
 found plan's, whose samples every device splits evenly (``fsdp=N,microbatches=m``: FSDP2 or
 DDP accumulating gradients). Each is tried again with every layer checkpointed where it does not
-fit without: the accumulated forms first selectively (matrix products kept), then fully; the
-others fully. The fastest of them whose program is native
+fit without, or where its plan without runs on the interpreter: the accumulated forms first
+selectively (matrix products kept), then fully; the others fully. The fastest of them whose
+program is native
 (:func:`~autoplan.codegen.program_choice.program_choice`) replaces the found plan where its
 predicted step is shorter than the found plan's expected one::
 
@@ -31,7 +34,7 @@ A rival is planned on a trace of its microbatch, which takes seconds at real siz
 for the Llama-70B shape's whole batch here), so rivals that cannot win are put aside before it:
 
 - by memory: a form whose parameters' training state alone, in as many parts as its ``fsdp``
-  degree times its pipeline ranks, exceeds the budget fits no plan
+  and ``tp`` degrees times its pipeline ranks, exceeds the budget fits no plan
   (:func:`state_bytes_per_device`; DDP of a 39B model needs 624 GB of it);
 - by the estimate: where the stage search planned on a graph of that microbatch written from a
   trace of the model's first blocks (:mod:`autoplan.trace.deepen`) or rescaled from two
@@ -79,15 +82,17 @@ def rival_forms(options: PlanOptions, found: Plan | None = None, batch: int | No
     mesh = options.mesh or (options.devices,)
     per_node = options.cluster_spec.devices_per_node
     if options.mesh is None and 1 < per_node < options.devices and options.devices % per_node == 0:
+        nodes = options.devices // per_node
         forms = [ManualPlan(dp=options.devices), ManualPlan(fsdp=options.devices),
-                 ManualPlan(dp=options.devices // per_node, fsdp=per_node)]  # HSDP: FSDP in a node
+                 ManualPlan(dp=nodes, fsdp=per_node),  # HSDP: FSDP in a node
+                 ManualPlan(fsdp=nodes, tp=per_node)]  # torchtitan's FSDP x TP: TP in a node
     elif len(mesh) == 1:
         forms = [ManualPlan(dp=mesh[0]), ManualPlan(fsdp=mesh[0])]
     elif len(mesh) == 2:
         forms = [ManualPlan(dp=mesh[0], fsdp=mesh[1])]
     else:
         return []
-    forms = [form for form in forms if form.dp * form.fsdp == options.devices]
+    forms = [form for form in forms if form.dp * form.fsdp * form.tp == options.devices]
     if found is not None and batch is not None and options.mesh is None:
         forms += _pipelined_forms(options.devices, found, batch) + _accumulated_forms(options.devices, found, batch)
     if options.recompute == "none":
@@ -137,7 +142,7 @@ def _accumulated_forms(devices: int, found: Plan, batch: int) -> list[ManualPlan
 def state_bytes_per_device(spec: ModelSpec, options: PlanOptions, shards: int) -> float:
     """The training state (parameter, gradient, optimizer state) of the model's trained
     parameters, each once, in ``shards`` parts (a form's ``fsdp`` degree times its pipeline
-    ranks): bytes per device no data-parallel plan of that form goes below."""
+    ranks, times its ``tp`` degree): bytes per device no plan of that form goes below."""
     per_element = options.planner_options().optimizer.bytes_per_param
     return sum(p.numel() * per_element(p.element_size()) for p in spec.module.parameters()
                if p.requires_grad and p.is_floating_point()) / shards
@@ -151,6 +156,26 @@ def _first_fitting(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan
             return plan_manual(spec, options.planner_options(), manual, graph)
         except (AutoplanError, MemoryInfeasibleError):
             continue
+    return None
+
+
+def _first_native(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph,
+                  expected: float, finish: Callable[[Plan], Plan]) -> Plan | None:
+    """The plan of the first of ``tries`` that fits the memory and runs on a native program
+    (its ``program`` said), where it is predicted faster than ``expected``; None where none is
+    (a later try, checkpointed, is slower)."""
+    for manual in tries:
+        try:
+            plan = plan_manual(spec, options.planner_options(), manual, graph)
+        except (AutoplanError, MemoryInfeasibleError):
+            continue
+        if plan.predicted.step_time_s >= expected:
+            return None
+        plan = finish(plan)
+        choice = program_choice(spec, graph, plan)
+        if choice.kind != ProgramKind.INTERPRETER:
+            plan.program = choice.line()
+            return plan
     return None
 
 
@@ -180,7 +205,7 @@ def _may_win(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], exp
     """Whether the form of ``tries`` is worth planning on a trace of its microbatch (module
     docstring: its memory, then its estimate)."""
     form = tries[0]
-    if state_bytes_per_device(spec, options, form.fsdp * form.pp) > options.planner_options().memory_budget:
+    if state_bytes_per_device(spec, options, form.fsdp * form.tp * form.pp) > options.planner_options().memory_budget:
         return False
     known = graph_of(form.microbatches)
     if known is None or known.traced:
@@ -209,15 +234,8 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
             known = graph_of(microbatches)
             traces[microbatches] = known.graph if known is not None and known.traced else \
                 trace_microbatch(spec, microbatches)
-        graph = traces[microbatches]
-        rival = _first_fitting(spec, options, tries, graph)
-        if rival is None or rival.predicted.step_time_s >= expected:
-            continue
-        rival = finish(rival)
-        choice = program_choice(spec, graph, rival)
-        if choice.kind != ProgramKind.INTERPRETER and (best is None or
-                                                       rival.predicted.step_time_s < best.predicted.step_time_s):
-            rival.program = choice.line()
+        rival = _first_native(spec, options, tries, traces[microbatches], expected, finish)
+        if rival is not None and (best is None or rival.predicted.step_time_s < best.predicted.step_time_s):
             best = rival
     if best is None:
         return None
