@@ -39,7 +39,9 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
 - by the estimate: where the stage search planned on a graph of that microbatch written from a
   trace of the model's first blocks (:mod:`autoplan.trace.deepen`) or rescaled from two
   graphs, the rival is planned on it first, and only one that fits and is estimated within
-  ``ESTIMATE_MARGIN`` of the found plan's expected step is planned again on the trace. (For a
+  ``ESTIMATE_MARGIN`` of the found plan's expected step is planned again on the trace, those
+  estimated fastest first, and not one estimated ``ESTIMATE_MARGIN`` over a native rival
+  planned on its trace before it. (For a
   stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
   the 39B GPT, 7.336 s on both.)
 """
@@ -200,18 +202,21 @@ def known_graphs(spec: ModelSpec, found: Plan, graph: TracedGraph, searched: Bat
     return graph_of
 
 
-def _may_win(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], expected: float,
-             graph_of: GraphOf) -> bool:
-    """Whether the form of ``tries`` is worth planning on a trace of its microbatch (module
-    docstring: its memory, then its estimate)."""
+def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], expected: float,
+              graph_of: GraphOf) -> float | None:
+    """The step the form of ``tries`` is estimated at where it is worth planning on a trace of
+    its microbatch (0 where the caller has no written graph of it to estimate on); None where it
+    is not (module docstring: its memory, then its estimate)."""
     form = tries[0]
     if state_bytes_per_device(spec, options, form.fsdp * form.tp * form.pp) > options.planner_options().memory_budget:
-        return False
+        return None
     known = graph_of(form.microbatches)
     if known is None or known.traced:
-        return True
+        return 0.0
     estimate = _first_fitting(spec, options, tries, known.graph)
-    return estimate is not None and estimate.predicted.step_time_s < expected * (1 + ESTIMATE_MARGIN)
+    if estimate is None or estimate.predicted.step_time_s >= expected * (1 + ESTIMATE_MARGIN):
+        return None
+    return estimate.predicted.step_time_s
 
 
 def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, finish: Callable[[Plan], Plan],
@@ -223,12 +228,13 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
     expected = found.predicted.interpreter_step_s
     batch = batch_size(spec.example_inputs) if len(found.stages) > 1 or found.microbatches > 1 else None
     forms = rival_forms(options, found, batch) if expected else []
-    forms = [tries for tries in forms if _may_win(spec, options, tries, expected, graph_of)]
-    if not forms:
-        return None
+    estimated = [(estimate, k, tries) for k, tries in enumerate(forms)
+                 if (estimate := _estimate(spec, options, tries, expected, graph_of)) is not None]
     traces: dict[int, TracedGraph] = {}
     best: Plan | None = None
-    for tries in forms:
+    for estimate, _, tries in sorted(estimated, key=lambda e: e[:2]):  # the likeliest winners first
+        if best is not None and estimate >= best.predicted.step_time_s * (1 + ESTIMATE_MARGIN):
+            continue  # estimated slower than a rival planned on its trace
         microbatches = tries[0].microbatches
         if microbatches not in traces:
             known = graph_of(microbatches)
