@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from autoplan.codegen.native_patterns import tensor_inputs
-from autoplan.codegen.program_choice import ProgramKind, program_choice
+from autoplan.codegen.program_choice import ProgramChoice, ProgramKind, program_choice
 from autoplan.load import ModelSpec, make_model_spec
 from autoplan.plan_schema import Plan
 from autoplan.planner.front_door import plan_model, with_decisions
@@ -45,6 +45,15 @@ def _plan_pinned(spec: ModelSpec, *pins: str) -> Plan:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return plan_model(spec, PlanOptions(8, "h100", pins=pins, pipeline=False))
+
+
+def _manual_program(spec: ModelSpec, options: PlanOptions, manual: str) -> ProgramChoice:
+    """The program that runs ``--manual manual``'s plan of ``spec``, planned on its trace."""
+    graph = trace_microbatch(spec, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = plan_manual(spec, options.planner_options(), parse_manual(manual), graph)
+    return program_choice(spec, graph, with_decisions(plan, options))
 
 
 def _resharded_over_tp(spec: ModelSpec, plan: Plan) -> list[str]:
@@ -136,12 +145,7 @@ def test_the_llama_70b_shape_on_64_h100s_runs_on_fsdp_x_tp() -> None:
     last norm's whole output by its weight)."""
     spec = _llama_spec(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=32000, seq=4096,
                        batch=16)
-    options = PlanOptions(64, "h100", plan_only=True)
-    graph = trace_microbatch(spec, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_manual(spec, options.planner_options(), parse_manual("fsdp=8,tp=8,ac=full"), graph)
-    choice = program_choice(spec, graph, with_decisions(plan, options))
+    choice = _manual_program(spec, PlanOptions(64, "h100", plan_only=True), "fsdp=8,tp=8,ac=full")
     assert choice.kind == ProgramKind.NATIVE and "FSDP x TP" in choice.text, choice.line()
 
 
@@ -152,10 +156,5 @@ def test_torchtitans_llama_70b_recipe_runs_on_fsdp_x_tp() -> None:
     samples over both axes)."""
     spec = _llama_spec(hidden=8192, layers=80, heads=64, kv_heads=8, intermediate=28672, vocab=128256, seq=8192,
                        batch=512)
-    options = PlanOptions(256, "h100", precision="bf16", plan_only=True)
-    graph = trace_microbatch(spec, 1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        plan = plan_manual(spec, options.planner_options(), parse_manual("fsdp=32,tp=8,ac=full"), graph)
-    choice = program_choice(spec, graph, with_decisions(plan, options))
+    choice = _manual_program(spec, PlanOptions(256, "h100", precision="bf16", plan_only=True), "fsdp=32,tp=8,ac=full")
     assert choice.kind == ProgramKind.NATIVE and "FSDP x TP" in choice.text, choice.line()
