@@ -55,8 +55,7 @@ as the search may choose under recomputation, or the sequence-sharded norm's out
 weight's product, which saves the weight gradient's all-reduce), a loss over a batch split on
 axis 1 too, tied parameters sharded on axis 1, ZeRO-1/2, anything else above. ``--manual
 fsdp=,tp=`` plans keep to what these styles run (:func:`autoplan.planner.manual.manual_rule`;
-among its rules, edge by edge in the ILP, no value whole on axis 1 is read sliced there and
-nothing is resharded there inside a norm): the plans of torchtitan's Llama-70B recipe
+among its rules, edge by edge in the ILP, nothing is resharded on axis 1 inside a norm): the plans of torchtitan's Llama-70B recipe
 (``fsdp=32,tp=8,ac=full`` on 256 H100s), of the Llama-70B shape on 64 H100s (``fsdp=8,tp=8,ac=full``,
 the layout among the found plan's native rivals) and of small Llamas are taken. A model
 whose code sizes its heads from its configuration rather than from its tensors (``view(b, s,

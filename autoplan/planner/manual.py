@@ -222,16 +222,12 @@ def manual_rule(graph: TracedGraph, manual: ManualPlan) -> StorageRule | None:
     - a row linear reads what a column region made, never a norm's output sliced by features
       (without this the ILP computed grouped-query attention's narrow key and value projections
       as rows over the sliced norm and reduce-scattered their outputs, which no style runs);
-    - no value an op computes whole there is read split there (:class:`NoSlicing`): what a
-      rank reads split it computed split (a column's features or heads), received
-      reduce-scattered (a row's partial sums onto the sequence) or exchanged (a column's exit
-      onto the sequence), as the styles run it; and inside a module holding parameters ``tp`` does not split (a norm) every value
-      is read as it is given (:class:`AsGiven`): the module runs whole or as
-      ``SequenceParallel``, on its sequence shard throughout. Without these the ILP computed
-      the last norm of a Llama over the whole sequence and multiplied a slice of it by its
-      weight, gathered a sequence-parallel norm's output before that product, and computed
-      grouped-query attention's key and value projections whole, their heads then sliced for
-      attention; none of these has a style.
+    - inside a module holding parameters ``tp`` does not split (a norm) every value is read
+      there as it is given (:class:`AsGiven`, a rule on the ILP's edges): the module runs whole
+      or as ``SequenceParallel``, on its sequence shard throughout. Without this the ILP
+      computed the last norm of a Llama over the whole sequence and multiplied a slice of it by
+      its weight, or gathered a sequence-parallel norm's output before that product; no style
+      does either.
     """
     dp_axis, fsdp_axis, tp_axis = manual.axis("dp"), manual.axis("fsdp"), manual.axis("tp")
     held = fsdp_axis is not None and manual.pp > 1 and manual.microbatches > 1
@@ -304,17 +300,6 @@ def tensor_parallel_allows(info: NodeInfo, placement: Placement, sharded_weights
 
 
 @dataclass(frozen=True)
-class NoSlicing:
-    """Over mesh axis ``axis`` a value given whole is never read split (sliced, which no
-    ``parallelize_module`` style does)."""
-
-    axis: int
-
-    def __call__(self, given: ShardingSpec, read: ShardingSpec) -> bool:
-        return not (given[self.axis].is_replicate and read[self.axis].is_shard)
-
-
-@dataclass(frozen=True)
 class AsGiven:
     """Over mesh axis ``axis`` a value is read as it is given (no resharding there)."""
 
@@ -326,20 +311,16 @@ class AsGiven:
 
 @dataclass(frozen=True)
 class TensorParallelReshards:
-    """The reshardings ``tp`` (mesh axis ``axis``) allows of the values ops compute
-    (:func:`manual_rule`, a rule of :attr:`~autoplan.planner.mesh_plan.StorageRule.reshards`):
-    none between two ops of one of ``whole_modules`` (the modules holding parameters ``tp``
-    does not split: norms), no slicing elsewhere. (A stored value, a parameter or an input, is
-    read as the placement rules say.)"""
+    """The reshardings ``tp`` (mesh axis ``axis``) allows (:func:`manual_rule`, a rule of
+    :attr:`~autoplan.planner.mesh_plan.StorageRule.reshards`): none between two ops of one of
+    ``whole_modules`` (the modules holding parameters ``tp`` does not split: norms)."""
 
     axis: int
     whole_modules: frozenset[str]
 
-    def __call__(self, producer: NodeInfo, reader: NodeInfo) -> NoSlicing | AsGiven | None:
-        if producer.kind != "op":
-            return None
-        inside = producer.module == reader.module and reader.module in self.whole_modules
-        return AsGiven(self.axis) if inside else NoSlicing(self.axis)
+    def __call__(self, producer: NodeInfo, reader: NodeInfo) -> AsGiven | None:
+        inside = producer.kind == "op" and producer.module == reader.module and reader.module in self.whole_modules
+        return AsGiven(self.axis) if inside else None
 
 
 def _whole_modules(graph: TracedGraph, sharded_weights: frozenset[str]) -> frozenset[str]:
