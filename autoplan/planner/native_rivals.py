@@ -48,7 +48,7 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from autoplan.codegen.program_choice import ProgramKind, program_choice
@@ -150,15 +150,20 @@ def state_bytes_per_device(spec: ModelSpec, options: PlanOptions, shards: int) -
                if p.requires_grad and p.is_floating_point()) / shards
 
 
+def _fitting_plans(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph
+                   ) -> Iterator[Plan]:
+    """The plans of ``tries`` that fit the memory, in turn (each planned when asked for)."""
+    for manual in tries:
+        try:
+            yield plan_manual(spec, options.planner_options(), manual, graph)
+        except (AutoplanError, MemoryInfeasibleError):
+            continue
+
+
 def _first_fitting(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph
                    ) -> Plan | None:
     """The plan of the first of ``tries`` that fits the memory."""
-    for manual in tries:
-        try:
-            return plan_manual(spec, options.planner_options(), manual, graph)
-        except (AutoplanError, MemoryInfeasibleError):
-            continue
-    return None
+    return next(_fitting_plans(spec, options, tries, graph), None)
 
 
 def _first_native(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph,
@@ -166,11 +171,7 @@ def _first_native(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan]
     """The plan of the first of ``tries`` that fits the memory and runs on a native program
     (its ``program`` said), where it is predicted faster than ``expected``; None where none is
     (a later try, checkpointed, is slower)."""
-    for manual in tries:
-        try:
-            plan = plan_manual(spec, options.planner_options(), manual, graph)
-        except (AutoplanError, MemoryInfeasibleError):
-            continue
+    for plan in _fitting_plans(spec, options, tries, graph):
         if plan.predicted.step_time_s >= expected:
             return None
         plan = finish(plan)

@@ -215,8 +215,8 @@ def _fixed_groups(problem: IntraOpProblem, node_costs: list[list[float]], edges:
             on_edge.update(g for pair in part.pairs for g in pair)
     fixed = {}
     for g, costs in enumerate(node_costs):
-        allowed = [i for i in range(len(costs)) if i not in excluded.get(g, ())]
-        if not allowed:
+        allowed = [i for i in range(len(costs)) if i not in excluded[g]] if g in excluded else None
+        if allowed == []:
             continue  # infeasible: left to the ILP, which says so
         if len(costs) == 1:
             fixed[g] = 0
