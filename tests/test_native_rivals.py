@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from autoplan.codegen.program_choice import ProgramKind, program_choice
+from autoplan.codegen.program_choice import INTERPRETER_PROGRAM, ProgramChoice, ProgramKind, program_choice
 from autoplan.load import load_model_file, make_model_spec
 from autoplan.planner import native_rivals
 from autoplan.planner.front_door import plan_model, with_decisions
@@ -85,10 +85,11 @@ class _Mlp(torch.nn.Module):
         return self.second(torch.relu(self.first(x))).square().mean()
 
 
-def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, memory_per_device: float):
+def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, memory_per_device: float,
+             labels: dict[int, str] | None = None):
     """The forms ``fastest_native_rival`` plans, each with whether on the caller's graph or on a
     trace, for the two-layer model on 4 cpu devices, the found plan expected at
-    ``found_expected_s`` per step on the interpreter."""
+    ``found_expected_s`` per step on the interpreter (``labels``: each plan's form, by id)."""
     spec = make_model_spec(_Mlp(), (torch.randn(8, 64),))
     options = PlanOptions(4, "cpu", memory_per_device=memory_per_device)
     given = trace(spec)  # the caller's graph of the whole batch (traced, or standing for a written one)
@@ -102,7 +103,10 @@ def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, mem
 
     def recorded(spec_, planner_options, manual, graph):
         planned.append((manual.label, "given" if graph is given else "traced" if graph in traced else "?"))
-        return plan_manual(spec_, planner_options, manual, graph)
+        plan = plan_manual(spec_, planner_options, manual, graph)
+        if labels is not None:
+            labels[id(plan)] = manual.label
+        return plan
 
     monkeypatch.setattr(native_rivals, "plan_manual", recorded)
     monkeypatch.setattr(native_rivals, "trace_microbatch", traced_whole_batch)
@@ -130,6 +134,30 @@ def test_a_rival_estimated_slower_than_the_found_plan_is_not_traced(monkeypatch)
     traced = [label for label, where in planned if where == "traced"]
     assert sorted({label.removesuffix(",ac=full") for label in traced}) == \
         sorted(label for label, where in planned if where == "given")
+
+
+def test_a_try_the_interpreter_runs_on_the_written_graph_is_not_planned_again_on_the_trace(monkeypatch) -> None:
+    """On the written graph each form's first fitting try is its estimate; on the trace it is
+    planned from that try, and past it where its program on the written graph is the
+    interpreter (its checkpointed try only). (The two-layer model's plans all run on the
+    interpreter: FSDP without checkpointing is said to run natively, DDP, estimated faster, not.)"""
+    labels: dict[int, str] = {}
+
+    def only_uncheckpointed_fsdp_native(spec_, graph, plan):
+        label = labels[id(plan)]
+        if "ac=" not in label and "fsdp=4" in label:
+            return ProgramChoice(ProgramKind.NATIVE, "PyTorch's FSDP2 fully_shard")
+        return ProgramChoice(ProgramKind.INTERPRETER, INTERPRETER_PROGRAM, "as the test says")
+
+    monkeypatch.setattr(native_rivals, "program_choice", only_uncheckpointed_fsdp_native)
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, labels=labels)
+    given = [label for label, where in planned if where == "given"]
+    traced = [label for label, where in planned if where == "traced"]
+    fsdp, ddp = "manual dp=1,fsdp=4,tp=1,pp=1,microbatches=1", "manual dp=4,tp=1,pp=1,microbatches=1"
+    assert sorted(given) == [fsdp, ddp]
+    # DDP on the interpreter on the written graph: only its checkpointed plan on the trace
+    assert [label for label in traced if "fsdp=4" not in label] == [ddp + ",ac=full"]
+    assert [label for label in traced if "fsdp=4" in label] == [fsdp]
 
 
 def _pipelined_gpt2(manual: str) -> tuple:

@@ -41,7 +41,11 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
   graphs, the rival is planned on it first, and only one that fits and is estimated within
   ``ESTIMATE_MARGIN`` of the found plan's expected step is planned again on the trace, those
   estimated fastest first, and not one estimated ``ESTIMATE_MARGIN`` over a native rival
-  planned on its trace before it. (For a
+  planned on its trace before it. On the trace it is planned from the first of its tries that
+  fit on the written graph, and past that one where its program there is the interpreter
+  (the Llama-70B shape's FSDP x TP without checkpointing, a column's values gathered: its
+  checkpointed plan alone is planned on the trace); a form whose every fitting try runs on the
+  interpreter there is put aside. (For a
   stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
   the 39B GPT, 7.336 s on both.)
 """
@@ -151,19 +155,24 @@ def state_bytes_per_device(spec: ModelSpec, options: PlanOptions, shards: int) -
 
 
 def _fitting_plans(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph
-                   ) -> Iterator[Plan]:
-    """The plans of ``tries`` that fit the memory, in turn (each planned when asked for)."""
-    for manual in tries:
+                   ) -> Iterator[tuple[int, Plan]]:
+    """The plans of ``tries`` that fit the memory, in turn, each with its index among them
+    (each planned when asked for)."""
+    for k, manual in enumerate(tries):
         try:
-            yield plan_manual(spec, options.planner_options(), manual, graph)
+            yield k, plan_manual(spec, options.planner_options(), manual, graph)
         except (AutoplanError, MemoryInfeasibleError):
             continue
 
 
-def _first_fitting(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph
-                   ) -> Plan | None:
-    """The plan of the first of ``tries`` that fits the memory."""
-    return next(_fitting_plans(spec, options, tries, graph), None)
+def _runs_natively(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> bool:
+    """Whether ``plan`` (its run's decisions written) runs on a native program; its ``program``
+    said where it does."""
+    choice = program_choice(spec, graph, plan)
+    if choice.kind == ProgramKind.INTERPRETER:
+        return False
+    plan.program = choice.line()
+    return True
 
 
 def _first_native(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], graph: TracedGraph,
@@ -171,13 +180,11 @@ def _first_native(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan]
     """The plan of the first of ``tries`` that fits the memory and runs on a native program
     (its ``program`` said), where it is predicted faster than ``expected``; None where none is
     (a later try, checkpointed, is slower)."""
-    for plan in _fitting_plans(spec, options, tries, graph):
+    for _, plan in _fitting_plans(spec, options, tries, graph):
         if plan.predicted.step_time_s >= expected:
             return None
         plan = finish(plan)
-        choice = program_choice(spec, graph, plan)
-        if choice.kind != ProgramKind.INTERPRETER:
-            plan.program = choice.line()
+        if _runs_natively(spec, graph, plan):
             return plan
     return None
 
@@ -204,20 +211,28 @@ def known_graphs(spec: ModelSpec, found: Plan, graph: TracedGraph, searched: Bat
 
 
 def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], expected: float,
-              graph_of: GraphOf) -> float | None:
+              graph_of: GraphOf, finish: Callable[[Plan], Plan]) -> tuple[float, list[ManualPlan]] | None:
     """The step the form of ``tries`` is estimated at where it is worth planning on a trace of
-    its microbatch (0 where the caller has no written graph of it to estimate on); None where it
-    is not (module docstring: its memory, then its estimate)."""
+    its microbatch (0 where the caller has no written graph of it to estimate on), with the
+    tries left to plan there; None where it is not (module docstring: its memory, then its
+    estimate). On a written graph the first try that fits is the estimate; the tries before
+    it, which do not fit, are not planned again, nor is it where its program is the
+    interpreter (the later ones are, its estimate standing for theirs), and a form with no
+    try left is put aside."""
     form = tries[0]
     if state_bytes_per_device(spec, options, form.fsdp * form.tp * form.pp) > options.planner_options().memory_budget:
         return None
     known = graph_of(form.microbatches)
     if known is None or known.traced:
-        return 0.0
-    estimate = _first_fitting(spec, options, tries, known.graph)
-    if estimate is None or estimate.predicted.step_time_s >= expected * (1 + ESTIMATE_MARGIN):
+        return 0.0, tries
+    first = next(_fitting_plans(spec, options, tries, known.graph), None)
+    if first is None:
         return None
-    return estimate.predicted.step_time_s
+    k, estimate = first
+    if estimate.predicted.step_time_s >= expected * (1 + ESTIMATE_MARGIN):
+        return None
+    left = tries[k:] if _runs_natively(spec, known.graph, finish(estimate)) else tries[k + 1:]
+    return (estimate.predicted.step_time_s, left) if left else None
 
 
 def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, finish: Callable[[Plan], Plan],
@@ -229,8 +244,11 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
     expected = found.predicted.interpreter_step_s
     batch = batch_size(spec.example_inputs) if len(found.stages) > 1 or found.microbatches > 1 else None
     forms = rival_forms(options, found, batch) if expected else []
-    estimated = [(estimate, k, tries) for k, tries in enumerate(forms)
-                 if (estimate := _estimate(spec, options, tries, expected, graph_of)) is not None]
+    estimated: list[tuple[float, int, list[ManualPlan]]] = []  # (estimate, form, its tries left), each worth a trace
+    for k, tries in enumerate(forms):
+        worth = _estimate(spec, options, tries, expected, graph_of, finish)
+        if worth is not None:
+            estimated.append((worth[0], k, worth[1]))
     traces: dict[int, TracedGraph] = {}
     best: Plan | None = None
     for estimate, _, tries in sorted(estimated, key=lambda e: e[:2]):  # the likeliest winners first
