@@ -231,7 +231,11 @@ def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], ex
     k, estimate = first
     if estimate.predicted.step_time_s >= expected * (1 + ESTIMATE_MARGIN):
         return None
-    left = tries[k:] if _runs_natively(spec, known.graph, finish(estimate)) else tries[k + 1:]
+    try:
+        native = _runs_natively(spec, known.graph, finish(estimate))
+    except Exception:  # noqa: BLE001 - not read on the written graph: read on the trace, as before
+        native = True
+    left = tries[k:] if native else tries[k + 1:]
     return (estimate.predicted.step_time_s, left) if left else None
 
 
