@@ -44,8 +44,8 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
   planned on its trace before it. On the trace it is planned from the first of its tries that
   fit on the written graph, and past that one where its program there is the interpreter
   (the Llama-70B shape's FSDP x TP without checkpointing, a column's values gathered: its
-  checkpointed plan alone is planned on the trace); a form whose every fitting try runs on the
-  interpreter there is put aside. (For a
+  checkpointed plan alone is planned on the trace); a form left with no try (its last try the
+  first to fit, and on the interpreter there) is put aside. (For a
   stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
   the 39B GPT, 7.336 s on both.)
 """
@@ -252,7 +252,8 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
     for k, tries in enumerate(forms):
         worth = _estimate(spec, options, tries, expected, graph_of, finish)
         if worth is not None:
-            estimated.append((worth[0], k, worth[1]))
+            seconds, left = worth
+            estimated.append((seconds, k, left))
     traces: dict[int, TracedGraph] = {}
     best: Plan | None = None
     for estimate, _, tries in sorted(estimated, key=lambda e: e[:2]):  # the likeliest winners first
