@@ -86,12 +86,14 @@ class _Mlp(torch.nn.Module):
 
 
 def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, memory_per_device: float,
-             labels: dict[int, str] | None = None):
+             labels: dict[int, str] | None = None, jobs: int = 1, chosen: list | None = None):
     """The forms ``fastest_native_rival`` plans, each with whether on the caller's graph or on a
     trace, for the two-layer model on 4 cpu devices, the found plan expected at
-    ``found_expected_s`` per step on the interpreter (``labels``: each plan's form, by id)."""
+    ``found_expected_s`` per step on the interpreter (``labels``: each plan's form, by id;
+    ``chosen``: the rival chosen is appended). With ``jobs`` > 1 the estimates run in forked
+    processes, whose plans this one does not see."""
     spec = make_model_spec(_Mlp(), (torch.randn(8, 64),))
-    options = PlanOptions(4, "cpu", memory_per_device=memory_per_device)
+    options = PlanOptions(4, "cpu", memory_per_device=memory_per_device, jobs=jobs)
     given = trace(spec)  # the caller's graph of the whole batch (traced, or standing for a written one)
     traced: list[TracedGraph] = []
 
@@ -112,8 +114,10 @@ def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, mem
     monkeypatch.setattr(native_rivals, "trace_microbatch", traced_whole_batch)
     found = plan_model(spec, replace(options, native_rivals=False))
     found.predicted.interpreter_step_s = found_expected_s
-    native_rivals.fastest_native_rival(spec, options, found, lambda p: with_decisions(p, options),
-                                       lambda microbatches: KnownGraph(given, traced=whole_batch_traced))
+    rival = native_rivals.fastest_native_rival(spec, options, found, lambda p: with_decisions(p, options),
+                                               lambda microbatches: KnownGraph(given, traced=whole_batch_traced))
+    if chosen is not None:
+        chosen.append(rival)
     return planned, state_bytes_per_device(spec, options, 1)
 
 
@@ -158,6 +162,25 @@ def test_a_try_the_interpreter_runs_on_the_written_graph_is_not_planned_again_on
     # DDP on the interpreter on the written graph: only its checkpointed plan on the trace
     assert [label for label in traced if "fsdp=4" not in label] == [ddp + ",ac=full"]
     assert [label for label in traced if "fsdp=4" in label] == [fsdp]
+
+
+def test_estimates_in_another_process_beside_the_trace_choose_what_one_process_chooses(monkeypatch) -> None:
+    """With two jobs, where every form is planned on the whole batch and the found plan is
+    expected far slower than predicted, the forms are estimated in a forked process while this
+    one traces the whole batch: the rival chosen is the one a single process chooses, planned
+    on the trace here, and no estimate is planned here. (The two-layer model's plans, which run
+    on the interpreter, are said to run natively.)"""
+    monkeypatch.setattr(native_rivals, "program_choice",
+                        lambda spec_, graph, plan: ProgramChoice(ProgramKind.NATIVE, "as the test says"))
+    alone, side_by_side = [], []
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, chosen=alone)
+    forked, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, jobs=2,
+                         chosen=side_by_side)
+    assert alone[0] is not None and side_by_side[0] is not None
+    assert (side_by_side[0].mesh, side_by_side[0].params, side_by_side[0].predicted) == \
+        (alone[0].mesh, alone[0].params, alone[0].predicted)
+    on_the_trace = [entry for entry in planned if entry[1] == "traced"]
+    assert on_the_trace and forked == on_the_trace  # nothing estimated here: each estimate in its process
 
 
 def _pipelined_gpt2(manual: str) -> tuple:

@@ -48,6 +48,14 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
   first to fit, and on the interpreter there) is put aside. (For a
   stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
   the 39B GPT, 7.336 s on both.)
+
+Where every form is planned on one microbatch that has no trace yet and the interpreter's
+dispatch slows the found plan ``LIKELY_REPLACED`` times or more (a native rival likely replaces
+it), that microbatch is traced while the forms are estimated one after another in a forked
+process (:class:`~autoplan.planner.workers.TaskPool`; one process, so that they share the
+strategies and costs each reuses): the trace a winning rival needs runs beside the estimates
+(the Llama-70B shape: its whole batch, about 5 s, beside two estimates of about 1.3 s each).
+Which graphs are traced changes how long planning takes, not the plan.
 """
 
 from __future__ import annotations
@@ -62,16 +70,22 @@ from autoplan.plan_schema import Alternative, Plan, Prediction
 from autoplan.planner.manual import ManualPlan, plan_manual
 from autoplan.planner.options import PlanOptions
 from autoplan.planner.pipeline import trace_microbatch
+from autoplan.planner.workers import TaskPool
 from autoplan.solvers import format_seconds
 from autoplan.trace.graph import TracedGraph
 from autoplan.trace.microbatch import batch_size
 from autoplan.trace.rescale import BatchSizeGraphs, KnownGraph
 
-__all__ = ["ESTIMATE_MARGIN", "FOUND_ON_THE_INTERPRETER", "GraphOf", "expected_step_s", "fastest_native_rival",
-           "known_graphs", "rival_forms", "searched_prediction", "state_bytes_per_device"]
+__all__ = ["ESTIMATE_MARGIN", "FOUND_ON_THE_INTERPRETER", "GraphOf", "LIKELY_REPLACED", "expected_step_s",
+           "fastest_native_rival", "known_graphs", "rival_forms", "searched_prediction", "state_bytes_per_device"]
 
 #: The name of the alternative that keeps a found plan a native rival replaced.
 FOUND_ON_THE_INTERPRETER = "the plan the search found, on autoplan's DTensor interpreter"
+
+#: A found plan the interpreter's dispatch slows this many times or more is likely replaced by a
+#: native rival: the microbatch its rivals are planned on, where they share one, is traced
+#: while they are estimated.
+LIKELY_REPLACED = 2.0
 
 #: A rival estimated on a written graph of the whole batch at up to this fraction above the
 #: found plan's expected step is planned again on the trace (a written graph is an estimate).
@@ -210,19 +224,23 @@ def known_graphs(spec: ModelSpec, found: Plan, graph: TracedGraph, searched: Bat
     return graph_of
 
 
+def _fits_its_state(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan]) -> bool:
+    """Whether the training state of the form of ``tries``, in as many parts as it shards it,
+    fits the budget (module docstring: put aside by memory)."""
+    form = tries[0]
+    shards = form.fsdp * form.tp * form.pp
+    return state_bytes_per_device(spec, options, shards) <= options.planner_options().memory_budget
+
+
 def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], expected: float,
               graph_of: GraphOf, finish: Callable[[Plan], Plan]) -> tuple[float, list[ManualPlan]] | None:
     """The step the form of ``tries`` is estimated at where it is worth planning on a trace of
     its microbatch (0 where the caller has no written graph of it to estimate on), with the
-    tries left to plan there; None where it is not (module docstring: its memory, then its
-    estimate). On a written graph the first try that fits is the estimate; the tries before
-    it, which do not fit, are not planned again, nor is it where its program is the
-    interpreter (the later ones are, its estimate standing for theirs), and a form with no
-    try left is put aside."""
-    form = tries[0]
-    if state_bytes_per_device(spec, options, form.fsdp * form.tp * form.pp) > options.planner_options().memory_budget:
-        return None
-    known = graph_of(form.microbatches)
+    tries left to plan there; None where it is not (module docstring: its estimate). On a
+    written graph the first try that fits is the estimate; the tries before it, which do not
+    fit, are not planned again, nor is it where its program is the interpreter (the later ones
+    are, its estimate standing for theirs), and a form with no try left is put aside."""
+    known = graph_of(tries[0].microbatches)
     if known is None or known.traced:
         return 0.0, tries
     first = next(_fitting_plans(spec, options, tries, known.graph), None)
@@ -239,6 +257,18 @@ def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], ex
     return (estimate.predicted.step_time_s, left) if left else None
 
 
+def _likely_traced(found: Plan, forms: list[list[ManualPlan]], graph_of: GraphOf) -> int | None:
+    """The microbatch count to trace while the forms are estimated (module docstring): the one
+    every form is planned on, where the caller has no trace of it and a rival likely replaces
+    ``found``; else None."""
+    counts = {tries[0].microbatches for tries in forms}
+    if len(counts) != 1 or found.predicted.interpreter_step_s < LIKELY_REPLACED * found.predicted.step_time_s:
+        return None
+    (microbatches,) = counts
+    known = graph_of(microbatches)
+    return None if known is not None and known.traced else microbatches
+
+
 def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, finish: Callable[[Plan], Plan],
                          graph_of: GraphOf = _no_graph) -> Plan | None:
     """The native rival that replaces ``found`` (module docstring), its alternatives the found
@@ -247,14 +277,24 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
     caller has, by microbatch count."""
     expected = found.predicted.interpreter_step_s
     batch = batch_size(spec.example_inputs) if len(found.stages) > 1 or found.microbatches > 1 else None
-    forms = rival_forms(options, found, batch) if expected else []
+    forms = [tries for tries in (rival_forms(options, found, batch) if expected else [])
+             if _fits_its_state(spec, options, tries)]
+    likely = _likely_traced(found, forms, graph_of)  # its graph made here, before the estimates' process forks
+    pool: TaskPool[list[tuple[float, list[ManualPlan]] | None]] = \
+        TaskPool(2 if likely is not None and options.planner_options().jobs > 1 else 1)
+    pool.submit(lambda: [_estimate(spec, options, tries, expected, graph_of, finish) for tries in forms])
+    traces: dict[int, TracedGraph] = {}
+    if pool.forked and likely is not None:  # the estimates run in another process: traced meanwhile
+        try:
+            traces[likely] = trace_microbatch(spec, likely)
+        except AutoplanError:  # traced again, and the error given, where a rival needs it
+            pass
+    (worths,) = pool.results()
     estimated: list[tuple[float, int, list[ManualPlan]]] = []  # (estimate, form, its tries left), each worth a trace
-    for k, tries in enumerate(forms):
-        worth = _estimate(spec, options, tries, expected, graph_of, finish)
+    for k, worth in enumerate(worths):
         if worth is not None:
             seconds, left = worth
             estimated.append((seconds, k, left))
-    traces: dict[int, TracedGraph] = {}
     best: Plan | None = None
     for estimate, _, tries in sorted(estimated, key=lambda e: e[:2]):  # the likeliest winners first
         if best is not None and estimate >= best.predicted.step_time_s * (1 + ESTIMATE_MARGIN):
