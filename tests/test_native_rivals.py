@@ -86,19 +86,22 @@ class _Mlp(torch.nn.Module):
 
 
 def _planned(monkeypatch, found_expected_s: float, whole_batch_traced: bool, memory_per_device: float,
-             labels: dict[int, str] | None = None, jobs: int = 1, chosen: list | None = None):
+             labels: dict[int, str] | None = None, jobs: int = 1, chosen: list | None = None,
+             trace_is_given: bool = False):
     """The forms ``fastest_native_rival`` plans, each with whether on the caller's graph or on a
     trace, for the two-layer model on 4 cpu devices, the found plan expected at
     ``found_expected_s`` per step on the interpreter (``labels``: each plan's form, by id;
-    ``chosen``: the rival chosen is appended). With ``jobs`` > 1 the estimates run in forked
-    processes, whose plans this one does not see."""
+    ``chosen``: the rival chosen is appended). The trace differs from the caller's graph (its
+    hash), unless ``trace_is_given``. With ``jobs`` > 1 the estimates run in forked processes,
+    whose plans this one does not see."""
     spec = make_model_spec(_Mlp(), (torch.randn(8, 64),))
     options = PlanOptions(4, "cpu", memory_per_device=memory_per_device, jobs=jobs)
     given = trace(spec)  # the caller's graph of the whole batch (traced, or standing for a written one)
     traced: list[TracedGraph] = []
 
     def traced_whole_batch(spec_, microbatches):
-        traced.append(trace(spec_))
+        graph = trace(spec_)
+        traced.append(graph if trace_is_given else replace(graph, graph_hash="another graph"))
         return traced[-1]
 
     planned = []
@@ -181,6 +184,50 @@ def test_estimates_in_another_process_beside_the_trace_choose_what_one_process_c
         (alone[0].mesh, alone[0].params, alone[0].predicted)
     on_the_trace = [entry for entry in planned if entry[1] == "traced"]
     assert on_the_trace and forked == on_the_trace  # nothing estimated here: each estimate in its process
+
+
+def test_where_the_trace_is_the_written_graph_the_estimates_plan_stands(monkeypatch) -> None:
+    """A rival estimated on a written graph that the trace turns out to be is not planned again
+    on the trace: its estimate's plan is the rival, as it would be planned there. (The
+    two-layer model's plans are said to run natively.)"""
+    monkeypatch.setattr(native_rivals, "program_choice",
+                        lambda spec_, graph, plan: ProgramChoice(ProgramKind.NATIVE, "as the test says"))
+    again, stands = [], []
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, chosen=again)
+    assert {where for _, where in planned} == {"given", "traced"}
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, chosen=stands,
+                          trace_is_given=True)
+    assert {where for _, where in planned} == {"given"}  # traced, and nothing planned on the trace
+    assert stands[0] is not None and again[0] is not None
+    assert (stands[0].mesh, stands[0].params, stands[0].predicted) == (again[0].mesh, again[0].params,
+                                                                       again[0].predicted)
+
+
+def test_beside_the_trace_a_forms_checkpointed_plan_is_made_on_the_written_graph(monkeypatch) -> None:
+    """Estimated beside the trace (two jobs), a form whose estimate runs on the interpreter has
+    its next try, checkpointed and native, planned on the written graph meanwhile; the trace
+    being that graph, nothing is planned on it, and the rival is the one a single process
+    plans on the trace. (Each form's plan without checkpointing is said to run on the
+    interpreter, its checkpointed one natively.)"""
+    labels: dict[int, str] = {}
+
+    def native_where_checkpointed(spec_, graph, plan):
+        if "ac=full" in labels[id(plan)]:
+            return ProgramChoice(ProgramKind.NATIVE, "as the test says")
+        return ProgramChoice(ProgramKind.INTERPRETER, INTERPRETER_PROGRAM, "as the test says")
+
+    monkeypatch.setattr(native_rivals, "program_choice", native_where_checkpointed)
+    alone, beside = [], []
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, labels=labels,
+                          chosen=alone, trace_is_given=True)
+    on_the_trace = [label for label, where in planned if where == "traced"]
+    assert on_the_trace and all(label.endswith(",ac=full") for label in on_the_trace)  # one process: on the trace
+    planned, _ = _planned(monkeypatch, 1e3, whole_batch_traced=False, memory_per_device=2 ** 30, labels=labels,
+                          chosen=beside, trace_is_given=True, jobs=2)
+    assert planned == []  # every plan made in the estimates' process, on the written graph
+    assert alone[0] is not None and beside[0] is not None
+    assert (beside[0].mesh, beside[0].params, beside[0].predicted, beside[0].recompute) == \
+        (alone[0].mesh, alone[0].params, alone[0].predicted, alone[0].recompute)
 
 
 def _pipelined_gpt2(manual: str) -> tuple:

@@ -45,7 +45,11 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
   fit on the written graph, and past that one where its program there is the interpreter
   (the Llama-70B shape's FSDP x TP without checkpointing, a column's values gathered: its
   checkpointed plan alone is planned on the trace); a form left with no try (its last try the
-  first to fit, and on the interpreter there) is put aside. (For a
+  first to fit, and on the interpreter there) is put aside. Where the trace is the written
+  graph (:meth:`~autoplan.trace.graph.TracedGraph.same_as`, as the stage search's written
+  graphs usually are), the form's first native plan there is its plan on the trace and is
+  not made again: the estimate's, where that is native, or, where the estimates run beside
+  the trace (below), the one made after it on the written graph meanwhile. (For a
   stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
   the 39B GPT, 7.336 s on both.)
 
@@ -61,7 +65,7 @@ Which graphs are traced changes how long planning takes, not the plan.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.errors import AutoplanError, MemoryInfeasibleError
@@ -232,29 +236,48 @@ def _fits_its_state(spec: ModelSpec, options: PlanOptions, tries: list[ManualPla
     return state_bytes_per_device(spec, options, shards) <= options.planner_options().memory_budget
 
 
+@dataclass(frozen=True)
+class _Estimate:
+    """A form worth planning on a trace of its microbatch: the step it is ``estimated`` at on
+    a written graph (0 where there was none to estimate on), the ``tries`` left to plan on the
+    trace, and the estimate's plan where its program is native (``native_plan``: the plan on
+    the trace, where the trace is the written graph)."""
+
+    estimated: float
+    tries: list[ManualPlan]
+    native_plan: Plan | None = None
+
+
 def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], expected: float,
-              graph_of: GraphOf, finish: Callable[[Plan], Plan]) -> tuple[float, list[ManualPlan]] | None:
-    """The step the form of ``tries`` is estimated at where it is worth planning on a trace of
-    its microbatch (0 where the caller has no written graph of it to estimate on), with the
-    tries left to plan there; None where it is not (module docstring: its estimate). On a
-    written graph the first try that fits is the estimate; the tries before it, which do not
-    fit, are not planned again, nor is it where its program is the interpreter (the later ones
-    are, its estimate standing for theirs), and a form with no try left is put aside."""
+              graph_of: GraphOf, finish: Callable[[Plan], Plan], native_too: bool = False) -> _Estimate | None:
+    """The form of ``tries`` where it is worth planning on a trace of its microbatch; None
+    where it is not (module docstring: its estimate). On a written graph the first try that
+    fits is the estimate; the tries before it, which do not fit, are not planned again, nor is
+    it where its program is the interpreter (the later ones are, its estimate standing for
+    theirs), and a form with no try left is put aside. Its native plan is the estimate's
+    where that is native, else, with ``native_too``, the first native one of the tries left
+    on the written graph (made beside a trace, in a process of its own)."""
     known = graph_of(tries[0].microbatches)
     if known is None or known.traced:
-        return 0.0, tries
+        return _Estimate(0.0, tries)
     first = next(_fitting_plans(spec, options, tries, known.graph), None)
     if first is None:
         return None
     k, estimate = first
     if estimate.predicted.step_time_s >= expected * (1 + ESTIMATE_MARGIN):
         return None
+    estimate = finish(estimate)
     try:
-        native = _runs_natively(spec, known.graph, finish(estimate))
+        native = _runs_natively(spec, known.graph, estimate)
     except Exception:  # noqa: BLE001 - not read on the written graph: read on the trace, as before
-        native = True
+        return _Estimate(estimate.predicted.step_time_s, tries[k:])
     left = tries[k:] if native else tries[k + 1:]
-    return (estimate.predicted.step_time_s, left) if left else None
+    if not left:
+        return None
+    if native:
+        return _Estimate(estimate.predicted.step_time_s, left, estimate)
+    later = _first_native(spec, options, left, known.graph, expected, finish) if native_too else None
+    return _Estimate(estimate.predicted.step_time_s, left, later)
 
 
 def _likely_traced(found: Plan, forms: list[list[ManualPlan]], graph_of: GraphOf) -> int | None:
@@ -280,9 +303,10 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
     forms = [tries for tries in (rival_forms(options, found, batch) if expected else [])
              if _fits_its_state(spec, options, tries)]
     likely = _likely_traced(found, forms, graph_of)  # its graph made here, before the estimates' process forks
-    pool: TaskPool[list[tuple[float, list[ManualPlan]] | None]] = \
+    pool: TaskPool[list[_Estimate | None]] = \
         TaskPool(2 if likely is not None and options.planner_options().jobs > 1 else 1)
-    pool.submit(lambda: [_estimate(spec, options, tries, expected, graph_of, finish) for tries in forms])
+    pool.submit(lambda: [_estimate(spec, options, tries, expected, graph_of, finish, native_too=pool.forked)
+                         for tries in forms])
     traces: dict[int, TracedGraph] = {}
     if pool.forked and likely is not None:  # the estimates run in another process: traced meanwhile
         try:
@@ -290,21 +314,21 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
         except AutoplanError:  # traced again, and the error given, where a rival needs it
             pass
     (worths,) = pool.results()
-    estimated: list[tuple[float, int, list[ManualPlan]]] = []  # (estimate, form, its tries left), each worth a trace
-    for k, worth in enumerate(worths):
-        if worth is not None:
-            seconds, left = worth
-            estimated.append((seconds, k, left))
     best: Plan | None = None
-    for estimate, _, tries in sorted(estimated, key=lambda e: e[:2]):  # the likeliest winners first
-        if best is not None and estimate >= best.predicted.step_time_s * (1 + ESTIMATE_MARGIN):
+    worth = sorted(((e.estimated, k, e) for k, e in enumerate(worths) if e is not None), key=lambda e: e[:2])
+    for _, _, estimate in worth:  # the likeliest winners first
+        if best is not None and estimate.estimated >= best.predicted.step_time_s * (1 + ESTIMATE_MARGIN):
             continue  # estimated slower than a rival planned on its trace
-        microbatches = tries[0].microbatches
+        microbatches = estimate.tries[0].microbatches
+        known = graph_of(microbatches)
         if microbatches not in traces:
-            known = graph_of(microbatches)
             traces[microbatches] = known.graph if known is not None and known.traced else \
                 trace_microbatch(spec, microbatches)
-        rival = _first_native(spec, options, tries, traces[microbatches], expected, finish)
+        native = estimate.native_plan
+        if native is not None and known is not None and known.graph.same_as(traces[microbatches]):
+            rival = native if native.predicted.step_time_s < expected else None  # the trace is its graph
+        else:
+            rival = _first_native(spec, options, estimate.tries, traces[microbatches], expected, finish)
         if rival is not None and (best is None or rival.predicted.step_time_s < best.predicted.step_time_s):
             best = rival
     if best is None:

@@ -105,6 +105,13 @@ class TracedGraph:
     def fx_node(self, name: str) -> torch.fx.Node:
         return self.fx_nodes[name]
 
+    def same_as(self, other: TracedGraph) -> bool:
+        """Whether ``other`` is this graph: the same hash (ops, wiring, shapes, dtypes), nodes by
+        name in order and parameters by name, so that a plan made on one is the plan of the other
+        (a graph written from a trace of the first blocks against the whole model's trace)."""
+        return (self.graph_hash == other.graph_hash and list(self.nodes) == list(other.nodes)
+                and self.param_names == other.param_names and self.input_names == other.input_names)
+
     @functools.cached_property
     def fx_nodes(self) -> dict[str, torch.fx.Node]:
         """The fx nodes by name, in graph order (a traced graph is not changed once made)."""
