@@ -53,13 +53,16 @@ for the Llama-70B shape's whole batch here), so rivals that cannot win are put a
   stack of equal blocks the written graph costs what the trace does: FSDP over 64 devices of
   the 39B GPT, 7.336 s on both.)
 
-Where every form is planned on one microbatch that has no trace yet and the interpreter's
-dispatch slows the found plan ``LIKELY_REPLACED`` times or more (a native rival likely replaces
-it), that microbatch is traced while the forms are estimated one after another in a forked
+Where the interpreter's dispatch slows the found plan ``LIKELY_REPLACED`` times or more (a
+native rival likely replaces it), the microbatch the likeliest rivals are planned on, where it
+has no trace yet, is traced while the forms are estimated one after another in a forked
 process (:class:`~autoplan.planner.workers.TaskPool`; one process, so that they share the
 strategies and costs each reuses): the trace a winning rival needs runs beside the estimates
 (the Llama-70B shape: its whole batch, about 5 s, beside two estimates of about 1.3 s each).
-Which graphs are traced changes how long planning takes, not the plan.
+The likeliest are the forms shaped like the found plan, inside its pipeline's ranks or
+accumulating its microbatches (the 39B GPT's pipelined FSDP), where there are such, else every
+form where all are planned on one microbatch. Which graphs are traced changes how long
+planning takes, not the plan.
 """
 
 from __future__ import annotations
@@ -282,9 +285,11 @@ def _estimate(spec: ModelSpec, options: PlanOptions, tries: list[ManualPlan], ex
 
 def _likely_traced(found: Plan, forms: list[list[ManualPlan]], graph_of: GraphOf) -> int | None:
     """The microbatch count to trace while the forms are estimated (module docstring): the one
-    every form is planned on, where the caller has no trace of it and a rival likely replaces
-    ``found``; else None."""
-    counts = {tries[0].microbatches for tries in forms}
+    the forms shaped like ``found`` are planned on (inside its pipeline's ranks, or
+    accumulating), where there are such, else the one every form is planned on, where the
+    caller has no trace of it and a rival likely replaces ``found``; else None."""
+    shaped = {tries[0].microbatches for tries in forms if tries[0].pp > 1 or _accumulates(tries[0])}
+    counts = shaped or {tries[0].microbatches for tries in forms}
     if len(counts) != 1 or found.predicted.interpreter_step_s < LIKELY_REPLACED * found.predicted.step_time_s:
         return None
     (microbatches,) = counts
