@@ -67,7 +67,7 @@ def main() -> None:
 
     cases = [] if args.no_zoo else list(_zoo(args.zoo_layers))
     cases += [] if args.no_real_size else list(_real_size())
-    print(f"| model | stack | unit | traced | written | same graph |\n|---|---|---|---:|---:|---|", flush=True)
+    print("| model | stack | unit | traced | written | same graph |\n|---|---|---|---:|---:|---|", flush=True)
     for name, build in cases:
         model, inputs, loss_fn = build()
         spec = make_model_spec(model, inputs, loss_fn, name=name)

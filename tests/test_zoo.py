@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from pathlib import Path
 
 import pytest
 

@@ -183,7 +183,7 @@ class PlanOptions:
         pins = PinSet.read(self.pins)
         object.__setattr__(self, "pins", tuple(pins.texts()))
         object.__setattr__(self, "pin_set", pins)
-        dp, fsdp = pins.degree(PinKind.DATA_PARALLEL), pins.degree(PinKind.SHARDED_DATA_PARALLEL)
+        dp = pins.degree(PinKind.DATA_PARALLEL)
         zero = pins.structure(PinKind.ZERO)
         if zero is not None and (dp or 1) < 2:
             raise AutoplanError(f"pin {zero.text!r} shards over the dp axis: pin dp=2 or more too")
