@@ -320,8 +320,8 @@ def fastest_native_rival(spec: ModelSpec, options: PlanOptions, found: Plan, fin
             pass
     (worths,) = pool.results()
     best: Plan | None = None
-    worth = sorted(((e.estimated, k, e) for k, e in enumerate(worths) if e is not None), key=lambda e: e[:2])
-    for _, _, estimate in worth:  # the likeliest winners first
+    worth = sorted((e for e in worths if e is not None), key=lambda e: e.estimated)  # stable: ties in form order
+    for estimate in worth:  # the likeliest winners first
         if best is not None and estimate.estimated >= best.predicted.step_time_s * (1 + ESTIMATE_MARGIN):
             continue  # estimated slower than a rival planned on its trace
         microbatches = estimate.tries[0].microbatches
