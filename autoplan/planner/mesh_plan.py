@@ -144,9 +144,7 @@ class GraphView:
             info = graph.nodes.get(name)
             if info is None or info.kind == "output":
                 needs_grad[name] = False
-            elif info.kind == "parameter":
-                needs_grad[name] = is_floating(info.dtype)
-            elif info.kind == "activation":
+            elif info.kind in ("parameter", "activation"):  # a trained parameter; a value from a stage before
                 needs_grad[name] = is_floating(info.dtype) and info.carries_grad
             elif info.kind in ("buffer", "input", "constant"):
                 needs_grad[name] = False

@@ -56,7 +56,9 @@ class NodeInfo:
     params: tuple[str, ...]
     fqn: str | None = None
     # an "activation" (a value from an earlier pipeline stage): whether the model's graph
-    # computes it from trained parameters, so that its gradient goes back to that stage
+    # computes it from trained parameters, so that its gradient goes back to that stage; a
+    # "parameter": whether the model trains it (``requires_grad``: a frozen one, such as
+    # Whisper's positional table, has no gradient and no optimizer state)
     carries_grad: bool = True
     full_precision: bool = False
     # an op output computed from no user input and no parameter (a rotary table, position ids,
@@ -107,10 +109,17 @@ class TracedGraph:
 
     def same_as(self, other: TracedGraph) -> bool:
         """Whether ``other`` is this graph: the same hash (ops, wiring, shapes, dtypes), nodes by
-        name in order and parameters by name, so that a plan made on one is the plan of the other
-        (a graph written from a trace of the first blocks against the whole model's trace)."""
+        name in order, parameters by name and which of them are trained, so that a plan made on
+        one is the plan of the other (a graph written from a trace of the first blocks against
+        the whole model's trace)."""
         return (self.graph_hash == other.graph_hash and list(self.nodes) == list(other.nodes)
-                and self.param_names == other.param_names and self.input_names == other.input_names)
+                and self.param_names == other.param_names and self.input_names == other.input_names
+                and self._frozen_parameters == other._frozen_parameters)
+
+    @functools.cached_property
+    def _frozen_parameters(self) -> frozenset[str]:
+        return frozenset(name for name, info in self.nodes.items()
+                         if info.kind == "parameter" and not info.carries_grad)
 
     @functools.cached_property
     def fx_nodes(self) -> dict[str, torch.fx.Node]:
@@ -130,14 +139,15 @@ class TracedGraph:
 
     @functools.cached_property
     def trained_values(self) -> frozenset[str]:
-        """The nodes whose value depends on a floating parameter (their gradient is computed):
-        such parameters, and the op nodes and activations computed from them."""
+        """The nodes whose value depends on a floating parameter the model trains (their
+        gradient is computed): such parameters, and the op nodes and activations computed from
+        them."""
         found: set[str] = set()
         for node in self.graph_module.graph.nodes:
             info = self.nodes.get(node.name)
             if info is None:
                 continue
-            if info.kind == "parameter" and "float" in info.dtype:
+            if info.kind == "parameter" and "float" in info.dtype and info.carries_grad:
                 found.add(node.name)
             elif info.kind in ("op", "activation") and any(i.name in found for i in node.all_input_nodes):
                 found.add(node.name)

@@ -57,9 +57,10 @@ def node_block(graph: TracedGraph, name: str) -> tuple[str, int] | None:
 
 def _signatures(graph: TracedGraph, names: list[str], fx_nodes: dict[str, fx.Node]) -> list[tuple]:
     """Per node of a block: kind, target, shape, dtype, where its inputs come from (their
-    position in the block, -1 outside it) and its other arguments, with the nodes inside an
-    argument (``cat``'s list of tensors) written as positions too, so that copies compare
-    equal whatever the nodes are named."""
+    position in the block, -1 outside it), which of them are frozen parameters (a block whose
+    weights are trained and one whose weights are frozen are not copies) and its other
+    arguments, with the nodes inside an argument (``cat``'s list of tensors) written as
+    positions too, so that copies compare equal whatever the nodes are named."""
     position = {n: i for i, n in enumerate(names)}
 
     def where(node: fx.Node) -> int:
@@ -70,8 +71,9 @@ def _signatures(graph: TracedGraph, names: list[str], fx_nodes: dict[str, fx.Nod
         info = graph.nodes[name]
         fx_node = fx_nodes[name]
         wiring = tuple(where(inp) for inp in fx_node.all_input_nodes)
+        frozen = tuple(k for k, inp in enumerate(fx_node.all_input_nodes) if not graph.nodes[inp.name].carries_grad)
         consts = tuple(repr(fx.node.map_arg(a, where)) for a in fx_node.args if not isinstance(a, fx.Node))
-        sigs.append((info.kind, info.target, info.shape, info.dtype, wiring, consts))
+        sigs.append((info.kind, info.target, info.shape, info.dtype, wiring, frozen, consts))
     return sigs
 
 

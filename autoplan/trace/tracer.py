@@ -115,8 +115,18 @@ def _node_info(node: torch.fx.Node, names: PlaceholderNames, root: torch.nn.Modu
         module_type=module_type,
         params=params,
         fqn=fqn,
+        carries_grad=kind != "parameter" or fqn is None or _trained(root, fqn),
         full_precision=_autocast_off(node),
     )
+
+
+def _trained(root: torch.nn.Module, fqn: str) -> bool:
+    """Whether the model trains its parameter ``fqn`` (read from the module, so that a graph
+    written from a trace of the first blocks says so of every block's)."""
+    try:
+        return root.get_parameter(fqn).requires_grad
+    except AttributeError:  # not a parameter of the module as named: taken as trained
+        return True
 
 
 def _autocast_off(node: torch.fx.Node) -> bool:
