@@ -10,10 +10,15 @@ import pytest
 import torch
 
 import autoplan
+from autoplan.codegen.program_choice import ProgramKind, program_choice
 from autoplan.load import make_model_spec
+from autoplan.planner.front_door import plan_model, with_decisions
+from autoplan.planner.manual import parse_manual, plan_manual
 from autoplan.planner.mesh_plan import GraphView
+from autoplan.planner.options import PlanOptions
 from autoplan.trace.repeated import find_classes
 from autoplan.trace.tracer import trace
+from launcher import ROOT, assert_checks_passed, launch_worker, write_check_cases
 
 
 class _Block(torch.nn.Module):
@@ -49,6 +54,20 @@ def _spec(frozen: int, width: int = 16, batch: int = 16):
                            name=f"stack, {frozen} frozen")
 
 
+def half_frozen_stack() -> tuple[torch.nn.Module, tuple[torch.Tensor], object]:
+    """The check worker's builder: four blocks, the lower two frozen."""
+    spec = _spec(frozen=2, width=16, batch=32)
+    return spec.module, spec.example_inputs, _loss
+
+
+def up_frozen_stack() -> tuple[torch.nn.Module, tuple[torch.Tensor], object]:
+    """The check worker's builder: four blocks, each with its up-projection frozen."""
+    spec = _spec(frozen=0, width=16, batch=32)
+    for block in spec.module.blocks:
+        block.up.requires_grad_(False)
+    return spec.module, spec.example_inputs, _loss
+
+
 def test_frozen_parameters_need_no_gradient_and_their_blocks_are_not_copies_of_trained_ones() -> None:
     graph = trace(_spec(frozen=2))
     view = GraphView.of(graph)
@@ -78,3 +97,32 @@ def test_a_plan_reduces_and_keeps_state_only_for_trained_parameters() -> None:
     memory = {frozen: plan.predicted.memory_bytes for frozen, plan in plans.items()}
     assert memory[2].optimizer == pytest.approx(memory[0].optimizer / 2)
     assert memory[2].grads == pytest.approx(memory[0].grads / 2)
+
+
+def test_programs_with_frozen_parameters_pass_check(tmp_path) -> None:
+    """On 2 gloo processes: the default plan and FSDP (``--manual fsdp=2``) of the stack whose
+    lower blocks are frozen, and FSDP of the one whose up-projections are frozen: outputs,
+    loss, every gradient and the collectives as planned. Where a block's parameters are all
+    frozen, FSDP2 would reduce no gradient for its group and gather it in the backward only
+    where gradients flow through it: that plan runs on the DTensor interpreter, and says why;
+    where every group trains some parameter, FSDP2 runs it."""
+    options = PlanOptions(2, "cpu")
+    specs = {name: make_model_spec(*builder(), name=name)
+             for name, builder in (("half_frozen_stack", half_frozen_stack), ("up_frozen_stack", up_frozen_stack))}
+    fsdp = {name: with_decisions(plan_manual(spec, options.planner_options(), parse_manual("fsdp=2")), options)
+            for name, spec in specs.items()}
+    plans = {"half frozen, default": ("half_frozen_stack", plan_model(specs["half_frozen_stack"], options)),
+             "half frozen, fsdp": ("half_frozen_stack", fsdp["half_frozen_stack"]),
+             "up frozen, fsdp": ("up_frozen_stack", fsdp["up_frozen_stack"])}
+    assert not any(c.where.startswith(("blocks.0.", "blocks.1.")) for c in fsdp["half_frozen_stack"].collectives
+                   if c.tensor == "gradient")
+    programs = {name: program_choice(spec, trace(spec), fsdp[name]) for name, spec in specs.items()}
+    assert programs["half_frozen_stack"].kind == ProgramKind.INTERPRETER
+    assert "frozen parameters" in programs["half_frozen_stack"].line()
+    assert programs["up_frozen_stack"].kind == ProgramKind.NATIVE, programs["up_frozen_stack"].line()
+    for name, spec in specs.items():
+        fsdp[name].program = programs[name].line()
+    write_check_cases(tmp_path, plans, {"half_frozen_stack": "test_frozen_parameters.py",
+                                        "up_frozen_stack": "test_frozen_parameters.py"})
+    results = launch_worker(ROOT / "tests" / "check_worker.py", 2, tmp_path, timeout=420)
+    assert_checks_passed(results, plans)

@@ -161,7 +161,7 @@ from torch.distributed.tensor.placement_types import Placement as DPlacement
 
 from autoplan.codegen.checkpointing import KeptModules, selective_contexts
 from autoplan.codegen.materialize import has_meta_tensors, materialise_whole
-from autoplan.codegen.native_fsdp import shard_modules
+from autoplan.codegen.native_fsdp import frozen_group, shard_modules
 from autoplan.codegen.native_patterns import (CollectiveMapping, Recognised, inside_module, kept_modules, recognise,
     reduced_in_parameters, split_axes)
 from autoplan.codegen.native_storage import ParameterStorage, TableRead, parallelize_embeddings
@@ -617,6 +617,10 @@ def recognised_pattern(spec: ModelSpec, graph: TracedGraph, plan: Plan) -> Recog
     one = spec if plan.microbatches == 1 else \
         spec.with_inputs(microbatch_inputs(spec.example_inputs, plan.microbatches))
     found = recognise(one, graph, plan)
+    if found.kind in ("fsdp", "hsdp", "fsdp_tp"):
+        frozen = frozen_group(spec.module, sharded_blocks(spec.module, plan))
+        if frozen is not None:
+            return Recognised("none", {}, frozen)
     return found if found.kind == "none" else dataclasses.replace(found, kept_modules=kept)
 
 

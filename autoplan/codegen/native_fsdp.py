@@ -44,6 +44,23 @@ class FsdpUnits:
     held: int = 0
 
 
+def frozen_group(module: torch.nn.Module, blocks: list[torch.nn.Module]) -> str | None:
+    """Why FSDP2's groups (``blocks``, then the root with the rest) would not run the plan's
+    collectives, or None: a group whose parameters are all frozen reduces no gradient and is
+    gathered in the backward only where gradients flow through it, which the program's count of
+    its collectives (one reduce-scatter and one backward gather per group) does not follow. Such
+    a plan runs on the DTensor interpreter, which reduces gradients parameter by parameter."""
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
+    names = {id(m): name for name, m in module.named_modules()}
+    for block in blocks:
+        if not any(p.requires_grad for p in block.parameters()):
+            return f"FSDP2's group {names.get(id(block), '?')} holds only frozen parameters"
+    rest = [p for p in module.parameters() if id(p) not in in_blocks]
+    if rest and not any(p.requires_grad for p in rest):
+        return "FSDP2's root group holds only frozen parameters"
+    return None
+
+
 def root_holds_replicated(module: torch.nn.Module, managed: Collection[str]) -> bool:
     """Whether the root module itself holds a parameter the plan keeps whole beside the
     ``managed`` ones (FQNs: sharded, ZeRO-2, tables read in place): ``replicate`` and

@@ -77,6 +77,7 @@ from autoplan.codegen.checkpointing import selective_contexts
 from autoplan.codegen.loss_weights import microbatch_weights
 from autoplan.codegen.materialize import has_meta_tensors, initialise, on_device, tensors_on_meta
 from autoplan.codegen.native import not_run_again, rerun_nodes, sharded_blocks
+from autoplan.codegen.native_fsdp import frozen_group
 from autoplan.codegen.native_patterns import reduced_in_parameters
 from autoplan.codegen.pipeline_layout import is_multi_stage, schedule_class, stage_ranks
 from autoplan.codegen.pipeline_step import gradients_added, step_inputs
@@ -128,6 +129,10 @@ def native_pipeline_form(spec: ModelSpec, graph: TracedGraph, plan: Plan
     parallel = stage_data_parallel(spec, graph, plan) if d > 1 else None
     if isinstance(parallel, str):
         return parallel
+    frozen = frozen_group(spec.module, sharded_blocks(spec.module, plan)) \
+        if parallel is not None and not parallel.replicated else None
+    if frozen is not None:
+        return frozen
     coupled = [c for c in plan.batch_coupling if c.handling != CouplingHandling.WEIGHTED_MICROBATCHES]
     if coupled:
         return f"{coupled[0].node} couples the samples of a microbatch beyond a weighted mean loss"
