@@ -184,8 +184,8 @@ def pipeline_layout(graph: TracedGraph, plan: Plan) -> StageLayout:
 
     # Which values can carry a gradient: floating values that depend on a parameter that does.
     trainable = {by_name[name] for name, fqn in graph.param_names.items()
-                 if graph.nodes.get(name) is None or graph.nodes[name].kind == "parameter"
-                 and graph.nodes[name].carries_grad}  # (a frozen parameter carries none)
+                 if graph.nodes.get(name) is None
+                 or (graph.nodes[name].kind == "parameter" and graph.nodes[name].carries_grad)}  # not a frozen one
     needs_grad: dict[torch.fx.Node, bool] = {}
     for n in gm_nodes:
         floating = _floating(n.meta.get("val"))
